@@ -1,0 +1,18 @@
+"""rdma_device: one-sided-write tensor transport for TensorFlow.
+
+Use protocol ``"grpc+rdma_device"`` wherever TensorFlow takes a server
+protocol, after calling :func:`load` in *every* process that creates a
+server (workers, PS, chief, eager client)::
+
+    import rdma_device
+    rdma_device.load()
+    server = tf.distribute.Server(cluster, job_name="worker", task_index=0,
+                                  protocol="grpc+rdma_device")
+
+:func:`stats` and :func:`config` report what the transport did and which
+settings are in effect (``RDMA_DEVICE_*`` environment variables).
+"""
+
+from rdma_device._loader import PROTOCOL, config, lib_dir, load, stats
+
+__all__ = ["PROTOCOL", "config", "lib_dir", "load", "stats"]

@@ -1,0 +1,104 @@
+"""Finds and loads the two native libraries of the package.
+
+``lib/librdma_device_tf.so``  the TensorFlow shim (tf.load_library): its
+                               static registrar adds the "grpc+rdma_device"
+                               ServerFactory.
+``lib/librdma_device.so``      the transport (C ABI, include/rdma_device.h);
+                               the shim finds it through rpath $ORIGIN and
+                               stats()/config() read it through ctypes.
+"""
+
+import ctypes
+import json
+import os
+import threading
+
+PROTOCOL = "grpc+rdma_device"
+
+_SHIM = "librdma_device_tf.so"
+_CORE = "librdma_device.so"
+
+_lock = threading.Lock()
+_loaded_shim = None  # path of the shim once loaded in this process
+_core = None  # ctypes.CDLL of librdma_device.so
+
+
+def lib_dir():
+    """Directory holding the package's native libraries."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib")
+
+
+def _path(name, directory=None):
+    path = os.path.join(directory or lib_dir(), name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"rdma_device: {path} not found; build the native libraries "
+            "(pip install the rdma_device package, or cmake --install the "
+            "build into rdma_device/lib)")
+    return path
+
+
+def load(directory=None):
+    """Loads the TensorFlow plugin into this process (idempotent).
+
+    Must run before any server with protocol "grpc+rdma_device" is created
+    in this process. Returns the path of the loaded shim. Raises
+    RuntimeError when the shim was built for another TensorFlow version.
+    """
+    global _loaded_shim
+    with _lock:
+        if _loaded_shim is not None:
+            return _loaded_shim
+        import tensorflow as tf  # deferred: stats()/config() need no TF
+
+        shim = _path(_SHIM, directory)
+        tf.load_library(shim)
+        error = ctypes.CDLL(shim).rdma_device_tf_load_error
+        error.restype = ctypes.c_char_p
+        message = error()
+        if message:
+            raise RuntimeError(message.decode("utf-8", "replace"))
+        _loaded_shim = shim
+        return shim
+
+
+def _core_lib():
+    global _core
+    with _lock:
+        if _core is None:
+            directory = os.path.dirname(_loaded_shim) if _loaded_shim else None
+            _core = ctypes.CDLL(_path(_CORE, directory))
+        return _core
+
+
+def _json_call(name, *args):
+    """Calls an rdev_*_json(..., char *buf, size_t cap, size_t *out_len)."""
+    fn = getattr(_core_lib(), name)
+    cap = 1 << 14
+    while True:
+        buf = ctypes.create_string_buffer(cap)
+        out_len = ctypes.c_size_t(0)
+        rc = fn(*args, buf, ctypes.c_size_t(cap), ctypes.byref(out_len))
+        if out_len.value > cap:  # truncated: retry with the size it asked for
+            cap = out_len.value + 1
+            continue
+        if rc != 0:
+            raise RuntimeError(f"rdma_device: {name} failed: {_last_error()}")
+        return json.loads(buf.raw[: out_len.value].decode("utf-8"))
+
+
+def _last_error():
+    fn = _core_lib().rdev_last_error
+    buf = ctypes.create_string_buffer(4096)
+    fn(buf, ctypes.c_size_t(len(buf)))
+    return buf.value.decode("utf-8", "replace")
+
+
+def stats():
+    """Process-wide transport counters, as a dict."""
+    return _json_call("rdev_stats_json", ctypes.c_void_p(None))
+
+
+def config():
+    """Effective settings (RDMA_DEVICE_* variables) with their help lines."""
+    return _json_call("rdev_config_json")

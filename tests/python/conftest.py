@@ -1,0 +1,60 @@
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+try:
+    import rdma_device  # noqa: F401  (an installed package wins)
+except ImportError:
+    sys.path.insert(0, os.path.join(REPO, "python"))
+    import rdma_device  # noqa: F401
+
+sys.path.insert(0, HERE)
+
+import harness  # noqa: E402
+
+
+def pytest_report_header(config):
+    return f"rdma_device package: {os.path.dirname(rdma_device.__file__)}"
+
+
+@pytest.fixture(scope="session")
+def plugin_built():
+    shim = os.path.join(rdma_device.lib_dir(), "librdma_device_tf.so")
+    if not os.path.exists(shim):
+        pytest.fail(f"{shim} missing: build it first (see tests/python/README.md)")
+    return shim
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("task-logs"))
+
+
+class ServerSet:
+    """Long-lived worker + ps servers of one protocol; clients come and go."""
+
+    def __init__(self, protocol, log_dir, env=None):
+        self.protocol = protocol
+        self.env = env
+        self.log_dir = log_dir
+        self.cluster = harness.make_cluster({"chief": 1, "worker": 1, "ps": 1})
+        self.servers = harness.start_tasks(
+            [dict(role="server", cluster=self.cluster, job=job, task=0, protocol=protocol)
+             for job in ("worker", "ps")], log_dir, env)
+
+    def run_client(self, role, timeout=300, **kw):
+        client = harness.Task(dict(role=role, cluster=self.cluster, job="chief", task=0,
+                                   protocol=self.protocol, **kw), self.log_dir, self.env)
+        try:
+            client.wait_ready()
+            return client.result(timeout)
+        finally:
+            client.close()
+
+    def close(self):
+        for t in self.servers:
+            t.close()

@@ -1,0 +1,154 @@
+"""Multi-process TensorFlow clusters on free loopback ports.
+
+Each task is a subprocess running ``task_main.py``. It prints one line
+``READY`` once its server listens, answers commands written to its stdin
+(one JSON object per line) with ``REPLY <json>`` lines, and prints
+``RESULT <json>`` when a client scenario finishes. Readiness is a line read
+from a pipe, never a sleep.
+"""
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TASK_MAIN = os.path.join(HERE, "task_main.py")
+PROTOCOL_RDMA = "grpc+rdma_device"
+PROTOCOL_GRPC = "grpc"
+
+# Seconds a task may take to import TensorFlow and start its server (two
+# busy cores, several tasks starting at once).
+START_TIMEOUT = 120
+
+
+def free_ports(n):
+    """n distinct loopback ports free right now (bound to port 0, released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def make_cluster(jobs):
+    """{"worker": 2, "ps": 1} -> {"worker": ["127.0.0.1:p", ...], ...}."""
+    ports = iter(free_ports(sum(jobs.values())))
+    return {job: [f"127.0.0.1:{next(ports)}" for _ in range(n)]
+            for job, n in jobs.items()}
+
+
+def task_env(extra=None):
+    env = dict(os.environ)
+    import rdma_device  # the copy the tests import is the one tasks use
+
+    pkg_parent = os.path.dirname(os.path.dirname(rdma_device.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [pkg_parent, HERE] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["CUDA_VISIBLE_DEVICES"] = "-1"
+    env["PYTHONUNBUFFERED"] = "1"
+    if extra:
+        env.update(extra)
+    return env
+
+
+class Task:
+    """One subprocess running task_main.py."""
+
+    def __init__(self, spec, log_dir, env=None, name=None):
+        self.spec = spec
+        self.name = name or f"{spec['role']}-{spec.get('job')}-{spec.get('task')}"
+        self.log_path = os.path.join(log_dir, f"{self.name}.{os.getpid()}.{id(self)}.log")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, TASK_MAIN, json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            env=task_env(env), text=True, bufsize=1)
+        self._lines = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def _expect(self, prefix, timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.name}: no {prefix} within {timeout}s\n{self.log_tail()}")
+            try:
+                line = self._lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise RuntimeError(
+                    f"{self.name} exited (rc={self.proc.wait()}) before {prefix}\n{self.log_tail()}")
+            if line.startswith(prefix):
+                rest = line[len(prefix):].strip()
+                return json.loads(rest) if rest else None
+
+    def wait_ready(self, timeout=START_TIMEOUT):
+        return self._expect("READY", timeout)
+
+    def result(self, timeout):
+        return self._expect("RESULT", timeout)
+
+    def command(self, cmd, timeout=60, **kw):
+        self.proc.stdin.write(json.dumps(dict(cmd=cmd, **kw)) + "\n")
+        self.proc.stdin.flush()
+        return self._expect("REPLY", timeout)
+
+    def stats(self):
+        return self.command("stats")
+
+    def kill(self, sig=signal.SIGKILL):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        self.proc.wait()
+
+    def close(self, timeout=20):
+        """Asks the task to exit (stdin EOF); kills it if it does not."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+    def log_tail(self, n=60):
+        self._log.flush()
+        with open(self.log_path) as f:
+            lines = f.readlines()
+        return "".join(lines[-n:])
+
+
+def start_tasks(specs, log_dir, env=None):
+    """Starts every spec, then waits until all are READY."""
+    tasks = [Task(s, log_dir, env) for s in specs]
+    try:
+        for t in tasks:
+            t.wait_ready()
+    except BaseException:
+        for t in tasks:
+            t.kill()
+            t.close()
+        raise
+    return tasks

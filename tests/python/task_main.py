@@ -1,0 +1,64 @@
+"""Entry point of one cluster task (a subprocess started by harness.Task).
+
+argv[1] is a JSON spec: {"role", "cluster", "job", "task", "protocol", ...}.
+Roles: "server" runs a tf.distribute.Server until stdin closes; the others
+run a client scenario from scenarios.py and print RESULT <json>.
+"""
+
+import json
+import os
+import sys
+
+
+def say(prefix, payload=None):
+    line = prefix if payload is None else f"{prefix} {json.dumps(payload)}"
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def serve_commands():
+    """Answers stdin commands until EOF, then exits without TF teardown."""
+    import rdma_device
+
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        cmd = json.loads(line)
+        if cmd["cmd"] == "stats":
+            say("REPLY", rdma_device.stats())
+        elif cmd["cmd"] == "config":
+            say("REPLY", rdma_device.config())
+        else:
+            say("REPLY", {"error": f"unknown command {cmd['cmd']}"})
+    sys.stdout.flush()
+    # TF servers cannot be shut down cleanly; skip interpreter teardown.
+    os._exit(0)
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    import tensorflow as tf
+
+    if spec["protocol"] != "grpc":
+        import rdma_device
+
+        rdma_device.load()
+    role = spec["role"]
+    if role == "server":
+        server = tf.distribute.Server(
+            tf.train.ClusterSpec(spec["cluster"]), job_name=spec["job"],
+            task_index=spec["task"], protocol=spec["protocol"], start=True)
+        say("READY")
+        # Never returns; `server` stays referenced (Server.__del__ stops it).
+        serve_commands()
+    else:
+        import scenarios
+
+        result = getattr(scenarios, role)(spec, ready=lambda: say("READY"))
+        say("RESULT", result)
+        serve_commands()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+// ServerFactory for protocol "grpc+rdma_device" and its GrpcServer subclass.
+//
+// Loading this library (tf.load_library) runs the static registrar below.
+// The shim is compiled against one exact TensorFlow (C++ classes, layouts):
+// when the running TensorFlow differs it registers a factory that refuses to
+// build servers with a clear error instead of risking a crash.
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "rendezvous.h"
+#include "tensorflow/c/c_api.h"
+#include "tensorflow/core/distributed_runtime/rpc/grpc_server_lib.h"
+#include "tensorflow/core/distributed_runtime/server_lib.h"
+
+#ifndef RDMA_DEVICE_TF_BUILT_VERSION
+#error "RDMA_DEVICE_TF_BUILT_VERSION must be defined by the build"
+#endif
+
+namespace rdma_device {
+
+namespace tf = ::tensorflow;
+
+namespace {
+
+constexpr char kProtocol[] = "grpc+rdma_device";
+
+// Empty when the running TensorFlow is the one the shim was built against.
+const std::string& VersionError() {
+  static const std::string* const error = [] {
+    const char* running = TF_Version();
+    if (running != nullptr &&
+        std::strcmp(running, RDMA_DEVICE_TF_BUILT_VERSION) == 0) {
+      return new std::string();
+    }
+    return new std::string(
+        std::string("rdma_device: librdma_device_tf.so was built against "
+                    "TensorFlow " RDMA_DEVICE_TF_BUILT_VERSION
+                    " but the running TensorFlow is ") +
+        (running ? running : "(unknown)") +
+        "; rebuild the plugin in this environment (pip install the "
+        "rdma_device package again)");
+  }();
+  return *error;
+}
+
+class RdmaServer : public tf::GrpcServer {
+ public:
+  static absl::Status Create(const tf::ServerDef& server_def,
+                             tf::DeviceMgr* local_device_mgr,
+                             std::unique_ptr<tf::ServerInterface>* out) {
+    std::unique_ptr<RdmaServer> server(
+        new RdmaServer(server_def, tsl::Env::Default()));
+    TF_RETURN_IF_ERROR(server->Init(local_device_mgr));
+    *out = std::move(server);
+    return absl::OkStatus();
+  }
+
+ private:
+  RdmaServer(const tf::ServerDef& server_def, tsl::Env* env)
+      : GrpcServer(server_def, env) {}
+
+  absl::Status Init(tf::DeviceMgr* local_device_mgr) {
+    tf::GrpcServerOptions opts;
+    // The eager context passes its device manager in; reuse it.
+    opts.local_device_mgr = local_device_mgr;
+    opts.rendezvous_mgr_func = [](const tf::WorkerEnv* env) {
+      return new RdmaRendezvousMgr(env, nullptr);
+    };
+    return GrpcServer::Init(opts);
+  }
+};
+
+class RdmaServerFactory : public tf::ServerFactory {
+ public:
+  bool AcceptsOptions(const tf::ServerDef& server_def) override {
+    return server_def.protocol() == kProtocol;
+  }
+
+  absl::Status NewServer(const tf::ServerDef& server_def,
+                         const Options& options,
+                         std::unique_ptr<tf::ServerInterface>* out) override {
+    if (!VersionError().empty()) {
+      return absl::FailedPreconditionError(VersionError());
+    }
+    return RdmaServer::Create(server_def, options.local_device_mgr, out);
+  }
+};
+
+struct Registrar {
+  Registrar() {
+    if (!VersionError().empty()) {
+      LOG(ERROR) << VersionError();
+    }
+    tf::ServerFactory::Register(kProtocol, new RdmaServerFactory());
+  }
+};
+const Registrar registrar;
+
+}  // namespace
+
+}  // namespace rdma_device
+
+// For the Python loader: NUL-terminated reason the shim cannot be used in
+// this process, or "" when it can. The pointer stays valid for the process.
+extern "C" __attribute__((visibility("default"))) const char*
+rdma_device_tf_load_error() {
+  return rdma_device::VersionError().c_str();
+}
