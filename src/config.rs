@@ -1,0 +1,265 @@
+//! The one table of settings. Every `RDMA_DEVICE_*` variable is declared
+//! here with its default and help line, parsed and validated once; nothing
+//! else in the crate reads the environment.
+
+use std::fmt::Write as _;
+
+use crate::error::{Error, Result};
+
+/// Effective settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Bytes of registered receive memory per task.
+    pub arena_bytes: usize,
+    /// Receive slots placed per edge (pipelining depth).
+    pub slots_per_edge: usize,
+    /// Writes a sender may have in flight to one receiver.
+    pub max_outstanding_writes: usize,
+    /// Any fallback to stock gRPC becomes an error.
+    pub strict: bool,
+    /// Transports allowed, in preference order.
+    pub transports: Vec<String>,
+    /// How long a sender waits to connect to a receiver.
+    pub connect_timeout_ms: u64,
+    /// How long a progress thread spins before it blocks.
+    pub spin_us: u64,
+    /// Tensors smaller than this many bytes use stock gRPC (0 = never).
+    pub small_tensor_bytes: usize,
+    /// Log filter (env_logger syntax).
+    pub log: String,
+    /// Verbs: device name (empty = automatic).
+    pub verbs_device: String,
+    /// Verbs: port number (0 = automatic).
+    pub verbs_port: u8,
+    /// Verbs: GID index (-1 = automatic).
+    pub verbs_gid_index: i32,
+    /// Verbs: offset added to the task's port for rdma_cm (iWARP needs != 0).
+    pub verbs_cm_port_offset: u16,
+}
+
+/// One row of the table.
+pub struct Var {
+    pub name: &'static str,
+    pub default: &'static str,
+    pub help: &'static str,
+}
+
+/// Every variable, in the order `config()` shows them.
+pub const VARS: &[Var] = &[
+    Var { name: "RDMA_DEVICE_ARENA_BYTES", default: "1G",
+          help: "Registered receive memory per task (suffix K/M/G). Pages are committed only when used. Edges that do not fit fall back to a slower chunked path." },
+    Var { name: "RDMA_DEVICE_SLOTS_PER_EDGE", default: "2",
+          help: "Receive slots placed per edge (1-64): how many steps of one tensor may be in flight before the sender waits for a credit." },
+    Var { name: "RDMA_DEVICE_MAX_OUTSTANDING_WRITES", default: "64",
+          help: "Writes a sender may have in flight to one receiver (1-4096); more wait in a queue." },
+    Var { name: "RDMA_DEVICE_STRICT", default: "0",
+          help: "1: any tensor that would fall back to stock gRPC fails instead (use to prove the transport carries everything)." },
+    Var { name: "RDMA_DEVICE_TRANSPORTS", default: "shm,verbs",
+          help: "Comma-separated transports allowed, in order of preference: shm (same host), verbs (RDMA NIC)." },
+    Var { name: "RDMA_DEVICE_CONNECT_TIMEOUT_MS", default: "10000",
+          help: "How long a sender waits for a receiver to accept a connection (ms)." },
+    Var { name: "RDMA_DEVICE_SPIN_US", default: "50",
+          help: "How long a progress thread polls before it sleeps (microseconds); lower saves CPU, higher cuts latency." },
+    Var { name: "RDMA_DEVICE_SMALL_TENSOR_BYTES", default: "0",
+          help: "Tensors below this size go over stock gRPC (0: all tensors use the transport)." },
+    Var { name: "RDMA_DEVICE_LOG", default: "warn",
+          help: "Log filter for the library (error, warn, info, debug, trace), env_logger syntax." },
+    Var { name: "RDMA_DEVICE_VERBS_DEVICE", default: "",
+          help: "Verbs: RDMA device name (e.g. mlx5_0, rxe0); empty chooses the device that carries the task's address." },
+    Var { name: "RDMA_DEVICE_VERBS_PORT", default: "0",
+          help: "Verbs: port number on the device (0: first active port)." },
+    Var { name: "RDMA_DEVICE_VERBS_GID_INDEX", default: "-1",
+          help: "Verbs: GID index (-1: prefer a RoCE v2 IPv4 GID of the task's interface)." },
+    Var { name: "RDMA_DEVICE_VERBS_CM_PORT_OFFSET", default: "0",
+          help: "Verbs: rdma_cm listens on the task's port plus this offset (IB/RoCE have their own port space; iWARP needs a non-zero offset)." },
+];
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::from_lookup(|_| None).expect("defaults are valid")
+    }
+}
+
+impl Config {
+    /// Read and validate the process environment.
+    pub fn from_env() -> Result<Config> {
+        Config::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Read and validate through `get` (tests pass a map).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        let val = |name: &str| -> String {
+            let d = VARS.iter().find(|v| v.name == name).map(|v| v.default).unwrap_or("");
+            get(name).map(|s| s.trim().to_string()).unwrap_or_else(|| d.to_string())
+        };
+        let transports: Vec<String> = val("RDMA_DEVICE_TRANSPORTS")
+            .split(',')
+            .map(|s| s.trim().to_ascii_lowercase())
+            .filter(|s| !s.is_empty())
+            .collect();
+        for t in &transports {
+            if t != "shm" && t != "verbs" {
+                return Err(bad("RDMA_DEVICE_TRANSPORTS", t, "known transports are shm and verbs"));
+            }
+        }
+        Ok(Config {
+            arena_bytes: bytes("RDMA_DEVICE_ARENA_BYTES", &val("RDMA_DEVICE_ARENA_BYTES"), 1 << 20, 1 << 40)?,
+            slots_per_edge: int("RDMA_DEVICE_SLOTS_PER_EDGE", &val("RDMA_DEVICE_SLOTS_PER_EDGE"), 1, 64)? as usize,
+            max_outstanding_writes: int("RDMA_DEVICE_MAX_OUTSTANDING_WRITES", &val("RDMA_DEVICE_MAX_OUTSTANDING_WRITES"), 1, 4096)? as usize,
+            strict: boolean("RDMA_DEVICE_STRICT", &val("RDMA_DEVICE_STRICT"))?,
+            transports,
+            connect_timeout_ms: int("RDMA_DEVICE_CONNECT_TIMEOUT_MS", &val("RDMA_DEVICE_CONNECT_TIMEOUT_MS"), 1, 3_600_000)? as u64,
+            spin_us: int("RDMA_DEVICE_SPIN_US", &val("RDMA_DEVICE_SPIN_US"), 0, 1_000_000)? as u64,
+            small_tensor_bytes: bytes("RDMA_DEVICE_SMALL_TENSOR_BYTES", &val("RDMA_DEVICE_SMALL_TENSOR_BYTES"), 0, 1 << 40)?,
+            log: val("RDMA_DEVICE_LOG"),
+            verbs_device: val("RDMA_DEVICE_VERBS_DEVICE"),
+            verbs_port: int("RDMA_DEVICE_VERBS_PORT", &val("RDMA_DEVICE_VERBS_PORT"), 0, 255)? as u8,
+            verbs_gid_index: int("RDMA_DEVICE_VERBS_GID_INDEX", &val("RDMA_DEVICE_VERBS_GID_INDEX"), -1, 65535)? as i32,
+            verbs_cm_port_offset: int("RDMA_DEVICE_VERBS_CM_PORT_OFFSET", &val("RDMA_DEVICE_VERBS_CM_PORT_OFFSET"), 0, 65535)? as u16,
+        })
+    }
+
+    pub fn allows(&self, transport: &str) -> bool {
+        self.transports.iter().any(|t| t == transport)
+    }
+
+    /// The effective value of each variable, as text, in table order.
+    pub fn values(&self) -> Vec<(&'static Var, String)> {
+        VARS.iter()
+            .map(|v| {
+                let s = match v.name {
+                    "RDMA_DEVICE_ARENA_BYTES" => self.arena_bytes.to_string(),
+                    "RDMA_DEVICE_SLOTS_PER_EDGE" => self.slots_per_edge.to_string(),
+                    "RDMA_DEVICE_MAX_OUTSTANDING_WRITES" => self.max_outstanding_writes.to_string(),
+                    "RDMA_DEVICE_STRICT" => (self.strict as u8).to_string(),
+                    "RDMA_DEVICE_TRANSPORTS" => self.transports.join(","),
+                    "RDMA_DEVICE_CONNECT_TIMEOUT_MS" => self.connect_timeout_ms.to_string(),
+                    "RDMA_DEVICE_SPIN_US" => self.spin_us.to_string(),
+                    "RDMA_DEVICE_SMALL_TENSOR_BYTES" => self.small_tensor_bytes.to_string(),
+                    "RDMA_DEVICE_LOG" => self.log.clone(),
+                    "RDMA_DEVICE_VERBS_DEVICE" => self.verbs_device.clone(),
+                    "RDMA_DEVICE_VERBS_PORT" => self.verbs_port.to_string(),
+                    "RDMA_DEVICE_VERBS_GID_INDEX" => self.verbs_gid_index.to_string(),
+                    "RDMA_DEVICE_VERBS_CM_PORT_OFFSET" => self.verbs_cm_port_offset.to_string(),
+                    _ => String::new(),
+                };
+                (v, s)
+            })
+            .collect()
+    }
+
+    /// `{"RDMA_DEVICE_X": {"value": "...", "default": "...", "help": "..."}, ...}`
+    pub fn to_json(&self) -> String {
+        let mut out = String::from("{");
+        for (i, (v, s)) in self.values().into_iter().enumerate() {
+            if i > 0 {
+                out.push_str(", ");
+            }
+            let _ = write!(
+                out,
+                "{}: {{\"value\": {}, \"default\": {}, \"help\": {}}}",
+                crate::stats::json_str(v.name),
+                crate::stats::json_str(&s),
+                crate::stats::json_str(v.default),
+                crate::stats::json_str(v.help)
+            );
+        }
+        out.push('}');
+        out
+    }
+}
+
+fn bad(name: &str, value: &str, why: &str) -> Error {
+    let help = VARS.iter().find(|v| v.name == name).map(|v| v.help).unwrap_or("");
+    Error::Config(format!("{name}={value:?} is invalid: {why}. ({name}: {help})"))
+}
+
+fn int(name: &str, s: &str, min: i64, max: i64) -> Result<i64> {
+    let v: i64 = s.parse().map_err(|_| bad(name, s, "expected an integer"))?;
+    if v < min || v > max {
+        return Err(bad(name, s, &format!("must be between {min} and {max}")));
+    }
+    Ok(v)
+}
+
+fn bytes(name: &str, s: &str, min: u64, max: u64) -> Result<usize> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let m = match c.to_ascii_uppercase() {
+                'K' => 1u64 << 10,
+                'M' => 1 << 20,
+                'G' => 1 << 30,
+                _ => return Err(bad(name, s, "size suffix must be K, M or G")),
+            };
+            (&t[..i], m)
+        }
+        _ => (t, 1),
+    };
+    let n: u64 = num.trim().parse().map_err(|_| bad(name, s, "expected a byte count like 512M"))?;
+    let v = n.checked_mul(mult).ok_or_else(|| bad(name, s, "too large"))?;
+    if v < min || v > max {
+        return Err(bad(name, s, &format!("must be between {min} and {max} bytes")));
+    }
+    Ok(v as usize)
+}
+
+fn boolean(name: &str, s: &str) -> Result<bool> {
+    match s.to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" | "" => Ok(false),
+        _ => Err(bad(name, s, "expected 0 or 1")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn with(pairs: &[(&str, &str)]) -> Result<Config> {
+        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Config::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let c = Config::default();
+        assert_eq!(c.arena_bytes, 1 << 30);
+        assert_eq!(c.slots_per_edge, 2);
+        assert!(!c.strict);
+        assert!(c.allows("shm") && c.allows("verbs"));
+    }
+
+    #[test]
+    fn parses_sizes_and_flags() {
+        let c = with(&[("RDMA_DEVICE_ARENA_BYTES", "64M"), ("RDMA_DEVICE_STRICT", "1"), ("RDMA_DEVICE_TRANSPORTS", "shm")]).unwrap();
+        assert_eq!(c.arena_bytes, 64 << 20);
+        assert!(c.strict);
+        assert!(!c.allows("verbs"));
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        for (k, v) in [
+            ("RDMA_DEVICE_ARENA_BYTES", "lots"),
+            ("RDMA_DEVICE_ARENA_BYTES", "12Q"),
+            ("RDMA_DEVICE_SLOTS_PER_EDGE", "0"),
+            ("RDMA_DEVICE_STRICT", "maybe"),
+            ("RDMA_DEVICE_TRANSPORTS", "tcp"),
+            ("RDMA_DEVICE_VERBS_PORT", "300"),
+        ] {
+            let e = with(&[(k, v)]).unwrap_err();
+            assert!(matches!(e, Error::Config(_)), "{k}={v}: {e}");
+            assert!(e.message().contains(k), "{e}");
+        }
+    }
+
+    #[test]
+    fn json_lists_every_variable() {
+        let j = Config::default().to_json();
+        for v in VARS {
+            assert!(j.contains(v.name));
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! One error enum for the whole crate. The C ABI maps it to `rdev_status`
+//! in exactly one place (`ffi::status`).
+
+use std::fmt;
+
+/// Every failure the core can report. Variants carry a human message; the
+/// kind decides the status code a caller (and TensorFlow) sees.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Error {
+    /// A caller passed something unusable (bad key, oversized dims, ...).
+    InvalidArgument(String),
+    /// The transport cannot serve here (no device, wrong host, ...).
+    NotViable(String),
+    /// The peer died or the connection broke.
+    PeerLost(String),
+    /// The step (or the whole context) was aborted by the caller.
+    Aborted(String),
+    /// The peer sent something malformed or out of protocol.
+    Protocol(String),
+    /// Out of arena, memlock, outstanding-write budget, ...
+    ResourceExhausted(String),
+    /// An OS call failed.
+    Io(String),
+    /// A bad `RDMA_DEVICE_*` value.
+    Config(String),
+    /// A bounded wait ran out.
+    Timeout(String),
+    /// A bug: a broken internal invariant.
+    Internal(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn message(&self) -> &str {
+        match self {
+            Error::InvalidArgument(m)
+            | Error::NotViable(m)
+            | Error::PeerLost(m)
+            | Error::Aborted(m)
+            | Error::Protocol(m)
+            | Error::ResourceExhausted(m)
+            | Error::Io(m)
+            | Error::Config(m)
+            | Error::Timeout(m)
+            | Error::Internal(m) => m,
+        }
+    }
+
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Error::InvalidArgument(_) => "invalid argument",
+            Error::NotViable(_) => "transport not viable",
+            Error::PeerLost(_) => "peer lost",
+            Error::Aborted(_) => "aborted",
+            Error::Protocol(_) => "protocol error",
+            Error::ResourceExhausted(_) => "resource exhausted",
+            Error::Io(_) => "i/o error",
+            Error::Config(_) => "configuration error",
+            Error::Timeout(_) => "timeout",
+            Error::Internal(_) => "internal error",
+        }
+    }
+
+    /// The same kind with extra context in front of the message.
+    pub fn context(self, what: &str) -> Error {
+        let wrap = |m: String| format!("{what}: {m}");
+        match self {
+            Error::InvalidArgument(m) => Error::InvalidArgument(wrap(m)),
+            Error::NotViable(m) => Error::NotViable(wrap(m)),
+            Error::PeerLost(m) => Error::PeerLost(wrap(m)),
+            Error::Aborted(m) => Error::Aborted(wrap(m)),
+            Error::Protocol(m) => Error::Protocol(wrap(m)),
+            Error::ResourceExhausted(m) => Error::ResourceExhausted(wrap(m)),
+            Error::Io(m) => Error::Io(wrap(m)),
+            Error::Config(m) => Error::Config(wrap(m)),
+            Error::Timeout(m) => Error::Timeout(wrap(m)),
+            Error::Internal(m) => Error::Internal(wrap(m)),
+        }
+    }
+
+    /// `errno` of the last failed libc call, as an `Io` error.
+    pub fn last_os(what: &str) -> Error {
+        Error::Io(format!("{what}: {}", std::io::Error::last_os_error()))
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind_name(), self.message())
+    }
+}
+
+impl std::error::Error for Error {}
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Self {
+        Error::Io(e.to_string())
+    }
+}

@@ -1,0 +1,169 @@
+//! The "remote memory device": the layer that moves bytes.
+//!
+//! A receiver exposes one [`Arena`] (registered memory) and *listens*; a
+//! sender *connects* and may then write into the receiver's arena with
+//! one-sided writes that carry a 32-bit immediate. The receiver learns of a
+//! write only through [`FabricEvents::on_write_imm`], delivered after every
+//! byte of it is visible. Small two-sided control messages flow both ways on
+//! the same connection. One-sided reads exist for completeness and tests.
+//!
+//! This layer owns connections, registration and completions. It knows
+//! nothing of tensors, edges or steps (that is `rendezvous`), and it never
+//! interprets the bytes it moves, including handshake payloads.
+//!
+//! Backends mirror each other (`shm/`, `verbs/`): the same file names and
+//! the same type names, one [`Fabric`] trait, and [`Fabric::is_viable`] so
+//! a backend can step aside with a reason instead of failing.
+
+pub mod arena;
+pub mod shm;
+#[cfg(feature = "verbs")]
+pub mod verbs;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use arena::Arena;
+
+use crate::error::Result;
+
+/// Identifies one connection, unique within the process (across backends).
+pub type ConnId = u64;
+
+static NEXT_CONN_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A fresh process-unique connection id (backends call this).
+pub fn next_conn_id() -> ConnId {
+    NEXT_CONN_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Which backend serves a connection. Values are part of the C ABI.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    Shm,
+    Verbs,
+}
+
+impl TransportKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Shm => "shm",
+            TransportKind::Verbs => "verbs",
+        }
+    }
+}
+
+/// One piece of source memory for a write. The backend keeps it alive until
+/// the write completed (or failed) and drops it before calling `done`.
+pub type Segment = Box<dyn AsRef<[u8]> + Send>;
+
+/// Completion of a one-sided write: called exactly once, on any thread,
+/// possibly before `write_imm` returns (shm completes inline). The callee
+/// must not block for long.
+pub type WriteDone = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// Completion of a one-sided read, same rules as [`WriteDone`].
+pub type ReadDone = Box<dyn FnOnce(Result<Vec<u8>>) + Send>;
+
+/// What a backend tells its owner. Calls come from the backend's own
+/// threads (progress / connection threads); they must not block for long.
+/// For one connection, `on_disconnect` is the last call.
+pub trait FabricEvents: Send + Sync + 'static {
+    /// A sender asks to connect with its handshake payload. Return the reply
+    /// payload to accept, or an error (sent back to the sender) to refuse.
+    fn on_accept(&self, conn: ConnId, hello: &[u8]) -> Result<Vec<u8>>;
+    /// A write with immediate `imm` from `conn` has fully landed in our arena.
+    fn on_write_imm(&self, conn: ConnId, imm: u32);
+    /// A control message arrived on `conn` (either side of a connection).
+    fn on_message(&self, conn: ConnId, msg: &[u8]);
+    /// `conn` is gone (peer exited, connection error, local close).
+    fn on_disconnect(&self, conn: ConnId, why: crate::error::Error);
+}
+
+/// A backend.
+pub trait Fabric: Send + Sync {
+    fn kind(&self) -> TransportKind;
+
+    /// `Ok` when this backend can run here; otherwise `Error::NotViable`
+    /// with the reason (e.g. "no RDMA device found").
+    fn is_viable(&self) -> Result<()>;
+
+    /// `Ok` when this backend can reach the task at `remote` ("host:port"):
+    /// shm only reaches tasks on this host. `Error::NotViable` says why not.
+    fn reaches(&self, remote: &str) -> Result<()>;
+
+    /// Accept senders at `local` ("host:port", the task's address) and let
+    /// them write into `arena`.
+    fn listen(
+        &self,
+        local: &str,
+        arena: Arc<Arena>,
+        events: Arc<dyn FabricEvents>,
+    ) -> Result<Arc<dyn Listener>>;
+
+    /// Connect as a sender to the receiver listening at `remote`.
+    /// `hello` goes to the receiver's `on_accept`; its reply is
+    /// [`Endpoint::peer_hello`]. Messages from the receiver and the
+    /// disconnect arrive on `events` under the endpoint's id.
+    fn connect(
+        &self,
+        remote: &str,
+        hello: &[u8],
+        events: Arc<dyn FabricEvents>,
+        timeout: Duration,
+    ) -> Result<Arc<dyn Endpoint>>;
+}
+
+/// Every backend this build has and the configuration allows, in the
+/// configured order of preference. Backends that cannot run here are
+/// still returned: the caller asks `is_viable()` and reports the reason.
+pub fn build_all(cfg: &crate::config::Config) -> Vec<Arc<dyn Fabric>> {
+    let mut out: Vec<Arc<dyn Fabric>> = Vec::new();
+    for t in &cfg.transports {
+        match t.as_str() {
+            "shm" => out.push(Arc::new(shm::ShmFabric::new(Duration::from_micros(cfg.spin_us)))),
+            #[cfg(feature = "verbs")]
+            "verbs" => match verbs::VerbsFabric::from_config(cfg) {
+                Ok(f) => out.push(f),
+                Err(e) => log::info!("verbs backend unavailable: {e}"),
+            },
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Why `verbs` is absent from this build (for reports).
+pub const VERBS_BUILT: bool = cfg!(feature = "verbs");
+
+/// The receiving side: accepted connections.
+pub trait Listener: Send + Sync {
+    /// The address senders connect to (what `listen` was given).
+    fn local_addr(&self) -> String;
+    /// Send a control message to the sender on `conn`.
+    fn send_msg(&self, conn: ConnId, msg: &[u8]) -> Result<()>;
+    /// Drop one accepted connection (its `on_disconnect` follows).
+    fn close_conn(&self, conn: ConnId);
+    /// Stop accepting and close every connection.
+    fn shutdown(&self);
+}
+
+/// The sending side of one connection: may write into the peer's arena.
+pub trait Endpoint: Send + Sync {
+    fn id(&self) -> ConnId;
+    fn kind(&self) -> TransportKind;
+    /// The receiver's handshake reply.
+    fn peer_hello(&self) -> &[u8];
+    /// Length of the receiver's arena; writes must stay inside it.
+    fn remote_len(&self) -> u64;
+    /// Write `segs`, back to back, at `remote_off` in the peer's arena, then
+    /// deliver `imm` to the peer. `done` runs exactly once, whatever happens.
+    fn write_imm(&self, remote_off: u64, segs: Vec<Segment>, imm: u32, done: WriteDone);
+    /// Read `len` bytes at `remote_off` of the peer's arena.
+    fn read(&self, remote_off: u64, len: usize, done: ReadDone);
+    /// Send a control message (at most `constants::MAX_MSG_BYTES`).
+    fn send_msg(&self, msg: &[u8]) -> Result<()>;
+    /// Close the connection (the peer sees a disconnect).
+    fn close(&self);
+}

@@ -1,0 +1,211 @@
+//! Sending side of the shm backend: the receiver's arena mapped into our
+//! address space, its doorbell ring, and a reader thread for its control
+//! messages.
+
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::ring::{Doorbell, Ring};
+use super::socket::{self, KIND_ACCEPT, KIND_HELLO, KIND_MSG, KIND_REFUSE};
+use crate::error::{Error, Result};
+use crate::fabric::arena::{check_range, map_shared};
+use crate::fabric::{next_conn_id, ConnId, Endpoint, FabricEvents, ReadDone, Segment, TransportKind, WriteDone};
+
+pub struct ShmEndpoint {
+    id: ConnId,
+    remote: String,
+    stream: UnixStream,
+    write_lock: Mutex<()>,
+    push_lock: Mutex<()>,
+    arena: *mut u8,
+    arena_len: usize,
+    ring: Ring,
+    doorbell: Doorbell,
+    peer_hello: Vec<u8>,
+    dead: Arc<AtomicBool>,
+}
+
+// SAFETY: `arena` is a shared mapping owned by this struct for its whole
+// life; concurrent writes target disjoint slots (the rendezvous protocol
+// hands each slot to one writer at a time).
+unsafe impl Send for ShmEndpoint {}
+// SAFETY: as above.
+unsafe impl Sync for ShmEndpoint {}
+
+impl ShmEndpoint {
+    pub(super) fn handshake(
+        stream: UnixStream,
+        remote: &str,
+        hello: &[u8],
+        events: Arc<dyn FabricEvents>,
+        deadline: Instant,
+    ) -> Result<Arc<ShmEndpoint>> {
+        socket::send_frame(&stream, KIND_HELLO, hello, &[])?;
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+        stream.set_read_timeout(Some(left))?;
+        let (kind, body, mut fds) = socket::recv_frame(&stream).map_err(|e| e.context(&format!("shm handshake with {remote}")))?;
+        stream.set_read_timeout(None)?;
+        match kind {
+            KIND_ACCEPT => {}
+            KIND_REFUSE => {
+                return Err(Error::NotViable(format!(
+                    "{remote} refused the shm connection: {}",
+                    String::from_utf8_lossy(&body)
+                )))
+            }
+            k => return Err(Error::Protocol(format!("shm handshake with {remote}: unexpected frame kind {k}"))),
+        }
+        if body.len() < 8 || fds.len() != 3 {
+            return Err(Error::Protocol(format!(
+                "shm handshake with {remote}: malformed accept ({} bytes, {} descriptors)",
+                body.len(),
+                fds.len()
+            )));
+        }
+        let arena_len = u64::from_le_bytes(body[..8].try_into().expect("8 bytes")) as usize;
+        let doorbell = Doorbell::from_fd(fds.pop().expect("3 fds"));
+        let ring = Ring::map(fds.pop().expect("3 fds"))?;
+        let arena_fd = fds.pop().expect("3 fds");
+        // SAFETY: fstat into a zeroed struct on a valid fd.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(arena_fd.as_raw_fd(), &mut st) } != 0 || (st.st_size as usize) < arena_len || arena_len == 0 {
+            return Err(Error::Protocol(format!("shm handshake with {remote}: arena descriptor smaller than announced")));
+        }
+        let arena = map_shared(arena_fd.as_raw_fd(), arena_len)?;
+        let ep = Arc::new(ShmEndpoint {
+            id: next_conn_id(),
+            remote: remote.to_string(),
+            stream,
+            write_lock: Mutex::new(()),
+            push_lock: Mutex::new(()),
+            arena,
+            arena_len,
+            ring,
+            doorbell,
+            peer_hello: body[8..].to_vec(),
+            dead: Arc::new(AtomicBool::new(false)),
+        });
+        // The reader holds only a clone of the socket, so dropping the last
+        // endpoint handle closes the connection (see Drop).
+        let reader = ep.stream.try_clone()?;
+        let (id, dead) = (ep.id, ep.dead.clone());
+        std::thread::Builder::new()
+            .name("rdev-shm-reader".into())
+            .spawn(move || {
+                let why = loop {
+                    match socket::recv_frame(&reader) {
+                        Ok((KIND_MSG, body, _)) => events.on_message(id, &body),
+                        Ok((k, _, _)) => break Error::Protocol(format!("unexpected frame kind {k}")),
+                        Err(e) => break e,
+                    }
+                };
+                dead.store(true, Ordering::SeqCst);
+                let _ = reader.shutdown(std::net::Shutdown::Both);
+                events.on_disconnect(id, why);
+            })
+            .map_err(|e| Error::Io(format!("spawn shm reader thread: {e}")))?;
+        Ok(ep)
+    }
+
+    fn lost(&self) -> Error {
+        Error::PeerLost(format!("shm connection to {} is closed", self.remote))
+    }
+}
+
+impl Endpoint for ShmEndpoint {
+    fn id(&self) -> ConnId {
+        self.id
+    }
+
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+
+    fn peer_hello(&self) -> &[u8] {
+        &self.peer_hello
+    }
+
+    fn remote_len(&self) -> u64 {
+        self.arena_len as u64
+    }
+
+    fn write_imm(&self, remote_off: u64, segs: Vec<Segment>, imm: u32, done: WriteDone) {
+        if self.dead.load(Ordering::SeqCst) {
+            return done(Err(self.lost()));
+        }
+        let total: usize = segs.iter().map(|s| (**s).as_ref().len()).sum();
+        if let Err(e) = check_range(remote_off as usize, total, self.arena_len) {
+            return done(Err(e));
+        }
+        let mut off = remote_off as usize;
+        for s in &segs {
+            let b = (**s).as_ref();
+            // SAFETY: [off, off+len) was checked to lie inside the mapping;
+            // the source is a live slice.
+            unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.arena.add(off), b.len()) };
+            off += b.len();
+        }
+        drop(segs);
+        let wake = {
+            let _g = self.push_lock.lock();
+            let mut tries = 0u32;
+            loop {
+                if let Some(w) = self.ring.try_push(imm) {
+                    break w;
+                }
+                if self.dead.load(Ordering::SeqCst) {
+                    return done(Err(self.lost()));
+                }
+                // Full ring: the receiver is behind. Back off gently.
+                tries += 1;
+                if tries < 100 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+        };
+        if wake {
+            self.doorbell.ring();
+        }
+        done(Ok(()))
+    }
+
+    fn read(&self, remote_off: u64, len: usize, done: ReadDone) {
+        if self.dead.load(Ordering::SeqCst) {
+            return done(Err(self.lost()));
+        }
+        if let Err(e) = check_range(remote_off as usize, len, self.arena_len) {
+            return done(Err(e));
+        }
+        let mut v = vec![0u8; len];
+        // SAFETY: range checked; destination is a fresh buffer.
+        unsafe { std::ptr::copy_nonoverlapping(self.arena.add(remote_off as usize), v.as_mut_ptr(), len) };
+        done(Ok(v))
+    }
+
+    fn send_msg(&self, msg: &[u8]) -> Result<()> {
+        if self.dead.load(Ordering::SeqCst) {
+            return Err(self.lost());
+        }
+        let _g = self.write_lock.lock();
+        socket::send_frame(&self.stream, KIND_MSG, msg, &[])
+    }
+
+    fn close(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+impl Drop for ShmEndpoint {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        // SAFETY: exactly the mapping created in handshake.
+        unsafe { libc::munmap(self.arena.cast(), self.arena_len) };
+    }
+}

@@ -1,0 +1,279 @@
+//! Receiving side of the shm backend: accept thread, one reader thread per
+//! connection (control messages, disconnect), one progress thread that
+//! polls every doorbell ring and delivers write completions.
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock};
+
+use super::ring::{Doorbell, Ring};
+use super::socket::{self, KIND_ACCEPT, KIND_HELLO, KIND_MSG, KIND_REFUSE};
+use crate::error::{Error, Result};
+use crate::fabric::{next_conn_id, Arena, ConnId, FabricEvents, Listener};
+
+/// How long an accepted socket may take to say hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+struct RxConn {
+    id: ConnId,
+    stream: UnixStream,
+    write_lock: Mutex<()>,
+    ring: Ring,
+    /// Set by the reader thread when the connection ends; the progress
+    /// thread drains the ring once more and then reports the disconnect, so
+    /// `on_disconnect` is always the connection's last event.
+    closed: Mutex<Option<Error>>,
+}
+
+struct Inner {
+    addr: String,
+    name: Vec<u8>,
+    arena: Arc<Arena>,
+    events: Arc<dyn FabricEvents>,
+    doorbell: Doorbell,
+    conns: Mutex<HashMap<ConnId, Arc<RxConn>>>,
+    /// Snapshot the progress thread polls without taking `conns`.
+    polled: RwLock<Arc<Vec<Arc<RxConn>>>>,
+    stop: AtomicBool,
+    listen_fd: OwnedFd,
+    spin: Duration,
+}
+
+pub struct ShmListener {
+    inner: Arc<Inner>,
+}
+
+impl ShmListener {
+    pub fn start(
+        local: &str,
+        arena: Arc<Arena>,
+        events: Arc<dyn FabricEvents>,
+        spin: Duration,
+    ) -> Result<Arc<ShmListener>> {
+        let name = socket::socket_name(local)?;
+        let listen_fd = socket::listen(&name)?;
+        let inner = Arc::new(Inner {
+            addr: local.to_string(),
+            name,
+            arena,
+            events,
+            doorbell: Doorbell::create()?,
+            conns: Mutex::new(HashMap::new()),
+            polled: RwLock::new(Arc::new(Vec::new())),
+            stop: AtomicBool::new(false),
+            listen_fd,
+            spin,
+        });
+        let a = inner.clone();
+        std::thread::Builder::new()
+            .name("rdev-shm-accept".into())
+            .spawn(move || accept_loop(a))
+            .map_err(|e| Error::Io(format!("spawn accept thread: {e}")))?;
+        let p = inner.clone();
+        std::thread::Builder::new()
+            .name("rdev-shm-progress".into())
+            .spawn(move || progress_loop(p))
+            .map_err(|e| Error::Io(format!("spawn progress thread: {e}")))?;
+        Ok(Arc::new(ShmListener { inner }))
+    }
+}
+
+impl Listener for ShmListener {
+    fn local_addr(&self) -> String {
+        self.inner.addr.clone()
+    }
+
+    fn send_msg(&self, conn: ConnId, msg: &[u8]) -> Result<()> {
+        let c = self.inner.conns.lock().get(&conn).cloned();
+        let c = c.ok_or_else(|| Error::PeerLost(format!("connection {conn} is closed")))?;
+        let _g = c.write_lock.lock();
+        socket::send_frame(&c.stream, KIND_MSG, msg, &[])
+    }
+
+    fn close_conn(&self, conn: ConnId) {
+        if let Some(c) = self.inner.conns.lock().get(&conn) {
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    fn shutdown(&self) {
+        if self.inner.stop.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // Wake the accept thread with a connection of our own.
+        let _ = socket::connect(&self.inner.name);
+        for c in self.inner.conns.lock().values() {
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
+        }
+        self.inner.doorbell.ring();
+    }
+}
+
+impl Drop for ShmListener {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn accept_loop(inner: Arc<Inner>) {
+    loop {
+        let s = socket::accept(&inner.listen_fd);
+        if inner.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        match s {
+            Ok(s) => {
+                let i = inner.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("rdev-shm-conn".into())
+                    .spawn(move || serve_conn(i, s));
+                if let Err(e) = spawned {
+                    log::error!("shm: cannot spawn a connection thread: {e}");
+                }
+            }
+            Err(e) => {
+                log::warn!("shm accept on {}: {e}", inner.addr);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+/// Handshake, then read control messages until the connection ends.
+fn serve_conn(inner: Arc<Inner>, stream: UnixStream) {
+    let id = next_conn_id();
+    let conn = match handshake(&inner, id, stream) {
+        Ok(c) => c,
+        Err(e) => {
+            log::warn!("shm: refused a connection to {}: {e}", inner.addr);
+            return;
+        }
+    };
+    let why = loop {
+        match socket::recv_frame(&conn.stream) {
+            Ok((KIND_MSG, body, _)) => inner.events.on_message(id, &body),
+            Ok((kind, _, _)) => break Error::Protocol(format!("unexpected frame kind {kind} after handshake")),
+            Err(e) => break e,
+        }
+    };
+    let _ = conn.stream.shutdown(std::net::Shutdown::Both);
+    *conn.closed.lock() = Some(why);
+    inner.doorbell.ring();
+}
+
+fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<RxConn>> {
+    let uid = socket::peer_uid(&stream)?;
+    // SAFETY: getuid has no preconditions.
+    let me = unsafe { libc::getuid() };
+    if uid != me {
+        let msg = format!("peer uid {uid} differs from ours ({me})");
+        let _ = socket::send_frame(&stream, KIND_REFUSE, msg.as_bytes(), &[]);
+        return Err(Error::InvalidArgument(msg));
+    }
+    stream.set_read_timeout(Some(HELLO_TIMEOUT))?;
+    let (kind, hello, _) = socket::recv_frame(&stream)?;
+    if inner.stop.load(Ordering::SeqCst) {
+        return Err(Error::Aborted("listener is shutting down".into()));
+    }
+    if kind != KIND_HELLO {
+        return Err(Error::Protocol(format!("expected hello, got frame kind {kind}")));
+    }
+    stream.set_read_timeout(None)?;
+    let reply = match inner.events.on_accept(id, &hello) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = socket::send_frame(&stream, KIND_REFUSE, e.to_string().as_bytes(), &[]);
+            return Err(e);
+        }
+    };
+    let ring = Ring::create()?;
+    let mut body = Vec::with_capacity(8 + reply.len());
+    body.extend_from_slice(&(inner.arena.len() as u64).to_le_bytes());
+    body.extend_from_slice(&reply);
+    let conn = Arc::new(RxConn { id, stream, write_lock: Mutex::new(()), ring, closed: Mutex::new(None) });
+    // Register before replying so the first write's doorbell is polled.
+    inner.conns.lock().insert(id, conn.clone());
+    refresh_polled(inner);
+    // A sleeping progress thread would not poll the new ring: wake it.
+    inner.doorbell.ring();
+    let sent = {
+        let _g = conn.write_lock.lock();
+        socket::send_frame(
+            &conn.stream,
+            KIND_ACCEPT,
+            &body,
+            &[inner.arena.fd(), conn.ring.fd(), inner.doorbell.fd()],
+        )
+    };
+    if let Err(e) = sent {
+        // The sender is gone; the progress thread reports the disconnect.
+        *conn.closed.lock() = Some(e.clone());
+        inner.doorbell.ring();
+        return Err(e);
+    }
+    Ok(conn)
+}
+
+fn refresh_polled(inner: &Inner) {
+    let v: Vec<Arc<RxConn>> = inner.conns.lock().values().cloned().collect();
+    *inner.polled.write() = Arc::new(v);
+}
+
+/// Deliver completions; spin while busy, then sleep on the doorbell.
+fn progress_loop(inner: Arc<Inner>) {
+    let mut idle_since = Instant::now();
+    loop {
+        let conns = inner.polled.read().clone();
+        let mut found = 0;
+        let mut ended = Vec::new();
+        for c in conns.iter() {
+            found += c.ring.drain(|imm| inner.events.on_write_imm(c.id, imm));
+            if c.closed.lock().is_some() {
+                ended.push(c.clone());
+            }
+        }
+        for c in ended {
+            // Final drain: writes that landed before the close still count.
+            c.ring.drain(|imm| inner.events.on_write_imm(c.id, imm));
+            inner.conns.lock().remove(&c.id);
+            refresh_polled(&inner);
+            let why = c.closed.lock().clone().unwrap_or_else(|| Error::PeerLost("closed".into()));
+            inner.events.on_disconnect(c.id, why);
+        }
+        if inner.stop.load(Ordering::SeqCst) {
+            let rest: Vec<Arc<RxConn>> = inner.conns.lock().drain().map(|(_, c)| c).collect();
+            refresh_polled(&inner);
+            for c in rest {
+                c.ring.drain(|imm| inner.events.on_write_imm(c.id, imm));
+                inner.events.on_disconnect(c.id, Error::Aborted("listener shut down".into()));
+            }
+            return;
+        }
+        if found > 0 {
+            idle_since = Instant::now();
+            continue;
+        }
+        if idle_since.elapsed() < inner.spin {
+            std::hint::spin_loop();
+            continue;
+        }
+        // Announce sleep, re-check, then block (see ring.rs for why this
+        // cannot miss a wake-up).
+        for c in conns.iter() {
+            c.ring.set_sleeping(true);
+        }
+        let pending = conns.iter().any(|c| c.ring.has_entries() || c.closed.lock().is_some());
+        if !pending {
+            inner.doorbell.wait(200);
+        }
+        for c in conns.iter() {
+            c.ring.set_sleeping(false);
+        }
+        idle_since = Instant::now();
+    }
+}

@@ -1,0 +1,156 @@
+//! `shm`: the remote-memory device for tasks on one host.
+//!
+//! The receiver's arena is a memfd; a connecting sender receives it (plus a
+//! doorbell ring and an eventfd) over a unix socket named after the task's
+//! port, checked to belong to the same uid, and maps it. A one-sided write
+//! is then one memcpy into the receiver's pages followed by a doorbell
+//! entry: the receiver's CPU does nothing until it polls the ring, exactly
+//! the semantics of an RDMA WRITE with immediate.
+
+mod endpoint;
+mod listener;
+mod ring;
+mod socket;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub use endpoint::ShmEndpoint;
+pub use listener::ShmListener;
+
+use crate::error::{Error, Result};
+use crate::fabric::{Arena, Endpoint, Fabric, FabricEvents, Listener, TransportKind};
+
+pub struct ShmFabric {
+    spin: Duration,
+}
+
+impl ShmFabric {
+    /// `spin`: how long the progress thread polls before it sleeps.
+    pub fn new(spin: Duration) -> ShmFabric {
+        ShmFabric { spin }
+    }
+}
+
+impl Fabric for ShmFabric {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+
+    fn is_viable(&self) -> Result<()> {
+        // memfd + abstract unix sockets are all we need; probe memfd.
+        Arena::new("rdma_device-probe", 4096)
+            .map(|_| ())
+            .map_err(|e| Error::NotViable(format!("shared memory unavailable: {e}")))
+    }
+
+    fn reaches(&self, remote: &str) -> Result<()> {
+        let host = host_of(remote)?;
+        if is_local_host(&host) {
+            Ok(())
+        } else {
+            Err(Error::NotViable(format!("{remote} is not on this host")))
+        }
+    }
+
+    fn listen(&self, local: &str, arena: Arc<Arena>, events: Arc<dyn FabricEvents>) -> Result<Arc<dyn Listener>> {
+        Ok(ShmListener::start(local, arena, events, self.spin)?)
+    }
+
+    fn connect(
+        &self,
+        remote: &str,
+        hello: &[u8],
+        events: Arc<dyn FabricEvents>,
+        timeout: Duration,
+    ) -> Result<Arc<dyn Endpoint>> {
+        let name = socket::socket_name(remote)?;
+        let deadline = Instant::now() + timeout;
+        // The receiver may still be starting: retry "nobody listens" until
+        // the deadline; every other error is final.
+        let stream = loop {
+            match socket::connect(&name) {
+                Ok(s) => break s,
+                Err(Error::NotViable(m)) if Instant::now() < deadline => {
+                    log::debug!("{m}; retrying");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(Error::NotViable(m)) => {
+                    return Err(Error::Timeout(format!("connecting to {remote} over shm: {m}")))
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        Ok(ShmEndpoint::handshake(stream, remote, hello, events, deadline)?)
+    }
+}
+
+/// The host part of "host:port" or "[v6]:port".
+pub fn host_of(addr: &str) -> Result<String> {
+    let (h, _) = addr
+        .rsplit_once(':')
+        .ok_or_else(|| Error::InvalidArgument(format!("address {addr:?} is not host:port")))?;
+    Ok(h.trim_start_matches('[').trim_end_matches(']').to_string())
+}
+
+/// Does `host` name this machine (loopback, our hostname, or an address of
+/// one of our interfaces)?
+pub fn is_local_host(host: &str) -> bool {
+    use std::net::{IpAddr, ToSocketAddrs};
+    if host.eq_ignore_ascii_case("localhost") || host == hostname() {
+        return true;
+    }
+    let ips: Vec<IpAddr> = match host.parse::<IpAddr>() {
+        Ok(ip) => vec![ip],
+        Err(_) => match (host, 0u16).to_socket_addrs() {
+            Ok(it) => it.map(|a| a.ip()).collect(),
+            Err(_) => return false,
+        },
+    };
+    let mine = local_ips();
+    ips.iter().any(|ip| ip.is_loopback() || ip.is_unspecified() || mine.contains(ip))
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes.
+    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
+        return String::new();
+    }
+    let n = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+fn local_ips() -> Vec<std::net::IpAddr> {
+    let mut out = Vec::new();
+    let mut ifa: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs allocates a list we free below.
+    if unsafe { libc::getifaddrs(&mut ifa) } != 0 {
+        return out;
+    }
+    let mut p = ifa;
+    while !p.is_null() {
+        // SAFETY: p walks the list getifaddrs returned; addresses are read
+        // according to their family.
+        unsafe {
+            let a = (*p).ifa_addr;
+            if !a.is_null() {
+                match (*a).sa_family as i32 {
+                    libc::AF_INET => {
+                        let sin = &*(a as *const libc::sockaddr_in);
+                        out.push(std::net::IpAddr::from(u32::from_be(sin.sin_addr.s_addr).to_be_bytes()));
+                    }
+                    libc::AF_INET6 => {
+                        let sin6 = &*(a as *const libc::sockaddr_in6);
+                        out.push(std::net::IpAddr::from(sin6.sin6_addr.s6_addr));
+                    }
+                    _ => {}
+                }
+            }
+            p = (*p).ifa_next;
+        }
+    }
+    // SAFETY: the list from getifaddrs.
+    unsafe { libc::freeifaddrs(ifa) };
+    out
+}

@@ -1,0 +1,225 @@
+//! Bootstrap sockets for the shm backend: framed messages over a unix
+//! stream socket, with file descriptors passed by SCM_RIGHTS, and the
+//! peer-credential check.
+//!
+//! Frame: `u32 length (LE, of kind + body) | u8 kind | body`. A frame longer
+//! than the limit is a protocol error, never an allocation.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+
+use crate::constants::MAX_MSG_BYTES;
+use crate::error::{Error, Result};
+
+pub const KIND_HELLO: u8 = 1;
+pub const KIND_ACCEPT: u8 = 2;
+pub const KIND_REFUSE: u8 = 3;
+pub const KIND_MSG: u8 = 4;
+
+/// Largest frame body: a control message plus a little framing.
+pub const MAX_FRAME: usize = MAX_MSG_BYTES + 64;
+
+/// The abstract-namespace socket name for the task listening on `addr`
+/// ("host:port"). Keyed by uid and port: ports are unique per host, and
+/// two users never see each other's sockets by accident.
+pub fn socket_name(addr: &str) -> Result<Vec<u8>> {
+    let port = addr
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .ok_or_else(|| Error::InvalidArgument(format!("address {addr:?} is not host:port")))?;
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    Ok(format!("rdma_device.{uid}.{port}").into_bytes())
+}
+
+fn sockaddr(name: &[u8]) -> Result<(libc::sockaddr_un, libc::socklen_t)> {
+    // SAFETY: sockaddr_un is plain old data; all-zero is a valid value.
+    let mut sa: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    sa.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    if name.len() + 1 > sa.sun_path.len() {
+        return Err(Error::InvalidArgument("socket name too long".into()));
+    }
+    // Abstract namespace: sun_path[0] = 0, then the name (no terminator).
+    for (i, b) in name.iter().enumerate() {
+        sa.sun_path[i + 1] = *b as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + name.len();
+    Ok((sa, len as libc::socklen_t))
+}
+
+fn new_socket() -> Result<OwnedFd> {
+    // SAFETY: plain socket(2) call.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(Error::last_os("socket(AF_UNIX)"));
+    }
+    // SAFETY: fresh fd we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Bind and listen on the abstract socket `name`.
+pub fn listen(name: &[u8]) -> Result<OwnedFd> {
+    let fd = new_socket()?;
+    let (sa, len) = sockaddr(name)?;
+    // SAFETY: sa/len describe a valid sockaddr_un.
+    if unsafe { libc::bind(fd.as_raw_fd(), (&sa as *const libc::sockaddr_un).cast(), len) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(Error::Io(format!(
+            "bind shm bootstrap socket {:?}: {e} (is another task already serving this port?)",
+            String::from_utf8_lossy(name)
+        )));
+    }
+    // SAFETY: valid bound socket.
+    if unsafe { libc::listen(fd.as_raw_fd(), 128) } != 0 {
+        return Err(Error::last_os("listen on shm bootstrap socket"));
+    }
+    Ok(fd)
+}
+
+/// Connect to the abstract socket `name`; `Err(NotViable)` when nobody
+/// listens there (yet), so callers can retry until their deadline.
+pub fn connect(name: &[u8]) -> Result<UnixStream> {
+    let fd = new_socket()?;
+    let (sa, len) = sockaddr(name)?;
+    // SAFETY: sa/len describe a valid sockaddr_un.
+    if unsafe { libc::connect(fd.as_raw_fd(), (&sa as *const libc::sockaddr_un).cast(), len) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(Error::NotViable(format!(
+            "no shm listener at {:?}: {e}",
+            String::from_utf8_lossy(name)
+        )));
+    }
+    Ok(UnixStream::from(fd))
+}
+
+/// Accept one connection (blocking).
+pub fn accept(listener: &OwnedFd) -> Result<UnixStream> {
+    // SAFETY: valid listening socket; we do not need the peer address.
+    let fd = unsafe {
+        libc::accept4(listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC)
+    };
+    if fd < 0 {
+        return Err(Error::last_os("accept on shm bootstrap socket"));
+    }
+    // SAFETY: fresh fd we own.
+    Ok(UnixStream::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// The uid of the process at the other end.
+pub fn peer_uid(s: &UnixStream) -> Result<u32> {
+    // SAFETY: ucred is POD; getsockopt writes at most `len` bytes into it.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(Error::last_os("SO_PEERCRED"));
+    }
+    Ok(cred.uid)
+}
+
+/// Send one frame, with `fds` attached to its first byte.
+pub fn send_frame(s: &UnixStream, kind: u8, body: &[u8], fds: &[i32]) -> Result<()> {
+    if body.len() > MAX_FRAME {
+        return Err(Error::InvalidArgument(format!("message of {} bytes exceeds {MAX_FRAME}", body.len())));
+    }
+    let mut head = [0u8; 5];
+    head[..4].copy_from_slice(&((body.len() + 1) as u32).to_le_bytes());
+    head[4] = kind;
+    if fds.is_empty() {
+        let mut w = s;
+        let mut buf = Vec::with_capacity(5 + body.len());
+        buf.extend_from_slice(&head);
+        buf.extend_from_slice(body);
+        w.write_all(&buf).map_err(|e| Error::PeerLost(format!("shm socket write: {e}")))?;
+        return Ok(());
+    }
+    // Header (with the fds) via sendmsg, then the body.
+    let mut iov = libc::iovec { iov_base: head.as_ptr() as *mut _, iov_len: head.len() };
+    let fd_bytes = std::mem::size_of_val(fds);
+    // SAFETY: CMSG_SPACE is a pure computation.
+    let space = unsafe { libc::CMSG_SPACE(fd_bytes as u32) } as usize;
+    let mut cbuf = vec![0u8; space];
+    // SAFETY: msghdr is POD; we fill the fields that sendmsg reads.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space;
+    // SAFETY: the control buffer is CMSG_SPACE(fd_bytes) long, so the first
+    // header and its data fit; fds are copied into its data area.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(fd_bytes as u32) as usize;
+        std::ptr::copy_nonoverlapping(fds.as_ptr().cast::<u8>(), libc::CMSG_DATA(c), fd_bytes);
+    }
+    // SAFETY: msg points to live buffers for the duration of the call.
+    let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if n != head.len() as isize {
+        return Err(Error::last_os("sendmsg with descriptors"));
+    }
+    let mut w = s;
+    w.write_all(body).map_err(|e| Error::PeerLost(format!("shm socket write: {e}")))?;
+    Ok(())
+}
+
+/// Receive one frame: (kind, body, received fds). EOF → `PeerLost`.
+pub fn recv_frame(s: &UnixStream) -> Result<(u8, Vec<u8>, Vec<OwnedFd>)> {
+    let mut head = [0u8; 5];
+    let mut iov = libc::iovec { iov_base: head.as_mut_ptr().cast(), iov_len: head.len() };
+    // SAFETY: pure computation.
+    let space = unsafe { libc::CMSG_SPACE((4 * std::mem::size_of::<i32>()) as u32) } as usize;
+    let mut cbuf = vec![0u8; space];
+    // SAFETY: POD.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space;
+    // SAFETY: buffers live for the call.
+    let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(Error::PeerLost(format!("shm socket read: {}", std::io::Error::last_os_error())));
+    }
+    if n == 0 {
+        return Err(Error::PeerLost("peer closed the connection".into()));
+    }
+    let mut fds = Vec::new();
+    // SAFETY: walking the control messages the kernel wrote into cbuf.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c);
+                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<i32>();
+                for i in 0..count {
+                    let fd = std::ptr::read_unaligned(data.cast::<i32>().add(i));
+                    fds.push(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    let mut r = s;
+    let got = n as usize;
+    if got < head.len() {
+        r.read_exact(&mut head[got..]).map_err(|e| Error::PeerLost(format!("shm socket read: {e}")))?;
+    }
+    let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+    if len == 0 || len - 1 > MAX_FRAME {
+        return Err(Error::Protocol(format!("frame length {len} out of range (max {MAX_FRAME})")));
+    }
+    let mut body = vec![0u8; len - 1];
+    r.read_exact(&mut body).map_err(|e| Error::PeerLost(format!("shm socket read (truncated frame): {e}")))?;
+    Ok((head[4], body, fds))
+}

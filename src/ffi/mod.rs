@@ -1,0 +1,563 @@
+//! The C ABI: every `extern "C"` function of the library lives here.
+//!
+//! Conventions (see include/rdma_device.h):
+//! - Every function runs inside one panic boundary ([`boundary`]); a panic
+//!   becomes `RDEV_PANIC`, never an unwind into C or an abort.
+//! - Errors are `rdev_status` values; details via `rdev_last_error`
+//!   (thread-local: the message of the last failed call on this thread).
+//! - Opaque handles: `rdev_*_new(..., out)` writes `*out` only on success;
+//!   `rdev_*_free(NULL)` / `rdev_buffer_release(NULL)` are no-ops.
+//! - Strings are (pointer, length) pairs, UTF-8, not NUL-terminated.
+//! - Callbacks run exactly once, on the calling thread or on a library
+//!   thread; no library lock is held while they run, so they may call back
+//!   into the library. They must not block for long.
+
+#![allow(non_camel_case_types)]
+#![allow(clippy::missing_safety_doc)] // each function documents its contract in the header
+
+mod status;
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use crate::config::Config;
+use crate::error::Error;
+use crate::fabric::TransportKind;
+use crate::node::{Lease, Node};
+use crate::rendezvous::{Payload, TensorMeta};
+use crate::stats::Stats;
+pub use status::rdev_status;
+
+thread_local! {
+    static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+fn set_last_error(msg: String) {
+    LAST_ERROR.with(|l| *l.borrow_mut() = msg);
+}
+
+/// Run `f`, turning errors into a status (with the message recorded) and
+/// panics into `RDEV_PANIC`.
+fn boundary(f: impl FnOnce() -> Result<(), Error>) -> rdev_status {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => rdev_status::RDEV_OK,
+        Ok(Err(e)) => {
+            let s = status::from_error(&e);
+            set_last_error(e.to_string());
+            s
+        }
+        Err(p) => {
+            let what = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            set_last_error(format!("internal panic in rdma_device: {what}"));
+            rdev_status::RDEV_PANIC
+        }
+    }
+}
+
+/// Which transport serves a peer. Values never change.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum rdev_transport {
+    /// No transport of ours: use stock gRPC (reason in rdev_last_error).
+    RDEV_TRANSPORT_NONE = 0,
+    /// Shared memory (same host).
+    RDEV_TRANSPORT_SHM = 1,
+    /// RDMA verbs.
+    RDEV_TRANSPORT_VERBS = 2,
+}
+
+/// Bits of `rdev_tensor_meta.flags`. Values never change.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum rdev_flag {
+    /// Dead tensor (a not-taken branch): no payload.
+    RDEV_FLAG_DEAD = 1,
+    /// The payload is an opaque serialization (strings, variants).
+    RDEV_FLAG_SERIALIZED = 2,
+}
+
+const _: () = assert!(rdev_flag::RDEV_FLAG_DEAD as u32 == crate::rendezvous::FLAG_DEAD);
+const _: () = assert!(rdev_flag::RDEV_FLAG_SERIALIZED as u32 == crate::rendezvous::FLAG_SERIALIZED);
+
+/// dtype (TensorFlow's DataType value, opaque to the library), flags
+/// (RDEV_FLAG_*), and shape (`ndims` entries at `dims`; at most 24 take the
+/// fast path, more go through a slower chunked path).
+#[repr(C)]
+pub struct rdev_tensor_meta {
+    pub dtype: u32,
+    pub flags: u32,
+    pub ndims: u32,
+    pub dims: *const i64,
+}
+
+/// One task's transport (one per TensorFlow server).
+pub struct rdev_context {
+    node: Node,
+}
+
+/// A received tensor. Its bytes stay valid until `rdev_buffer_release`.
+pub struct rdev_buffer {
+    lease: Lease,
+}
+
+/// Completion of `rdev_send`: `status` RDEV_OK once the data may be reused,
+/// or an error (message `msg`, `msg_len` bytes, valid during the call).
+pub type rdev_send_done_cb =
+    Option<unsafe extern "C" fn(userdata: *mut c_void, status: rdev_status, msg: *const c_char, msg_len: usize)>;
+
+/// Completion of `rdev_recv`: on RDEV_OK `buf` is a new buffer owned by the
+/// callee (release it with `rdev_buffer_release`); on error `buf` is NULL
+/// and `msg`/`msg_len` say why (valid during the call).
+pub type rdev_recv_done_cb = Option<
+    unsafe extern "C" fn(userdata: *mut c_void, status: rdev_status, msg: *const c_char, msg_len: usize, buf: *mut rdev_buffer),
+>;
+
+struct UserData(*mut c_void);
+// SAFETY: the caller promises the userdata may be used from any thread
+// (documented on every callback-taking function).
+unsafe impl Send for UserData {}
+
+struct RawPayload {
+    ptr: *const u8,
+    len: usize,
+}
+// SAFETY: the caller of rdev_send keeps the bytes valid and unmodified
+// until the completion callback runs.
+unsafe impl Send for RawPayload {}
+// SAFETY: as above; only read.
+unsafe impl Sync for RawPayload {}
+
+impl Payload for RawPayload {
+    fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: see the Send impl: valid for the whole send.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+unsafe fn str_arg<'a>(p: *const c_char, len: usize, what: &str) -> Result<&'a str, Error> {
+    if p.is_null() && len > 0 {
+        return Err(Error::InvalidArgument(format!("{what} is NULL")));
+    }
+    if len == 0 {
+        return Ok("");
+    }
+    // SAFETY: the caller passes `len` readable bytes at `p`.
+    let b = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) };
+    std::str::from_utf8(b).map_err(|_| Error::InvalidArgument(format!("{what} is not UTF-8")))
+}
+
+unsafe fn ctx_arg<'a>(ctx: *const rdev_context) -> Result<&'a rdev_context, Error> {
+    // SAFETY: a non-NULL ctx comes from rdev_context_new and is not freed.
+    unsafe { ctx.as_ref() }.ok_or_else(|| Error::InvalidArgument("context is NULL".into()))
+}
+
+fn call_send_cb(cb: rdev_send_done_cb, ud: UserData, r: Result<(), Error>) {
+    let Some(cb) = cb else { return };
+    let (st, msg) = match r {
+        Ok(()) => (rdev_status::RDEV_OK, String::new()),
+        Err(e) => (status::from_error(&e), e.to_string()),
+    };
+    // SAFETY: the callback and its userdata come from the caller, who
+    // promised they are valid until called.
+    unsafe { cb(ud.0, st, msg.as_ptr().cast(), msg.len()) };
+}
+
+/// Create the transport for task `task` (e.g. "/job:worker/replica:0/task:0")
+/// serving at `addr` ("host:port", the task's address in the cluster spec).
+/// Reads `RDMA_DEVICE_*` settings from the environment; a bad value fails
+/// with RDEV_CONFIG naming the variable.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_context_new(
+    task: *const c_char,
+    task_len: usize,
+    addr: *const c_char,
+    addr_len: usize,
+    out: *mut *mut rdev_context,
+) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per the documented contract.
+        let task = unsafe { str_arg(task, task_len, "task") }?;
+        let addr = unsafe { str_arg(addr, addr_len, "addr") }?;
+        if out.is_null() {
+            return Err(Error::InvalidArgument("out is NULL".into()));
+        }
+        let cfg = Config::from_env()?;
+        let node = Node::new(cfg, task, addr)?;
+        // SAFETY: out checked non-NULL.
+        unsafe { *out = Box::into_raw(Box::new(rdev_context { node })) };
+        Ok(())
+    })
+}
+
+/// Destroy a context: pending receives and queued sends fail with
+/// RDEV_ABORTED; connections close. NULL is a no-op. Buffers still held
+/// stay readable until released.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_context_free(ctx: *mut rdev_context) {
+    let _ = boundary(|| {
+        if !ctx.is_null() {
+            // SAFETY: ctx came from rdev_context_new and is freed once.
+            drop(unsafe { Box::from_raw(ctx) });
+        }
+        Ok(())
+    });
+}
+
+/// Tell the context about peer `task` at `addr`; `*out` says which
+/// transport will carry tensors to and from it. RDEV_TRANSPORT_NONE means
+/// use stock gRPC; `rdev_last_error` then holds the reason.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_context_add_peer(
+    ctx: *const rdev_context,
+    task: *const c_char,
+    task_len: usize,
+    addr: *const c_char,
+    addr_len: usize,
+    out: *mut rdev_transport,
+) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per the documented contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let task = unsafe { str_arg(task, task_len, "task") }?;
+        let addr = unsafe { str_arg(addr, addr_len, "addr") }?;
+        if out.is_null() {
+            return Err(Error::InvalidArgument("out is NULL".into()));
+        }
+        let choice = c.node.add_peer(task, addr);
+        let t = match choice.transport {
+            Some(TransportKind::Shm) => rdev_transport::RDEV_TRANSPORT_SHM,
+            Some(TransportKind::Verbs) => rdev_transport::RDEV_TRANSPORT_VERBS,
+            None => {
+                set_last_error(choice.reason);
+                rdev_transport::RDEV_TRANSPORT_NONE
+            }
+        };
+        // SAFETY: out checked non-NULL.
+        unsafe { *out = t };
+        Ok(())
+    })
+}
+
+/// 1 when RDMA_DEVICE_STRICT is on (any fallback to gRPC must fail).
+#[no_mangle]
+pub unsafe extern "C" fn rdev_context_strict(ctx: *const rdev_context) -> bool {
+    // SAFETY: ctx per contract.
+    unsafe { ctx.as_ref() }.is_some_and(|c| c.node.config().strict)
+}
+
+/// Tensors smaller than this many bytes should use stock gRPC
+/// (RDMA_DEVICE_SMALL_TENSOR_BYTES; 0 = none).
+#[no_mangle]
+pub unsafe extern "C" fn rdev_context_small_tensor_bytes(ctx: *const rdev_context) -> u64 {
+    // SAFETY: ctx per contract.
+    unsafe { ctx.as_ref() }.map_or(0, |c| c.node.config().small_tensor_bytes as u64)
+}
+
+/// Push the tensor `(key, step_id)` to `peer`. `data`/`len` must stay valid
+/// and unmodified until `cb` runs. If this returns RDEV_OK, `cb` runs
+/// exactly once (possibly before this returns); on any other status `cb`
+/// is never called.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_send(
+    ctx: *const rdev_context,
+    peer: *const c_char,
+    peer_len: usize,
+    key: *const c_char,
+    key_len: usize,
+    step_id: u64,
+    meta: *const rdev_tensor_meta,
+    data: *const u8,
+    len: usize,
+    cb: rdev_send_done_cb,
+    userdata: *mut c_void,
+) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per the documented contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
+        let key = unsafe { str_arg(key, key_len, "key") }?;
+        let meta = unsafe { meta_arg(meta) }?;
+        if data.is_null() && len > 0 {
+            return Err(Error::InvalidArgument("data is NULL".into()));
+        }
+        let ud = UserData(userdata);
+        c.node.send(
+            peer,
+            key,
+            step_id,
+            meta,
+            Box::new(RawPayload { ptr: data, len }),
+            Box::new(move |r| call_send_cb(cb, ud, r)),
+        );
+        Ok(())
+    })
+}
+
+unsafe fn meta_arg(meta: *const rdev_tensor_meta) -> Result<TensorMeta, Error> {
+    // SAFETY: a non-NULL meta points to a valid struct.
+    let m = unsafe { meta.as_ref() }.ok_or_else(|| Error::InvalidArgument("meta is NULL".into()))?;
+    if m.ndims > 254 {
+        return Err(Error::InvalidArgument(format!("{} dimensions (TensorFlow allows 254)", m.ndims)));
+    }
+    let dims = if m.ndims == 0 {
+        Vec::new()
+    } else if m.dims.is_null() {
+        return Err(Error::InvalidArgument("meta.dims is NULL".into()));
+    } else {
+        // SAFETY: ndims entries are readable at dims.
+        unsafe { std::slice::from_raw_parts(m.dims, m.ndims as usize) }.to_vec()
+    };
+    Ok(TensorMeta { dtype: m.dtype, flags: m.flags, dims })
+}
+
+/// Receive the tensor `(key, step_id)` from `peer`. If this returns
+/// RDEV_OK, `cb` runs exactly once: with a buffer, or with an error (peer
+/// lost, step aborted, context freed).
+#[no_mangle]
+pub unsafe extern "C" fn rdev_recv(
+    ctx: *const rdev_context,
+    peer: *const c_char,
+    peer_len: usize,
+    key: *const c_char,
+    key_len: usize,
+    step_id: u64,
+    cb: rdev_recv_done_cb,
+    userdata: *mut c_void,
+) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per the documented contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
+        let key = unsafe { str_arg(key, key_len, "key") }?;
+        let Some(cb) = cb else {
+            return Err(Error::InvalidArgument("callback is NULL".into()));
+        };
+        let ud = UserData(userdata);
+        c.node.recv(
+            peer,
+            key,
+            step_id,
+            Box::new(move |r| {
+                let ud = ud;
+                match r {
+                    Ok(lease) => {
+                        let b = Box::into_raw(Box::new(rdev_buffer { lease }));
+                        // SAFETY: caller-provided callback; buffer ownership passes to it.
+                        unsafe { cb(ud.0, rdev_status::RDEV_OK, std::ptr::null(), 0, b) };
+                    }
+                    Err(e) => {
+                        let msg = e.to_string();
+                        // SAFETY: caller-provided callback; msg lives for the call.
+                        unsafe { cb(ud.0, status::from_error(&e), msg.as_ptr().cast(), msg.len(), std::ptr::null_mut()) };
+                    }
+                }
+            }),
+        );
+        Ok(())
+    })
+}
+
+/// Payload bytes (64-byte aligned; NULL when empty).
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_data(buf: *const rdev_buffer) -> *const u8 {
+    // SAFETY: buf per contract.
+    unsafe { buf.as_ref() }.map_or(std::ptr::null(), |b| if b.lease.is_empty() { std::ptr::null() } else { b.lease.as_ptr() })
+}
+
+/// Payload length in bytes.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_len(buf: *const rdev_buffer) -> usize {
+    // SAFETY: buf per contract.
+    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.len())
+}
+
+/// dtype as sent.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_dtype(buf: *const rdev_buffer) -> u32 {
+    // SAFETY: buf per contract.
+    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.meta().dtype)
+}
+
+/// Flags as sent (RDEV_FLAG_*).
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_flags(buf: *const rdev_buffer) -> u32 {
+    // SAFETY: buf per contract.
+    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.meta().flags)
+}
+
+/// Number of dimensions.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_ndims(buf: *const rdev_buffer) -> u32 {
+    // SAFETY: buf per contract.
+    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.meta().dims.len() as u32)
+}
+
+/// Pointer to `rdev_buffer_ndims` dimensions, valid until release.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_dims(buf: *const rdev_buffer) -> *const i64 {
+    // SAFETY: buf per contract.
+    unsafe { buf.as_ref() }.map_or(std::ptr::null(), |b| b.lease.meta().dims.as_ptr())
+}
+
+/// true when the bytes sit in the receive arena (written there by the
+/// sender, zero-copy), false when they came through the chunked path.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_in_place(buf: *const rdev_buffer) -> bool {
+    // SAFETY: buf per contract.
+    unsafe { buf.as_ref() }.is_some_and(|b| b.lease.in_place())
+}
+
+/// Release a buffer: its slot goes back to the sender. NULL is a no-op.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_release(buf: *mut rdev_buffer) {
+    let _ = boundary(|| {
+        if !buf.is_null() {
+            // SAFETY: buf came from a recv callback and is released once.
+            drop(unsafe { Box::from_raw(buf) });
+        }
+        Ok(())
+    });
+}
+
+/// The step is over: unclaimed arrivals for it are released and late
+/// pushes for it dropped.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_step_done(ctx: *const rdev_context, step_id: u64) -> rdev_status {
+    boundary(|| {
+        // SAFETY: ctx per contract.
+        unsafe { ctx_arg(ctx) }?.node.step_done(step_id);
+        Ok(())
+    })
+}
+
+/// Abort a step: its pending receives and queued sends fail with
+/// RDEV_ABORTED carrying `msg`.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_abort_step(ctx: *const rdev_context, step_id: u64, msg: *const c_char, msg_len: usize) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let m = unsafe { str_arg(msg, msg_len, "msg") }?;
+        c.node.abort_step(step_id, Error::Aborted(m.to_string()));
+        Ok(())
+    })
+}
+
+/// Abort everything pending (e.g. server shutdown).
+#[no_mangle]
+pub unsafe extern "C" fn rdev_abort_all(ctx: *const rdev_context, msg: *const c_char, msg_len: usize) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let m = unsafe { str_arg(msg, msg_len, "msg") }?;
+        c.node.abort_all(Error::Aborted(m.to_string()));
+        Ok(())
+    })
+}
+
+/// Drop every connection with `peer`; its pending receives fail.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_abort_peer(ctx: *const rdev_context, peer: *const c_char, peer_len: usize) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let p = unsafe { str_arg(peer, peer_len, "peer") }?;
+        c.node.abort_peer(p);
+        Ok(())
+    })
+}
+
+/// Count a tensor of `bytes` that went over stock gRPC, with its reason.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_record_fallback(bytes: u64, reason: *const c_char, reason_len: usize) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per contract.
+        let r = unsafe { str_arg(reason, reason_len, "reason") }?;
+        Stats::global().record_fallback(bytes, r);
+        Ok(())
+    })
+}
+
+unsafe fn write_out(s: &str, buf: *mut c_char, cap: usize, out_len: *mut usize) -> Result<(), Error> {
+    if !out_len.is_null() {
+        // SAFETY: out_len non-NULL per check.
+        unsafe { *out_len = s.len() };
+    }
+    if buf.is_null() || cap < s.len() + 1 {
+        return Err(Error::ResourceExhausted(format!("buffer of {cap} bytes; {} needed", s.len() + 1)));
+    }
+    // SAFETY: cap >= len + 1 bytes are writable at buf.
+    unsafe {
+        std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len());
+        *buf.add(s.len()) = 0;
+    }
+    Ok(())
+}
+
+/// Process-wide counters as JSON, NUL-terminated into `buf` (`cap` bytes).
+/// `*out_len` gets the JSON length; RDEV_RESOURCE_EXHAUSTED when `cap` is
+/// too small (call again with `*out_len + 1`).
+#[no_mangle]
+pub unsafe extern "C" fn rdev_stats_json(buf: *mut c_char, cap: usize, out_len: *mut usize) -> rdev_status {
+    // SAFETY: arguments per contract.
+    boundary(|| unsafe { write_out(&Stats::global().to_json(), buf, cap, out_len) })
+}
+
+/// Zero the process-wide counters.
+#[no_mangle]
+pub extern "C" fn rdev_stats_reset() {
+    let _ = boundary(|| {
+        Stats::global().reset();
+        Ok(())
+    });
+}
+
+/// Effective settings (from the environment now) with defaults and help,
+/// as JSON; same buffer rules as `rdev_stats_json`. A bad value yields
+/// RDEV_CONFIG with the reason in `rdev_last_error`.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_config_json(buf: *mut c_char, cap: usize, out_len: *mut usize) -> rdev_status {
+    boundary(|| {
+        let cfg = Config::from_env()?;
+        // SAFETY: arguments per contract.
+        unsafe { write_out(&cfg.to_json(), buf, cap, out_len) }
+    })
+}
+
+/// A static, NUL-terminated name for `status`.
+#[no_mangle]
+pub extern "C" fn rdev_status_str(status: rdev_status) -> *const c_char {
+    status::name(status).as_ptr()
+}
+
+/// The message of the last failed call on this thread, NUL-terminated into
+/// `buf` (truncated to `cap - 1` bytes). Returns the full length.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_last_error(buf: *mut c_char, cap: usize) -> usize {
+    LAST_ERROR.with(|l| {
+        let s = l.borrow();
+        if !buf.is_null() && cap > 0 {
+            let n = s.len().min(cap - 1);
+            // SAFETY: cap bytes are writable at buf.
+            unsafe {
+                std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), n);
+                *buf.add(n) = 0;
+            }
+        }
+        s.len()
+    })
+}
+
+/// The library version, NUL-terminated, static.
+#[no_mangle]
+pub extern "C" fn rdev_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}

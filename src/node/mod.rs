@@ -1,0 +1,442 @@
+//! One task's transport: the arena, the backends, the protocol state, and
+//! the glue that turns fabric events into protocol inputs and protocol
+//! actions into fabric calls. This is what the C ABI wraps: one `Node` per
+//! TensorFlow server.
+//!
+//! Threading: protocol state sits behind one mutex; actions are executed
+//! after it is released, so completions may call back in. Callbacks to the
+//! application run on the calling thread or on a backend thread.
+
+mod peers;
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::fabric::{self, Arena, ConnId, Endpoint, Fabric, FabricEvents, Listener, TransportKind};
+use crate::rendezvous::{self, Action, Data, Hello, Params, Payload, Received, Rendezvous, TensorMeta};
+use crate::stats::Stats;
+
+pub use peers::PeerChoice;
+
+/// A received tensor. Its bytes stay valid (and its slot stays with us)
+/// until it is dropped; dropping it hands the slot back to the sender.
+pub struct Lease {
+    node: Weak<Inner>,
+    meta: TensorMeta,
+    data: Data,
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: `ptr` points into the node's arena (kept alive by the slot
+// ownership protocol until release) or into `data`'s own Vec.
+unsafe impl Send for Lease {}
+// SAFETY: as above; the bytes are only read.
+unsafe impl Sync for Lease {}
+
+impl Lease {
+    pub fn meta(&self) -> &TensorMeta {
+        &self.meta
+    }
+
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the bytes sit in the arena (zero-copy) rather than a buffer.
+    pub fn in_place(&self) -> bool {
+        matches!(self.data, Data::Slot { .. })
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: ptr/len describe memory kept valid until this lease drops.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let (Data::Slot { link, slot, gen, .. }, Some(n)) = (&self.data, self.node.upgrade()) {
+            let acts = n.locked(|r| r.release(*link, *slot, *gen));
+            n.exec(acts);
+        }
+    }
+}
+
+pub type LeaseDone = Box<dyn FnOnce(Result<Lease>) + Send>;
+
+enum LinkRef {
+    Tx(Arc<dyn Endpoint>),
+    Rx(TransportKind),
+}
+
+pub(crate) struct Inner {
+    cfg: Config,
+    task: String,
+    addr: String,
+    incarnation: u64,
+    arena: Arc<Arena>,
+    fabrics: Vec<Arc<dyn Fabric>>,
+    listeners: Mutex<HashMap<TransportKind, Arc<dyn Listener>>>,
+    rdv: Mutex<Rendezvous>,
+    links: Mutex<HashMap<ConnId, LinkRef>>,
+    peers: peers::Peers,
+    me: Weak<Inner>,
+}
+
+pub struct Node {
+    inner: Arc<Inner>,
+}
+
+/// A random 64-bit value (std's hasher keys come from the OS RNG).
+pub fn random_u64() -> u64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(std::process::id() as u64);
+    h.finish()
+}
+
+impl Node {
+    /// Start the transport for task `task` serving at `addr` ("host:port").
+    pub fn new(cfg: Config, task: &str, addr: &str) -> Result<Node> {
+        init_logging(&cfg);
+        let arena = Arc::new(Arena::new("rdma_device-arena", cfg.arena_bytes)?);
+        let fabrics = fabric::build_all(&cfg);
+        let incarnation = random_u64();
+        let params = Params {
+            slots_per_edge: cfg.slots_per_edge,
+            max_outstanding_writes: cfg.max_outstanding_writes,
+            incarnation,
+        };
+        let rdv = Rendezvous::new(params, arena.len() as u64);
+        let inner = Arc::new_cyclic(|me| Inner {
+            cfg,
+            task: task.to_string(),
+            addr: addr.to_string(),
+            incarnation,
+            arena,
+            fabrics,
+            listeners: Mutex::new(HashMap::new()),
+            rdv: Mutex::new(rdv),
+            links: Mutex::new(HashMap::new()),
+            peers: peers::Peers::default(),
+            me: me.clone(),
+        });
+        let st = Stats::global();
+        st.c.arena_bytes_total.store(inner.arena.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        for f in &inner.fabrics {
+            if let Err(e) = f.is_viable() {
+                log::info!("{} transport not viable: {e}", f.kind().name());
+                continue;
+            }
+            let events: Arc<dyn FabricEvents> = Arc::new(Events { node: Arc::downgrade(&inner), kind: f.kind() });
+            match f.listen(addr, inner.arena.clone(), events) {
+                Ok(l) => {
+                    inner.listeners.lock().insert(f.kind(), l);
+                }
+                Err(e) => log::warn!("{} transport cannot listen at {addr}: {e}", f.kind().name()),
+            }
+        }
+        log::info!("rdma_device node {task} at {addr} (incarnation {incarnation:#x})");
+        Ok(Node { inner })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.inner.cfg
+    }
+
+    pub fn task(&self) -> &str {
+        &self.inner.task
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.inner.addr
+    }
+
+    /// Transports this node can serve, with the reason for each that can't.
+    pub fn transports(&self) -> Vec<(TransportKind, Result<()>)> {
+        let l = self.inner.listeners.lock();
+        self.inner
+            .fabrics
+            .iter()
+            .map(|f| {
+                let ok = if l.contains_key(&f.kind()) { Ok(()) } else { f.is_viable().and(Err(Error::NotViable("not listening".into()))) };
+                (f.kind(), ok)
+            })
+            .collect()
+    }
+
+    /// Learn of `peer` at `addr`; returns the transport that will carry
+    /// tensors between us, or why none can (then the caller uses gRPC).
+    pub fn add_peer(&self, peer: &str, addr: &str) -> PeerChoice {
+        self.inner.add_peer(peer, addr)
+    }
+
+    /// Push `payload` for `(key, step)` to `peer`. `done` runs once the
+    /// payload may be reused (any thread, possibly before this returns).
+    pub fn send(&self, peer: &str, key: &str, step: u64, meta: TensorMeta, payload: Box<dyn Payload>, done: rendezvous::SendDone) {
+        self.inner.send(peer, key, step, meta, payload, done)
+    }
+
+    /// Receive `(key, step)` from `peer`. `done` runs exactly once.
+    pub fn recv(&self, peer: &str, key: &str, step: u64, done: LeaseDone) {
+        self.inner.recv(peer, key, step, done)
+    }
+
+    pub fn step_done(&self, step: u64) {
+        let acts = self.inner.locked(|r| r.step_done(step));
+        self.inner.exec(acts);
+    }
+
+    pub fn abort_step(&self, step: u64, why: Error) {
+        let acts = self.inner.locked(|r| r.abort_step(step, why));
+        self.inner.exec(acts);
+    }
+
+    pub fn abort_all(&self, why: Error) {
+        let acts = self.inner.locked(|r| r.abort_all(why));
+        self.inner.exec(acts);
+    }
+
+    /// Drop every connection to or from `peer` (its waiters fail).
+    pub fn abort_peer(&self, peer: &str) {
+        self.inner.close_peer(peer);
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.abort_all(Error::Aborted("transport shut down".into()));
+        for l in self.inner.listeners.lock().drain() {
+            l.1.shutdown();
+        }
+        let eps: Vec<Arc<dyn Endpoint>> = self
+            .inner
+            .links
+            .lock()
+            .drain()
+            .filter_map(|(_, l)| match l {
+                LinkRef::Tx(e) => Some(e),
+                LinkRef::Rx(_) => None,
+            })
+            .collect();
+        for e in eps {
+            e.close();
+        }
+    }
+}
+
+fn init_logging(cfg: &Config) {
+    let _ = env_logger::Builder::new().parse_filters(&cfg.log).format_timestamp_micros().try_init();
+}
+
+struct Events {
+    node: Weak<Inner>,
+    kind: TransportKind,
+}
+
+impl FabricEvents for Events {
+    fn on_accept(&self, conn: ConnId, hello: &[u8]) -> Result<Vec<u8>> {
+        let n = self.node.upgrade().ok_or_else(|| Error::Aborted("transport shut down".into()))?;
+        let h = Hello::decode(hello)?;
+        if !h.target.is_empty() && h.target != n.task {
+            return Err(Error::InvalidArgument(format!("this is {}, not {}", n.task, h.target)));
+        }
+        n.links.lock().insert(conn, LinkRef::Rx(self.kind));
+        n.locked(|r| r.add_rx_link(conn, &h.task, h.incarnation));
+        log::info!("{}: {} connected over {} (incarnation {:#x})", n.task, h.task, self.kind.name(), h.incarnation);
+        Ok(Hello { task: n.task.clone(), incarnation: n.incarnation, target: String::new() }.encode())
+    }
+
+    fn on_write_imm(&self, conn: ConnId, imm: u32) {
+        let Some(n) = self.node.upgrade() else { return };
+        let mem = ArenaMem(&n.arena);
+        let acts = n.locked(|r| r.on_write_imm(conn, imm, &mem));
+        n.exec(acts);
+    }
+
+    fn on_message(&self, conn: ConnId, msg: &[u8]) {
+        let Some(n) = self.node.upgrade() else { return };
+        let acts = n.locked(|r| r.on_message(conn, msg));
+        n.exec(acts);
+    }
+
+    fn on_disconnect(&self, conn: ConnId, why: Error) {
+        let Some(n) = self.node.upgrade() else { return };
+        n.links.lock().remove(&conn);
+        n.peers.forget_link(conn);
+        Stats::add(&Stats::global().c.peers_lost, 1);
+        log::info!("{}: connection {conn} over {} ended: {why}", n.task, self.kind.name());
+        let acts = n.locked(|r| r.on_link_lost(conn, why));
+        n.exec(acts);
+    }
+}
+
+struct ArenaMem<'a>(&'a Arena);
+
+impl rendezvous::SlotMemory for ArenaMem<'_> {
+    fn header(&self, offset: u64) -> Vec<u8> {
+        self.0.copy_out(offset as usize, crate::constants::HEADER_BYTES).unwrap_or_default()
+    }
+}
+
+/// A payload as a fabric segment.
+struct PayloadSeg(Box<dyn Payload>);
+
+impl AsRef<[u8]> for PayloadSeg {
+    fn as_ref(&self) -> &[u8] {
+        self.0.bytes()
+    }
+}
+
+impl Inner {
+    /// Run `f` on the protocol state, mirroring its counters into Stats.
+    fn locked<T>(&self, f: impl FnOnce(&mut Rendezvous) -> T) -> T {
+        let mut r = self.rdv.lock();
+        let out = f(&mut r);
+        let t = std::mem::take(&mut r.tally);
+        let in_use = r.arena_in_use();
+        drop(r);
+        let c = &Stats::global().c;
+        for (ctr, v) in [
+            (&c.tensors_pushed, t.tensors_pushed),
+            (&c.bytes_pushed, t.bytes_pushed),
+            (&c.tensors_received, t.tensors_received),
+            (&c.bytes_received, t.bytes_received),
+            (&c.inline_tensors, t.inline_tensors),
+            (&c.inline_bytes, t.inline_bytes),
+            (&c.negotiation_messages, t.negotiation_messages),
+            (&c.credits_sent, t.credits_sent),
+            (&c.edges_static, t.edges_static),
+            (&c.edges_traced, t.edges_traced),
+            (&c.replacements, t.replacements),
+            (&c.slots_reclaimed, t.slots_reclaimed),
+            (&c.rejected_writes, t.rejected_writes),
+            (&c.dropped_late, t.dropped_late),
+            (&c.waiters_failed, t.waiters_failed),
+        ] {
+            if v != 0 {
+                Stats::add(ctr, v);
+            }
+        }
+        c.arena_bytes_in_use.store(in_use, std::sync::atomic::Ordering::Relaxed);
+        out
+    }
+
+    fn endpoint(&self, link: ConnId) -> Option<Arc<dyn Endpoint>> {
+        match self.links.lock().get(&link) {
+            Some(LinkRef::Tx(e)) => Some(e.clone()),
+            _ => None,
+        }
+    }
+
+    fn send_msg(&self, link: ConnId, msg: &rendezvous::Msg) -> Result<()> {
+        let bytes = msg.encode();
+        let target = match self.links.lock().get(&link) {
+            Some(LinkRef::Tx(e)) => Ok(e.clone()),
+            Some(LinkRef::Rx(k)) => Err(*k),
+            None => return Err(Error::PeerLost(format!("connection {link} is closed"))),
+        };
+        match target {
+            Ok(e) => e.send_msg(&bytes),
+            Err(kind) => {
+                let l = self.listeners.lock().get(&kind).cloned();
+                l.ok_or_else(|| Error::PeerLost("listener closed".into()))?.send_msg(link, &bytes)
+            }
+        }
+    }
+
+    /// Carry out protocol actions (never called with the state locked).
+    fn exec(&self, acts: Vec<Action>) {
+        for a in acts {
+            match a {
+                Action::Write { link, offset, header, payload, imm, done, bytes: _ } => {
+                    let Some(ep) = self.endpoint(link) else {
+                        done(Err(Error::PeerLost(format!("connection {link} is closed"))));
+                        let acts = self.locked(|r| r.write_done(link));
+                        self.exec(acts);
+                        continue;
+                    };
+                    let me = self.me.clone();
+                    let segs: Vec<fabric::Segment> = vec![Box::new(header), Box::new(PayloadSeg(payload))];
+                    ep.write_imm(
+                        offset,
+                        segs,
+                        imm,
+                        Box::new(move |res| {
+                            done(res);
+                            if let Some(n) = me.upgrade() {
+                                let acts = n.locked(|r| r.write_done(link));
+                                n.exec(acts);
+                            }
+                        }),
+                    );
+                }
+                Action::Inline { link, key, step, meta, payload, done } => {
+                    let msgs = rendezvous::inline_messages(&key, step, &meta, payload.bytes());
+                    let res = msgs.iter().try_for_each(|m| self.send_msg(link, m));
+                    done(res);
+                }
+                Action::Send { link, msg } => {
+                    if let Err(e) = self.send_msg(link, &msg) {
+                        log::debug!("control message on connection {link} not sent: {e}");
+                    }
+                }
+                Action::Close { link, why } => {
+                    log::warn!("{}: closing connection {link}: {why}", self.task);
+                    let l = self.links.lock().get(&link).map(|l| match l {
+                        LinkRef::Tx(e) => Ok(e.clone()),
+                        LinkRef::Rx(k) => Err(*k),
+                    });
+                    match l {
+                        Some(Ok(e)) => e.close(),
+                        Some(Err(k)) => {
+                            if let Some(l) = self.listeners.lock().get(&k).cloned() {
+                                l.close_conn(link);
+                            }
+                        }
+                        None => {}
+                    }
+                }
+                Action::SendDone { done, result } => done(result),
+                Action::Deliver { done, result } => done(result),
+                Action::Release { link, slot, gen } => {
+                    let acts = self.locked(|r| r.release(link, slot, gen));
+                    self.exec(acts);
+                }
+            }
+        }
+    }
+
+    fn lease(&self, r: Received) -> Lease {
+        let (ptr, len) = match &r.data {
+            Data::Slot { offset, len, .. } => {
+                // The protocol only hands out ranges inside the arena it was
+                // sized for; check anyway, since the bytes reach TensorFlow.
+                let ok = (*offset as usize).checked_add(*len as usize).is_some_and(|e| e <= self.arena.len());
+                if ok {
+                    (self.arena.as_ptr().wrapping_add(*offset as usize) as *const u8, *len as usize)
+                } else {
+                    (std::ptr::null(), 0)
+                }
+            }
+            Data::Owned(v) => (v.as_ptr(), v.len()),
+        };
+        Lease { node: self.me.clone(), meta: r.meta, data: r.data, ptr, len }
+    }
+}

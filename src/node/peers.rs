@@ -1,0 +1,190 @@
+//! Peers: which transport serves each, the sender-side connection to it
+//! (made on first use), and watching a peer we only receive from.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::{Events, Inner, LeaseDone, LinkRef};
+use crate::error::{Error, Result};
+use crate::fabric::{ConnId, Endpoint, FabricEvents, TransportKind};
+use crate::rendezvous::{Hello, Payload, SendDone, TensorMeta};
+use crate::stats::Stats;
+
+/// The transport chosen for a peer, or why there is none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerChoice {
+    pub transport: Option<TransportKind>,
+    pub reason: String,
+}
+
+struct PeerEntry {
+    addr: String,
+    choice: Option<TransportKind>,
+    /// The sender-side connection; its mutex also serializes connecting.
+    tx: Arc<Mutex<Option<(ConnId, Arc<dyn Endpoint>)>>>,
+    watching: bool,
+}
+
+#[derive(Default)]
+pub(super) struct Peers {
+    table: Mutex<HashMap<String, PeerEntry>>,
+}
+
+impl Peers {
+    pub(super) fn forget_link(&self, _conn: ConnId) {
+        // Stale sender connections are detected in `ensure_tx` by looking
+        // the id up in the live link table; nothing to do here.
+    }
+}
+
+impl Inner {
+    pub(super) fn add_peer(&self, peer: &str, addr: &str) -> PeerChoice {
+        let mut reasons = Vec::new();
+        let mut choice = None;
+        {
+            let listening = self.listeners.lock();
+            for f in &self.fabrics {
+                let name = f.kind().name();
+                if !listening.contains_key(&f.kind()) {
+                    let why = f.is_viable().err().map(|e| e.message().to_string()).unwrap_or_else(|| "not listening".into());
+                    reasons.push(format!("{name}: {why}"));
+                    continue;
+                }
+                match f.reaches(addr) {
+                    Ok(()) => {
+                        choice = Some(f.kind());
+                        break;
+                    }
+                    Err(e) => reasons.push(format!("{name}: {}", e.message())),
+                }
+            }
+        }
+        if self.cfg.transports.is_empty() {
+            reasons.push("RDMA_DEVICE_TRANSPORTS is empty".into());
+        }
+        if !crate::fabric::VERBS_BUILT && self.cfg.allows("verbs") && choice.is_none() {
+            reasons.push("verbs: this build has no verbs support".into());
+        }
+        let reason = reasons.join("; ");
+        let shown = match choice {
+            Some(k) => k.name().to_string(),
+            None => format!("grpc ({reason})"),
+        };
+        Stats::global().set_peer(peer, &shown);
+        let mut t = self.peers.table.lock();
+        let e = t.entry(peer.to_string()).or_insert_with(|| PeerEntry {
+            addr: addr.to_string(),
+            choice,
+            tx: Arc::new(Mutex::new(None)),
+            watching: false,
+        });
+        e.addr = addr.to_string();
+        e.choice = choice;
+        PeerChoice { transport: choice, reason }
+    }
+
+    /// The live sender connection to `peer`, connecting if needed.
+    fn ensure_tx(&self, peer: &str) -> Result<ConnId> {
+        let (addr, choice, slot) = {
+            let t = self.peers.table.lock();
+            let e = t.get(peer).ok_or_else(|| Error::InvalidArgument(format!("unknown peer {peer}: add it first")))?;
+            (e.addr.clone(), e.choice, e.tx.clone())
+        };
+        let kind = choice.ok_or_else(|| Error::NotViable(format!("no transport serves {peer}")))?;
+        let mut held = slot.lock();
+        if let Some((id, _)) = held.as_ref() {
+            if self.links.lock().contains_key(id) {
+                return Ok(*id);
+            }
+        }
+        let f = self
+            .fabrics
+            .iter()
+            .find(|f| f.kind() == kind)
+            .ok_or_else(|| Error::Internal(format!("{} backend missing", kind.name())))?;
+        let hello = Hello { task: self.task.clone(), incarnation: self.incarnation, target: peer.to_string() }.encode();
+        let events: Arc<dyn FabricEvents> = Arc::new(Events { node: self.me.clone(), kind });
+        let timeout = Duration::from_millis(self.cfg.connect_timeout_ms);
+        let ep = f.connect(&addr, &hello, events, timeout).map_err(|e| e.context(&format!("connecting to {peer} at {addr}")))?;
+        let reply = Hello::decode(ep.peer_hello())?;
+        if reply.task != peer {
+            ep.close();
+            return Err(Error::NotViable(format!("{addr} is {}, not {peer}", reply.task)));
+        }
+        let id = ep.id();
+        self.links.lock().insert(id, LinkRef::Tx(ep.clone()));
+        self.locked(|r| r.add_tx_link(id, peer));
+        *held = Some((id, ep));
+        log::info!("{}: connected to {peer} at {addr} over {}", self.task, kind.name());
+        Ok(id)
+    }
+
+    pub(super) fn send(&self, peer: &str, key: &str, step: u64, meta: TensorMeta, payload: Box<dyn Payload>, done: SendDone) {
+        match self.ensure_tx(peer) {
+            Ok(link) => {
+                let acts = self.locked(|r| r.send(link, key, step, meta, payload, done));
+                self.exec(acts);
+            }
+            Err(e) => done(Err(e)),
+        }
+    }
+
+    pub(super) fn recv(&self, peer: &str, key: &str, step: u64, done: LeaseDone) {
+        let me = self.me.clone();
+        let wrapped: crate::rendezvous::RecvDone = Box::new(move |res| match (res, me.upgrade()) {
+            (Ok(r), Some(n)) => done(Ok(n.lease(r))),
+            (Ok(_), None) => done(Err(Error::Aborted("transport shut down".into()))),
+            (Err(e), _) => done(Err(e)),
+        });
+        let (acts, connected) = self.locked(|r| {
+            let a = r.recv(peer, key, step, wrapped);
+            (a, r.peer_connected(peer))
+        });
+        self.exec(acts);
+        if !connected {
+            self.watch(peer);
+        }
+    }
+
+    /// We wait on `peer` but have no connection with it: connect as a
+    /// sender in the background, so that its death (or absence) reaches
+    /// our waiters as an error instead of a hang.
+    fn watch(&self, peer: &str) {
+        {
+            let mut t = self.peers.table.lock();
+            match t.get_mut(peer) {
+                Some(e) if !e.watching && e.choice.is_some() => e.watching = true,
+                _ => return,
+            }
+        }
+        let me = self.me.clone();
+        let peer = peer.to_string();
+        let spawned = std::thread::Builder::new().name("rdev-watch".into()).spawn(move || {
+            let Some(n) = me.upgrade() else { return };
+            let res = n.ensure_tx(&peer);
+            if let Some(e) = n.peers.table.lock().get_mut(&peer) {
+                e.watching = false;
+            }
+            if let Err(e) = res {
+                log::warn!("{}: {peer} is unreachable: {e}", n.task);
+                let acts = n.locked(|r| r.peer_unreachable(&peer, Error::PeerLost(e.to_string())));
+                n.exec(acts);
+            }
+        });
+        if let Err(e) = spawned {
+            log::error!("cannot spawn a watcher thread: {e}");
+        }
+    }
+
+    pub(super) fn close_peer(&self, peer: &str) {
+        let links = self.locked(|r| r.links_of(peer));
+        let acts = links
+            .into_iter()
+            .map(|link| crate::rendezvous::Action::Close { link, why: Error::Aborted(format!("connection to {peer} aborted")) })
+            .collect();
+        self.exec(acts);
+    }
+}

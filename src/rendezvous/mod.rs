@@ -1,0 +1,296 @@
+//! The push rendezvous protocol, as a state machine.
+//!
+//! Owns: edges (a rendezvous key without its step), the receiver's slots and
+//! their placement in the arena, the sender's view of free slots, matching
+//! arrivals to receives on (edge, step), credits, re-placement on size
+//! change, the inline fallback, aborts and generations. Must not touch:
+//! memory, threads, sockets or any transport type. Every input is a method
+//! call; every effect is an [`Action`] the caller executes after releasing
+//! its lock (so callbacks may call back in).
+//!
+//! Slot ownership is a token that lives either with the sender (the slot is
+//! free and the sender may write into it) or with the receiver (data arrived
+//! or lent to the application). The receiver reuses slot memory only while
+//! it holds the token; a slot whose token is with the sender is reclaimed
+//! only after the sender returns it (`Announce.returned` or `ReturnSlot`).
+//! That rule is what makes re-placement safe with one-sided writes.
+
+pub mod alloc;
+mod rx;
+mod tx;
+pub use rx::SlotMemory;
+pub use tx::inline_messages;
+pub mod wire;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use crate::constants::FINISHED_STEPS_REMEMBERED;
+use crate::error::{Error, Result};
+pub use wire::{Hello, Msg, SlotDesc, SlotHeader, TensorMeta, FLAG_DEAD, FLAG_SERIALIZED};
+
+/// A connection, as the protocol knows it (the fabric's id, opaque here).
+pub type LinkId = u64;
+
+/// The bytes of a tensor being sent. Must stay valid until the send's
+/// completion runs; dropping it releases nothing by itself.
+pub trait Payload: Send + Sync {
+    fn bytes(&self) -> &[u8];
+}
+
+impl Payload for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+pub type SendDone = Box<dyn FnOnce(Result<()>) + Send>;
+pub type RecvDone = Box<dyn FnOnce(Result<Received>) + Send>;
+
+/// Where a received tensor's bytes are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Data {
+    /// In place in the arena: `offset..offset+len`. Release with
+    /// [`Rendezvous::release`] (`link`, `slot`, `gen`) when done.
+    Slot { link: LinkId, slot: u32, gen: u32, offset: u64, len: u64 },
+    /// Assembled from inline messages.
+    Owned(Vec<u8>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Received {
+    pub meta: TensorMeta,
+    pub data: Data,
+}
+
+/// Effects for the caller to carry out, in order, outside its lock.
+pub enum Action {
+    /// One-sided write of `header` then `payload` at `offset` of the peer's
+    /// arena, then immediate `imm`. When it completes, call
+    /// [`Rendezvous::write_done`] and then `done`.
+    Write { link: LinkId, offset: u64, header: Vec<u8>, payload: Box<dyn Payload>, imm: u32, done: SendDone, bytes: u64 },
+    /// Send `payload` as chunked `Msg::Inline` messages, then call `done`.
+    Inline { link: LinkId, key: String, step: u64, meta: TensorMeta, payload: Box<dyn Payload>, done: SendDone },
+    /// Send a control message on `link`.
+    Send { link: LinkId, msg: Msg },
+    /// Close `link` (protocol violation).
+    Close { link: LinkId, why: Error },
+    /// Complete a send.
+    SendDone { done: SendDone, result: Result<()> },
+    /// Complete a receive.
+    Deliver { done: RecvDone, result: Result<Received> },
+    /// Free an arrival the application will never take (its step finished).
+    Release { link: LinkId, slot: u32, gen: u32 },
+}
+
+impl std::fmt::Debug for Action {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Action::Write { link, offset, imm, bytes, .. } => write!(f, "Write(link {link}, off {offset}, imm {imm}, {bytes} B)"),
+            Action::Inline { link, key, step, .. } => write!(f, "Inline(link {link}, {key}, step {step})"),
+            Action::Send { link, msg } => write!(f, "Send(link {link}, {msg:?})"),
+            Action::Close { link, why } => write!(f, "Close(link {link}, {why})"),
+            Action::SendDone { result, .. } => write!(f, "SendDone({result:?})"),
+            Action::Deliver { result, .. } => write!(f, "Deliver({:?})", result.as_ref().map(|r| &r.meta)),
+            Action::Release { link, slot, gen } => write!(f, "Release(link {link}, slot {slot}, gen {gen})"),
+        }
+    }
+}
+
+/// Settings the protocol needs (a subset of `Config`).
+#[derive(Debug, Clone)]
+pub struct Params {
+    pub slots_per_edge: usize,
+    pub max_outstanding_writes: usize,
+    /// Our incarnation: stamped into every header we write.
+    pub incarnation: u64,
+}
+
+/// Counters the protocol moves; the caller mirrors them into `Stats`.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Tally {
+    pub tensors_pushed: u64,
+    pub bytes_pushed: u64,
+    pub tensors_received: u64,
+    pub bytes_received: u64,
+    pub inline_tensors: u64,
+    pub inline_bytes: u64,
+    pub negotiation_messages: u64,
+    pub credits_sent: u64,
+    pub edges_static: u64,
+    pub edges_traced: u64,
+    pub replacements: u64,
+    pub slots_reclaimed: u64,
+    pub rejected_writes: u64,
+    pub dropped_late: u64,
+    pub waiters_failed: u64,
+}
+
+enum Entry {
+    Waiting { peer: String, done: RecvDone },
+    Ready(Received),
+}
+
+pub struct Rendezvous {
+    params: Params,
+    alloc: alloc::ArenaAlloc,
+    tx: HashMap<LinkId, tx::TxLink>,
+    rx: HashMap<LinkId, rx::RxLink>,
+    /// Matching table: (key, step) → a waiting receive or an arrival.
+    table: HashMap<(String, u64), Entry>,
+    finished: VecDeque<u64>,
+    finished_set: HashSet<u64>,
+    /// Peers whose connection broke, until they connect again.
+    lost: HashMap<String, Error>,
+    /// Slots of dead links still lent to the application: (offset, bytes).
+    orphans: HashMap<(LinkId, u32, u32), (u64, u64)>,
+    next_gen: u32,
+    pub tally: Tally,
+}
+
+impl Rendezvous {
+    pub fn new(params: Params, arena_bytes: u64) -> Rendezvous {
+        Rendezvous {
+            params,
+            alloc: alloc::ArenaAlloc::new(arena_bytes),
+            tx: HashMap::new(),
+            rx: HashMap::new(),
+            table: HashMap::new(),
+            finished: VecDeque::new(),
+            finished_set: HashSet::new(),
+            lost: HashMap::new(),
+            orphans: HashMap::new(),
+            next_gen: 1,
+            tally: Tally::default(),
+        }
+    }
+
+    pub fn arena_in_use(&self) -> u64 {
+        self.alloc.in_use()
+    }
+
+    /// Every link to or from `peer`.
+    pub fn links_of(&self, peer: &str) -> Vec<LinkId> {
+        self.tx.iter().filter(|(_, t)| t.peer == peer).map(|(l, _)| *l)
+            .chain(self.rx.iter().filter(|(_, r)| r.peer == peer).map(|(l, _)| *l))
+            .collect()
+    }
+
+    /// A control message arrived on `link` (either direction).
+    pub fn on_message(&mut self, link: LinkId, bytes: &[u8]) -> Vec<Action> {
+        let msg = match Msg::decode(bytes) {
+            Ok(m) => m,
+            Err(e) => return vec![Action::Close { link, why: e }],
+        };
+        let is_tx = self.tx.contains_key(&link);
+        let is_rx = self.rx.contains_key(&link);
+        let r = match (msg, is_tx, is_rx) {
+            (Msg::Publish { key, edge_id, slots }, true, _) => self.tx_publish(link, key, edge_id, slots),
+            (Msg::Credit { edge_id, slot, gen }, true, _) => self.tx_credit(link, edge_id, slot, gen),
+            (Msg::NoSpace { key, need }, true, _) => self.tx_nospace(link, key, need),
+            (Msg::Announce { key, step, need, returned }, _, true) => self.rx_announce(link, key, step, need, returned),
+            (Msg::ReturnSlot { slot, gen }, _, true) => self.rx_return(link, slot, gen),
+            (Msg::Inline { key, step, meta, total, offset, bytes }, _, true) => {
+                self.rx_inline(link, key, step, meta, total, offset, bytes)
+            }
+            (m, _, _) => Err(Error::Protocol(format!("unexpected message on link {link}: {m:?}"))),
+        };
+        r.unwrap_or_else(|e| vec![Action::Close { link, why: e }])
+    }
+
+    /// A link to or from `peer` broke: fail what depended on it.
+    pub fn on_link_lost(&mut self, link: LinkId, why: Error) -> Vec<Action> {
+        let mut acts = Vec::new();
+        let mut peer = None;
+        if let Some(t) = self.tx.remove(&link) {
+            peer = Some(t.peer.clone());
+            acts.extend(t.fail_all(&why));
+        }
+        if let Some(r) = self.rx.remove(&link) {
+            peer = Some(r.peer.clone());
+            self.rx_drop_link(link, r);
+        }
+        if let Some(peer) = peer {
+            let still_up = self.tx.values().any(|t| t.peer == peer) || self.rx.values().any(|r| r.peer == peer);
+            if !still_up {
+                self.lost.insert(peer.clone(), why.clone());
+                acts.extend(self.fail_waiters(|p, _| p == peer, &why));
+            }
+        }
+        acts
+    }
+
+    /// Fail every waiting receive matching `pred(peer, step)`.
+    fn fail_waiters(&mut self, pred: impl Fn(&str, u64) -> bool, why: &Error) -> Vec<Action> {
+        let keys: Vec<(String, u64)> = self
+            .table
+            .iter()
+            .filter(|((_, step), e)| matches!(e, Entry::Waiting { peer, .. } if pred(peer, *step)))
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut acts = Vec::new();
+        for k in keys {
+            if let Some(Entry::Waiting { done, .. }) = self.table.remove(&k) {
+                self.tally.waiters_failed += 1;
+                acts.push(Action::Deliver { done, result: Err(why.clone()) });
+            }
+        }
+        acts
+    }
+
+    fn mark_finished(&mut self, step: u64) {
+        if self.finished_set.insert(step) {
+            self.finished.push_back(step);
+            while self.finished.len() > FINISHED_STEPS_REMEMBERED {
+                if let Some(old) = self.finished.pop_front() {
+                    self.finished_set.remove(&old);
+                }
+            }
+        }
+    }
+
+    /// Drop the step's unclaimed arrivals and pending work; fail its
+    /// waiters and queued sends with `why`.
+    fn end_step(&mut self, step: u64, why: Error) -> Vec<Action> {
+        self.mark_finished(step);
+        let mut acts = self.fail_waiters(|_, s| s == step, &why);
+        let ready: Vec<(String, u64)> = self
+            .table
+            .iter()
+            .filter(|((_, s), e)| *s == step && matches!(e, Entry::Ready(_)))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in ready {
+            if let Some(Entry::Ready(r)) = self.table.remove(&k) {
+                if let Data::Slot { link, slot, gen, .. } = r.data {
+                    acts.push(Action::Release { link, slot, gen });
+                }
+            }
+        }
+        for t in self.tx.values_mut() {
+            acts.extend(t.fail_step(step, &why));
+        }
+        for r in self.rx.values_mut() {
+            r.inline.retain(|(_, s), _| *s != step);
+        }
+        acts
+    }
+
+    /// The step is over (TF cleaned it up): late pushes for it are dropped.
+    pub fn step_done(&mut self, step: u64) -> Vec<Action> {
+        self.end_step(step, Error::Aborted(format!("step {step} finished before this tensor was received")))
+    }
+
+    /// Abort one step: its waiters and queued sends fail with `why`.
+    pub fn abort_step(&mut self, step: u64, why: Error) -> Vec<Action> {
+        self.end_step(step, why)
+    }
+
+    /// Abort everything (server shutdown): every waiter and queued send.
+    pub fn abort_all(&mut self, why: Error) -> Vec<Action> {
+        let mut acts = self.fail_waiters(|_, _| true, &why);
+        for t in self.tx.values_mut() {
+            acts.extend(t.fail_pending(&why));
+        }
+        acts
+    }
+}

@@ -1,0 +1,344 @@
+//! The receiver's half: per sender link, edges and their slots in the
+//! arena; arrivals matched to receives; credits; re-placement; inline
+//! assembly.
+
+use std::collections::HashMap;
+
+use super::{Action, Data, Entry, LinkId, Received, RecvDone, Rendezvous};
+use crate::constants::HEADER_BYTES;
+use crate::error::{Error, Result};
+use crate::rendezvous::alloc::ArenaAlloc;
+use crate::rendezvous::wire::{Msg, SlotDesc, SlotHeader, TensorMeta};
+
+/// Read access to slot headers in the arena (the caller owns the memory).
+pub trait SlotMemory {
+    fn header(&self, offset: u64) -> Vec<u8>;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Token {
+    AtSender,
+    AtReceiver,
+}
+
+struct RxSlot {
+    edge_id: u32,
+    gen: u32,
+    offset: u64,
+    /// Bytes reserved in the arena (header + payload capacity).
+    reserved: u64,
+    capacity: u64,
+    token: Token,
+    /// No longer in the edge's current set: free it when we get the token.
+    retired: bool,
+}
+
+struct RxEdge {
+    key: String,
+    set: Vec<u32>,
+}
+
+pub(super) struct Assembly {
+    meta: TensorMeta,
+    total: u64,
+    buf: Vec<u8>,
+}
+
+/// Largest tensor the inline path assembles (it buffers in memory).
+const MAX_INLINE_TOTAL: u64 = 1 << 36;
+
+pub(super) struct RxLink {
+    pub(super) peer: String,
+    incarnation: u64,
+    edges: HashMap<String, u32>,
+    edge_info: HashMap<u32, RxEdge>,
+    slots: HashMap<u32, RxSlot>,
+    next_slot: u32,
+    next_edge: u32,
+    pub(super) inline: HashMap<(String, u64), Assembly>,
+}
+
+impl Rendezvous {
+    /// A sender `peer` (in life `incarnation`) connected to us on `link`.
+    pub fn add_rx_link(&mut self, link: LinkId, peer: &str, incarnation: u64) {
+        self.lost.remove(peer);
+        self.rx.insert(
+            link,
+            RxLink {
+                peer: peer.to_string(),
+                incarnation,
+                edges: HashMap::new(),
+                edge_info: HashMap::new(),
+                slots: HashMap::new(),
+                next_slot: 1,
+                next_edge: 1,
+                inline: HashMap::new(),
+            },
+        );
+    }
+
+    /// Is some link to or from `peer` up?
+    pub fn peer_connected(&self, peer: &str) -> bool {
+        self.rx.values().any(|r| r.peer == peer) || self.tx.values().any(|t| t.peer == peer)
+    }
+
+    /// Wait for the tensor `(key, step)` from `peer`.
+    pub fn recv(&mut self, peer: &str, key: &str, step: u64, done: RecvDone) -> Vec<Action> {
+        let k = (key.to_string(), step);
+        match self.table.remove(&k) {
+            Some(Entry::Ready(r)) => return vec![Action::Deliver { done, result: Ok(r) }],
+            Some(w @ Entry::Waiting { .. }) => {
+                self.table.insert(k, w);
+                return vec![Action::Deliver {
+                    done,
+                    result: Err(Error::InvalidArgument(format!("duplicate receive for {key} in step {step}"))),
+                }];
+            }
+            None => {}
+        }
+        if self.finished_set.contains(&step) {
+            return vec![Action::Deliver { done, result: Err(Error::Aborted(format!("step {step} was aborted"))) }];
+        }
+        if let Some(why) = self.lost.get(peer) {
+            if !self.peer_connected(peer) {
+                self.tally.waiters_failed += 1;
+                return vec![Action::Deliver { done, result: Err(why.clone()) }];
+            }
+        }
+        self.table.insert(k, Entry::Waiting { peer: peer.to_string(), done });
+        Vec::new()
+    }
+
+    /// Fail the receives waiting on `peer` (it is unreachable).
+    pub fn peer_unreachable(&mut self, peer: &str, why: Error) -> Vec<Action> {
+        if self.peer_connected(peer) {
+            return Vec::new();
+        }
+        self.lost.insert(peer.to_string(), why.clone());
+        self.fail_waiters(|p, _| p == peer, &why)
+    }
+
+    fn arrive(&mut self, key: String, step: u64, r: Received) -> Vec<Action> {
+        self.tally.tensors_received += 1;
+        self.tally.bytes_received += match &r.data {
+            Data::Slot { len, .. } => *len,
+            Data::Owned(v) => v.len() as u64,
+        };
+        if self.finished_set.contains(&step) {
+            self.tally.dropped_late += 1;
+            return match r.data {
+                Data::Slot { link, slot, gen, .. } => vec![Action::Release { link, slot, gen }],
+                Data::Owned(_) => Vec::new(),
+            };
+        }
+        let k = (key, step);
+        match self.table.remove(&k) {
+            Some(Entry::Waiting { done, .. }) => vec![Action::Deliver { done, result: Ok(r) }],
+            Some(Entry::Ready(old)) => {
+                // Two arrivals for one (edge, step): the sender is broken.
+                self.table.insert(k.clone(), Entry::Ready(old));
+                let link = match r.data { Data::Slot { link, .. } => Some(link), _ => None };
+                let why = Error::Protocol(format!("second tensor for {} in step {}", k.0, k.1));
+                link.map(|link| vec![Action::Close { link, why }]).unwrap_or_default()
+            }
+            None => {
+                self.table.insert(k, Entry::Ready(r));
+                Vec::new()
+            }
+        }
+    }
+
+    /// A write landed in slot `imm` of `link`.
+    pub fn on_write_imm(&mut self, link: LinkId, imm: u32, mem: &dyn SlotMemory) -> Vec<Action> {
+        let Some(r) = self.rx.get_mut(&link) else {
+            self.tally.rejected_writes += 1;
+            return Vec::new();
+        };
+        let Some(s) = r.slots.get_mut(&imm) else {
+            self.tally.rejected_writes += 1;
+            let why = Error::Protocol(format!("write into unknown slot {imm}"));
+            return vec![Action::Close { link, why }];
+        };
+        if s.token != Token::AtSender {
+            self.tally.rejected_writes += 1;
+            let why = Error::Protocol(format!("write into slot {imm}, which the sender does not own"));
+            return vec![Action::Close { link, why }];
+        }
+        let h = match SlotHeader::decode(&mem.header(s.offset)) {
+            Ok(h) => h,
+            Err(e) => {
+                self.tally.rejected_writes += 1;
+                return vec![Action::Close { link, why: e }];
+            }
+        };
+        if h.incarnation != r.incarnation || h.gen != s.gen {
+            // A write from an earlier life of the peer or into an earlier
+            // placement of the slot: ignore it (it is not this sender's now).
+            self.tally.rejected_writes += 1;
+            log::warn!("rejected a stale write into slot {imm} (generation {} vs {}, incarnation {:#x} vs {:#x})", h.gen, s.gen, h.incarnation, r.incarnation);
+            return Vec::new();
+        }
+        if h.slot != imm || h.edge_id != s.edge_id || h.len > s.capacity {
+            self.tally.rejected_writes += 1;
+            let why = Error::Protocol(format!(
+                "slot {imm}: header names slot {} edge {} with {} bytes (slot has edge {}, {} bytes)",
+                h.slot, h.edge_id, h.len, s.edge_id, s.capacity
+            ));
+            return vec![Action::Close { link, why }];
+        }
+        s.token = Token::AtReceiver;
+        let key = r.edge_info.get(&s.edge_id).map(|e| e.key.clone()).unwrap_or_default();
+        let data = Data::Slot { link, slot: imm, gen: s.gen, offset: s.offset + HEADER_BYTES as u64, len: h.len };
+        self.arrive(key, h.step, Received { meta: h.meta, data })
+    }
+
+    /// The application is done with an arrival: the slot goes back to the
+    /// sender (credit), or to the arena if the edge was re-placed.
+    pub fn release(&mut self, link: LinkId, slot: u32, gen: u32) -> Vec<Action> {
+        let Some(r) = self.rx.get_mut(&link) else {
+            // The link is gone; its slots were freed except this one.
+            if let Some((off, reserved)) = self.orphans.remove(&(link, slot, gen)) {
+                self.alloc.free(off, reserved);
+            }
+            return Vec::new();
+        };
+        let Some(s) = r.slots.get_mut(&slot) else { return Vec::new() };
+        if s.gen != gen || s.token != Token::AtReceiver {
+            return Vec::new();
+        }
+        if s.retired {
+            let s = r.slots.remove(&slot).expect("present");
+            self.alloc.free(s.offset, s.reserved);
+            return Vec::new();
+        }
+        s.token = Token::AtSender;
+        self.tally.credits_sent += 1;
+        vec![Action::Send { link, msg: Msg::Credit { edge_id: s.edge_id, slot, gen } }]
+    }
+
+    /// Place `key` on `link` for `need` payload bytes; publish the slots.
+    /// `returned`: free slots the sender gave back.
+    pub(super) fn rx_announce(
+        &mut self,
+        link: LinkId,
+        key: String,
+        _step: u64,
+        need: u64,
+        returned: Vec<(u32, u32)>,
+    ) -> Result<Vec<Action>> {
+        let n = self.params.slots_per_edge;
+        self.tally.negotiation_messages += 1;
+        let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("announce on unknown link".into()))?;
+        for (id, gen) in returned {
+            if r.slots.get(&id).is_some_and(|s| s.gen == gen && s.token == Token::AtSender) {
+                let s = r.slots.remove(&id).expect("present");
+                self.alloc.free(s.offset, s.reserved);
+            }
+        }
+        let edge_id = match r.edges.get(&key) {
+            Some(id) => {
+                self.tally.replacements += 1;
+                *id
+            }
+            None => {
+                self.tally.edges_traced += 1;
+                let id = r.next_edge;
+                r.next_edge += 1;
+                r.edges.insert(key.clone(), id);
+                r.edge_info.insert(id, RxEdge { key: key.clone(), set: Vec::new() });
+                id
+            }
+        };
+        // Whatever remains of the old set is retired: slots with us are
+        // freed on release, slots with the sender when it returns them.
+        let old = std::mem::take(&mut r.edge_info.get_mut(&edge_id).expect("edge").set);
+        for id in old {
+            if let Some(s) = r.slots.get_mut(&id) {
+                s.retired = true;
+            }
+        }
+        let reserved = ArenaAlloc::round(HEADER_BYTES as u64 + need);
+        let mut placed = Vec::new();
+        for _ in 0..n {
+            match self.alloc.alloc(reserved) {
+                Some(off) => placed.push(off),
+                None => break,
+            }
+        }
+        if placed.is_empty() {
+            return Ok(vec![Action::Send { link, msg: Msg::NoSpace { key, need } }]);
+        }
+        let mut descs = Vec::new();
+        for off in placed {
+            let id = r.next_slot;
+            r.next_slot = r.next_slot.wrapping_add(1).max(1);
+            let gen = self.next_gen;
+            self.next_gen = self.next_gen.wrapping_add(1).max(1);
+            r.slots.insert(
+                id,
+                RxSlot { edge_id, gen, offset: off, reserved, capacity: reserved - HEADER_BYTES as u64, token: Token::AtSender, retired: false },
+            );
+            descs.push(SlotDesc { id, gen, offset: off, capacity: reserved - HEADER_BYTES as u64 });
+        }
+        r.edge_info.get_mut(&edge_id).expect("edge").set = descs.iter().map(|d| d.id).collect();
+        self.tally.negotiation_messages += 1;
+        Ok(vec![Action::Send { link, msg: Msg::Publish { key, edge_id, slots: descs } }])
+    }
+
+    pub(super) fn rx_return(&mut self, link: LinkId, slot: u32, gen: u32) -> Result<Vec<Action>> {
+        let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("return on unknown link".into()))?;
+        if r.slots.get(&slot).is_some_and(|s| s.gen == gen && s.token == Token::AtSender) {
+            let s = r.slots.remove(&slot).expect("present");
+            if let Some(e) = r.edge_info.get_mut(&s.edge_id) {
+                e.set.retain(|id| *id != slot);
+            }
+            self.alloc.free(s.offset, s.reserved);
+        }
+        Ok(Vec::new())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rx_inline(
+        &mut self,
+        link: LinkId,
+        key: String,
+        step: u64,
+        meta: TensorMeta,
+        total: u64,
+        offset: u64,
+        bytes: Vec<u8>,
+    ) -> Result<Vec<Action>> {
+        if total > MAX_INLINE_TOTAL {
+            return Err(Error::Protocol(format!("inline tensor of {total} bytes exceeds {MAX_INLINE_TOTAL}")));
+        }
+        let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("inline on unknown link".into()))?;
+        let k = (key.clone(), step);
+        let a = r.inline.entry(k.clone()).or_insert_with(|| Assembly { meta: meta.clone(), total, buf: Vec::new() });
+        if a.total != total || a.meta != meta || offset != a.buf.len() as u64 || a.buf.len() as u64 + bytes.len() as u64 > total {
+            r.inline.remove(&k);
+            return Err(Error::Protocol(format!("inline chunk for {key} step {step} out of order or inconsistent")));
+        }
+        if a.buf.is_empty() {
+            a.buf.reserve_exact(total as usize);
+        }
+        a.buf.extend_from_slice(&bytes);
+        if (a.buf.len() as u64) < total {
+            return Ok(Vec::new());
+        }
+        let a = r.inline.remove(&k).expect("present");
+        Ok(self.arrive(key, step, Received { meta: a.meta, data: Data::Owned(a.buf) }))
+    }
+
+    /// Forget a broken sender link: free slots the sender held; slots we
+    /// hold (lent to the application) are freed on release.
+    pub(super) fn rx_drop_link(&mut self, link: LinkId, r: RxLink) {
+        for (id, s) in r.slots {
+            match s.token {
+                Token::AtSender => self.alloc.free(s.offset, s.reserved),
+                Token::AtReceiver => {
+                    self.orphans.insert((link, id, s.gen), (s.offset, s.reserved));
+                }
+            }
+        }
+    }
+}

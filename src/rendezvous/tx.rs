@@ -1,0 +1,246 @@
+//! The sender's half: per receiver link, the published slots of each edge
+//! (which are free), queued sends, and the outstanding-write budget.
+
+use std::collections::{HashMap, VecDeque};
+
+use super::{Action, LinkId, Payload, Rendezvous, SendDone};
+use crate::constants::{HEADER_BYTES, MAX_DIMS};
+use crate::error::{Error, Result};
+use crate::rendezvous::wire::{Msg, SlotDesc, SlotHeader, TensorMeta};
+
+pub(super) struct Pending {
+    step: u64,
+    meta: TensorMeta,
+    payload: Box<dyn Payload>,
+    done: SendDone,
+}
+
+#[derive(Default)]
+pub(super) struct TxEdge {
+    edge_id: Option<u32>,
+    /// The current set: (slot, free?). Slots not free are with the receiver.
+    slots: Vec<(SlotDesc, bool)>,
+    awaiting_publish: bool,
+    /// Sizes at or above this go inline (the receiver had no room).
+    inline_from: Option<u64>,
+    pending: VecDeque<Pending>,
+}
+
+pub(super) struct TxLink {
+    pub(super) peer: String,
+    edges: HashMap<String, TxEdge>,
+    by_id: HashMap<u32, String>,
+    outstanding: usize,
+}
+
+impl TxLink {
+    fn drain_pending(&mut self, pred: impl Fn(&Pending) -> bool, why: &Error) -> Vec<Action> {
+        let mut acts = Vec::new();
+        for e in self.edges.values_mut() {
+            let (fail, keep): (VecDeque<Pending>, VecDeque<Pending>) = e.pending.drain(..).partition(|p| pred(p));
+            e.pending = keep;
+            acts.extend(fail.into_iter().map(|p| Action::SendDone { done: p.done, result: Err(why.clone()) }));
+        }
+        acts
+    }
+
+    pub(super) fn fail_all(self, why: &Error) -> Vec<Action> {
+        let mut s = self;
+        s.drain_pending(|_| true, why)
+    }
+
+    pub(super) fn fail_pending(&mut self, why: &Error) -> Vec<Action> {
+        self.drain_pending(|_| true, why)
+    }
+
+    pub(super) fn fail_step(&mut self, step: u64, why: &Error) -> Vec<Action> {
+        self.drain_pending(|p| p.step == step, why)
+    }
+}
+
+impl Rendezvous {
+    /// We connected to `peer` as a sender on `link`.
+    pub fn add_tx_link(&mut self, link: LinkId, peer: &str) {
+        self.lost.remove(peer);
+        self.tx.insert(link, TxLink { peer: peer.to_string(), edges: HashMap::new(), by_id: HashMap::new(), outstanding: 0 });
+    }
+
+    pub fn has_tx_link(&self, link: LinkId) -> bool {
+        self.tx.contains_key(&link)
+    }
+
+    /// Push a tensor for `(key, step)` to the receiver on `link`.
+    pub fn send(
+        &mut self,
+        link: LinkId,
+        key: &str,
+        step: u64,
+        meta: TensorMeta,
+        payload: Box<dyn Payload>,
+        done: SendDone,
+    ) -> Vec<Action> {
+        if self.finished_set.contains(&step) {
+            return vec![Action::SendDone { done, result: Err(Error::Aborted(format!("step {step} was aborted"))) }];
+        }
+        let Some(t) = self.tx.get_mut(&link) else {
+            let why = self.lost_reason(link);
+            return vec![Action::SendDone { done, result: Err(why) }];
+        };
+        t.edges.entry(key.to_string()).or_default().pending.push_back(Pending { step, meta, payload, done });
+        self.pump(link, key)
+    }
+
+    fn lost_reason(&self, link: LinkId) -> Error {
+        Error::PeerLost(format!("connection {link} to the receiver is closed"))
+    }
+
+    /// Start every queued send of `key` that can start now.
+    fn pump(&mut self, link: LinkId, key: &str) -> Vec<Action> {
+        let max = self.params.max_outstanding_writes;
+        let incarnation = self.params.incarnation;
+        let mut acts = Vec::new();
+        let Some(t) = self.tx.get_mut(&link) else { return acts };
+        let Some(e) = t.edges.get_mut(key) else { return acts };
+        while let Some(front) = e.pending.front() {
+            if e.awaiting_publish {
+                break;
+            }
+            let len = front.payload.bytes().len() as u64;
+            let goes_inline = front.meta.dims.len() > MAX_DIMS || e.inline_from.is_some_and(|n| len >= n);
+            if goes_inline {
+                let p = e.pending.pop_front().expect("front exists");
+                self.tally.inline_tensors += 1;
+                self.tally.inline_bytes += len;
+                acts.push(Action::Inline { link, key: key.to_string(), step: p.step, meta: p.meta, payload: p.payload, done: p.done });
+                continue;
+            }
+            if t.outstanding >= max {
+                break;
+            }
+            // Smallest free slot that fits.
+            let best = e
+                .slots
+                .iter()
+                .enumerate()
+                .filter(|(_, (s, free))| *free && s.capacity >= len)
+                .min_by_key(|(_, (s, _))| s.capacity)
+                .map(|(i, _)| i);
+            if let Some(i) = best {
+                let p = e.pending.pop_front().expect("front exists");
+                e.slots[i].1 = false;
+                let s = e.slots[i].0;
+                let header = SlotHeader {
+                    edge_id: e.edge_id.unwrap_or(0),
+                    slot: s.id,
+                    gen: s.gen,
+                    incarnation,
+                    step: p.step,
+                    len,
+                    meta: p.meta,
+                };
+                t.outstanding += 1;
+                self.tally.tensors_pushed += 1;
+                self.tally.bytes_pushed += len;
+                acts.push(Action::Write { link, offset: s.offset, header: header.encode(), payload: p.payload, imm: s.id, done: p.done, bytes: len });
+                continue;
+            }
+            if e.slots.iter().any(|(s, _)| s.capacity >= len) {
+                break; // a slot that fits is busy: wait for its credit
+            }
+            // Nothing fits (first use or growth): hand back what we hold and
+            // ask the receiver to place the edge for this size.
+            let returned: Vec<(u32, u32)> = e.slots.iter().filter(|(_, free)| *free).map(|(s, _)| (s.id, s.gen)).collect();
+            e.slots.clear();
+            e.awaiting_publish = true;
+            self.tally.negotiation_messages += 1;
+            acts.push(Action::Send { link, msg: Msg::Announce { key: key.to_string(), step: front.step, need: len, returned } });
+            break;
+        }
+        acts
+    }
+
+    pub(super) fn tx_publish(&mut self, link: LinkId, key: String, edge_id: u32, slots: Vec<SlotDesc>) -> Result<Vec<Action>> {
+        let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("publish on unknown link".into()))?;
+        let e = t.edges.entry(key.clone()).or_default();
+        let mut acts = Vec::new();
+        // Free slots of the old set that the new set drops go back.
+        for (s, free) in e.slots.drain(..) {
+            if free && !slots.iter().any(|n| n.id == s.id && n.gen == s.gen) {
+                acts.push(Action::Send { link, msg: Msg::ReturnSlot { slot: s.id, gen: s.gen } });
+            }
+        }
+        if let Some(old) = e.edge_id.replace(edge_id) {
+            if old != edge_id {
+                t.by_id.remove(&old);
+            }
+        }
+        t.by_id.insert(edge_id, key.clone());
+        e.slots = slots.into_iter().map(|s| (s, true)).collect();
+        e.awaiting_publish = false;
+        e.inline_from = None;
+        acts.extend(self.pump(link, &key));
+        Ok(acts)
+    }
+
+    pub(super) fn tx_credit(&mut self, link: LinkId, edge_id: u32, slot: u32, gen: u32) -> Result<Vec<Action>> {
+        let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("credit on unknown link".into()))?;
+        let key = t.by_id.get(&edge_id).cloned();
+        let hit = key.as_ref().and_then(|k| t.edges.get_mut(k)).and_then(|e| {
+            if e.awaiting_publish {
+                return None;
+            }
+            e.slots.iter_mut().find(|(s, free)| s.id == slot && s.gen == gen && !*free)
+        });
+        match (hit, key) {
+            (Some(entry), Some(key)) => {
+                entry.1 = true;
+                Ok(self.pump(link, &key))
+            }
+            // A credit for a slot we no longer use (the edge was re-placed
+            // while the credit was in flight): give it back for good.
+            _ => Ok(vec![Action::Send { link, msg: Msg::ReturnSlot { slot, gen } }]),
+        }
+    }
+
+    pub(super) fn tx_nospace(&mut self, link: LinkId, key: String, need: u64) -> Result<Vec<Action>> {
+        let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("nospace on unknown link".into()))?;
+        if let Some(e) = t.edges.get_mut(&key) {
+            log::info!("receiver has no arena room for {need} bytes of {key}; sending it inline");
+            e.awaiting_publish = false;
+            e.inline_from = Some(need);
+        }
+        Ok(self.pump(link, &key))
+    }
+
+    /// A write on `link` completed (either way): frees budget for queued sends.
+    pub fn write_done(&mut self, link: LinkId) -> Vec<Action> {
+        let Some(t) = self.tx.get_mut(&link) else { return Vec::new() };
+        let was_full = t.outstanding >= self.params.max_outstanding_writes;
+        t.outstanding = t.outstanding.saturating_sub(1);
+        if !was_full {
+            return Vec::new();
+        }
+        let keys: Vec<String> = t.edges.iter().filter(|(_, e)| !e.pending.is_empty()).map(|(k, _)| k.clone()).collect();
+        keys.iter().flat_map(|k| self.pump(link, k)).collect()
+    }
+}
+
+/// Split an inline payload into messages (done by the caller, outside the
+/// lock, since it copies the payload).
+pub fn inline_messages(key: &str, step: u64, meta: &TensorMeta, payload: &[u8]) -> Vec<Msg> {
+    let total = payload.len() as u64;
+    let chunk = crate::constants::INLINE_CHUNK_BYTES.saturating_sub(key.len() + 8 * meta.dims.len()).max(1024);
+    let mut out = Vec::new();
+    let mut off = 0usize;
+    loop {
+        let end = (off + chunk).min(payload.len());
+        out.push(Msg::Inline { key: key.to_string(), step, meta: meta.clone(), total, offset: off as u64, bytes: payload[off..end].to_vec() });
+        off = end;
+        if off >= payload.len() {
+            break;
+        }
+    }
+    out
+}
+
+const _: () = assert!(HEADER_BYTES % 64 == 0);

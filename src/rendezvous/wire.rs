@@ -1,0 +1,350 @@
+//! Control messages and the slot header, encoded by hand (little endian,
+//! length-prefixed strings). Decoding is total: any malformed or truncated
+//! input becomes `Error::Protocol`, never a panic or a huge allocation.
+
+use crate::constants::{HEADER_BYTES, MAGIC, MAX_DIMS, MAX_MSG_BYTES, PROTOCOL_VERSION};
+use crate::error::{Error, Result};
+
+/// dtype, flags and shape of a tensor as the protocol carries them. `dtype`
+/// is TensorFlow's DataType enum value, opaque here.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TensorMeta {
+    pub dtype: u32,
+    pub flags: u32,
+    pub dims: Vec<i64>,
+}
+
+/// The tensor is dead (a not-taken branch of a cond): no payload.
+pub const FLAG_DEAD: u32 = 1;
+/// The payload is an opaque serialization (strings, variants).
+pub const FLAG_SERIALIZED: u32 = 2;
+
+/// One receive slot as published to the sender.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotDesc {
+    pub id: u32,
+    pub gen: u32,
+    /// Offset of the slot (its header) in the receiver's arena.
+    pub offset: u64,
+    /// Payload bytes the slot holds (after the header).
+    pub capacity: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Msg {
+    /// Sender → receiver: place (or re-place) `key` for `need` bytes; the
+    /// sender gives back the free slots it held for that edge.
+    Announce { key: String, step: u64, need: u64, returned: Vec<(u32, u32)> },
+    /// Receiver → sender: the slots of `key` (replaces any earlier set).
+    Publish { key: String, edge_id: u32, slots: Vec<SlotDesc> },
+    /// Receiver → sender: a slot is free again.
+    Credit { edge_id: u32, slot: u32, gen: u32 },
+    /// Sender → receiver: a slot the sender no longer uses.
+    ReturnSlot { slot: u32, gen: u32 },
+    /// Receiver → sender: no room to place `need` bytes; send inline.
+    NoSpace { key: String, need: u64 },
+    /// Sender → receiver: a piece of a tensor sent through messages.
+    Inline { key: String, step: u64, meta: TensorMeta, total: u64, offset: u64, bytes: Vec<u8> },
+}
+
+const T_ANNOUNCE: u8 = 1;
+const T_PUBLISH: u8 = 2;
+const T_CREDIT: u8 = 3;
+const T_RETURN: u8 = 4;
+const T_NOSPACE: u8 = 5;
+const T_INLINE: u8 = 6;
+
+/// Longest rendezvous key accepted (TF keys are a few hundred bytes).
+pub const MAX_KEY: usize = 4096;
+
+struct W(Vec<u8>);
+impl W {
+    fn u8(&mut self, v: u8) { self.0.push(v) }
+    fn u32(&mut self, v: u32) { self.0.extend_from_slice(&v.to_le_bytes()) }
+    fn u64(&mut self, v: u64) { self.0.extend_from_slice(&v.to_le_bytes()) }
+    fn bytes(&mut self, b: &[u8]) { self.u32(b.len() as u32); self.0.extend_from_slice(b) }
+    fn meta(&mut self, m: &TensorMeta) {
+        self.u32(m.dtype);
+        self.u32(m.flags);
+        self.u32(m.dims.len() as u32);
+        for d in &m.dims { self.u64(*d as u64) }
+    }
+}
+
+struct R<'a> { b: &'a [u8], at: usize }
+impl<'a> R<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        let end = self.at.checked_add(n).filter(|e| *e <= self.b.len())
+            .ok_or_else(|| Error::Protocol(format!("truncated message ({} bytes, needed {} more at {})", self.b.len(), n, self.at)))?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8> { Ok(self.take(1)?[0]) }
+    fn u32(&mut self) -> Result<u32> { Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4"))) }
+    fn u64(&mut self) -> Result<u64> { Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8"))) }
+    fn bytes(&mut self, max: usize) -> Result<&'a [u8]> {
+        let n = self.u32()? as usize;
+        if n > max { return Err(Error::Protocol(format!("field of {n} bytes exceeds {max}"))) }
+        self.take(n)
+    }
+    fn string(&mut self) -> Result<String> {
+        String::from_utf8(self.bytes(MAX_KEY)?.to_vec()).map_err(|_| Error::Protocol("key is not UTF-8".into()))
+    }
+    fn count(&mut self, elem: usize) -> Result<usize> {
+        let n = self.u32()? as usize;
+        // Each element needs `elem` bytes: reject counts the message can't hold.
+        if n.saturating_mul(elem) > self.b.len() - self.at {
+            return Err(Error::Protocol(format!("count {n} exceeds the message")));
+        }
+        Ok(n)
+    }
+    fn meta(&mut self) -> Result<TensorMeta> {
+        let dtype = self.u32()?;
+        let flags = self.u32()?;
+        let n = self.count(8)?;
+        let mut dims = Vec::with_capacity(n);
+        for _ in 0..n { dims.push(self.u64()? as i64) }
+        Ok(TensorMeta { dtype, flags, dims })
+    }
+    fn end(&self) -> Result<()> {
+        if self.at != self.b.len() {
+            return Err(Error::Protocol(format!("{} trailing bytes in message", self.b.len() - self.at)));
+        }
+        Ok(())
+    }
+}
+
+impl Msg {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = W(Vec::with_capacity(64));
+        match self {
+            Msg::Announce { key, step, need, returned } => {
+                w.u8(T_ANNOUNCE); w.bytes(key.as_bytes()); w.u64(*step); w.u64(*need);
+                w.u32(returned.len() as u32);
+                for (s, g) in returned { w.u32(*s); w.u32(*g) }
+            }
+            Msg::Publish { key, edge_id, slots } => {
+                w.u8(T_PUBLISH); w.bytes(key.as_bytes()); w.u32(*edge_id);
+                w.u32(slots.len() as u32);
+                for s in slots { w.u32(s.id); w.u32(s.gen); w.u64(s.offset); w.u64(s.capacity) }
+            }
+            Msg::Credit { edge_id, slot, gen } => { w.u8(T_CREDIT); w.u32(*edge_id); w.u32(*slot); w.u32(*gen) }
+            Msg::ReturnSlot { slot, gen } => { w.u8(T_RETURN); w.u32(*slot); w.u32(*gen) }
+            Msg::NoSpace { key, need } => { w.u8(T_NOSPACE); w.bytes(key.as_bytes()); w.u64(*need) }
+            Msg::Inline { key, step, meta, total, offset, bytes } => {
+                w.u8(T_INLINE); w.bytes(key.as_bytes()); w.u64(*step); w.meta(meta);
+                w.u64(*total); w.u64(*offset); w.bytes(bytes)
+            }
+        }
+        w.0
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Msg> {
+        if b.len() > MAX_MSG_BYTES {
+            return Err(Error::Protocol(format!("message of {} bytes exceeds {MAX_MSG_BYTES}", b.len())));
+        }
+        let mut r = R { b, at: 0 };
+        let m = match r.u8()? {
+            T_ANNOUNCE => {
+                let key = r.string()?; let step = r.u64()?; let need = r.u64()?;
+                let n = r.count(8)?;
+                let mut returned = Vec::with_capacity(n);
+                for _ in 0..n { returned.push((r.u32()?, r.u32()?)) }
+                Msg::Announce { key, step, need, returned }
+            }
+            T_PUBLISH => {
+                let key = r.string()?; let edge_id = r.u32()?;
+                let n = r.count(24)?;
+                let mut slots = Vec::with_capacity(n);
+                for _ in 0..n { slots.push(SlotDesc { id: r.u32()?, gen: r.u32()?, offset: r.u64()?, capacity: r.u64()? }) }
+                Msg::Publish { key, edge_id, slots }
+            }
+            T_CREDIT => Msg::Credit { edge_id: r.u32()?, slot: r.u32()?, gen: r.u32()? },
+            T_RETURN => Msg::ReturnSlot { slot: r.u32()?, gen: r.u32()? },
+            T_NOSPACE => Msg::NoSpace { key: r.string()?, need: r.u64()? },
+            T_INLINE => {
+                let key = r.string()?; let step = r.u64()?; let meta = r.meta()?;
+                let total = r.u64()?; let offset = r.u64()?;
+                let bytes = r.bytes(MAX_MSG_BYTES)?.to_vec();
+                Msg::Inline { key, step, meta, total, offset, bytes }
+            }
+            t => return Err(Error::Protocol(format!("unknown message type {t}"))),
+        };
+        r.end()?;
+        Ok(m)
+    }
+}
+
+/// Handshake payload, both directions: who I am, in which life, and (from
+/// the connecting sender) whom it means to reach.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    pub task: String,
+    pub incarnation: u64,
+    /// Sender → receiver: the task the sender expects; empty in replies.
+    pub target: String,
+}
+
+impl Hello {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = W(Vec::new());
+        w.u32(MAGIC); w.u32(PROTOCOL_VERSION);
+        w.bytes(self.task.as_bytes()); w.u64(self.incarnation); w.bytes(self.target.as_bytes());
+        w.0
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Hello> {
+        let mut r = R { b, at: 0 };
+        if r.u32()? != MAGIC {
+            return Err(Error::Protocol("handshake is not from rdma_device (bad magic)".into()));
+        }
+        let v = r.u32()?;
+        if v != PROTOCOL_VERSION {
+            return Err(Error::Protocol(format!("peer speaks protocol version {v}, we speak {PROTOCOL_VERSION}: use the same rdma_device build on every task")));
+        }
+        let task = r.string()?; let incarnation = r.u64()?; let target = r.string()?;
+        r.end()?;
+        Ok(Hello { task, incarnation, target })
+    }
+}
+
+/// The header the sender writes at the start of a slot, in the same write
+/// as the payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotHeader {
+    pub edge_id: u32,
+    pub slot: u32,
+    pub gen: u32,
+    pub incarnation: u64,
+    pub step: u64,
+    pub len: u64,
+    pub meta: TensorMeta,
+}
+
+impl SlotHeader {
+    /// Encode into exactly `HEADER_BYTES`. Callers ensure
+    /// `meta.dims.len() <= MAX_DIMS` (higher ranks go inline).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = vec![0u8; HEADER_BYTES];
+        let put32 = |b: &mut Vec<u8>, at: usize, v: u32| b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        let put64 = |b: &mut Vec<u8>, at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        put32(&mut b, 0, MAGIC);
+        put32(&mut b, 4, (PROTOCOL_VERSION & 0xffff) | ((self.meta.dims.len() as u32) << 16));
+        put32(&mut b, 8, self.edge_id);
+        put32(&mut b, 12, self.slot);
+        put32(&mut b, 16, self.gen);
+        put32(&mut b, 20, self.meta.flags);
+        put32(&mut b, 24, self.meta.dtype);
+        put64(&mut b, 32, self.incarnation);
+        put64(&mut b, 40, self.step);
+        put64(&mut b, 48, self.len);
+        for (i, d) in self.meta.dims.iter().take(MAX_DIMS).enumerate() {
+            put64(&mut b, 64 + 8 * i, *d as u64);
+        }
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<SlotHeader> {
+        if b.len() < HEADER_BYTES {
+            return Err(Error::Protocol("slot header truncated".into()));
+        }
+        let g32 = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4"));
+        let g64 = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8"));
+        if g32(0) != MAGIC {
+            return Err(Error::Protocol("slot header has a bad magic (torn or foreign write)".into()));
+        }
+        let vn = g32(4);
+        if vn & 0xffff != PROTOCOL_VERSION {
+            return Err(Error::Protocol(format!("slot header version {} unsupported", vn & 0xffff)));
+        }
+        let ndims = (vn >> 16) as usize;
+        if ndims > MAX_DIMS {
+            return Err(Error::Protocol(format!("slot header claims {ndims} dims (max {MAX_DIMS})")));
+        }
+        Ok(SlotHeader {
+            edge_id: g32(8),
+            slot: g32(12),
+            gen: g32(16),
+            incarnation: g64(32),
+            step: g64(40),
+            len: g64(48),
+            meta: TensorMeta { dtype: g32(24), flags: g32(20), dims: (0..ndims).map(|i| g64(64 + 8 * i) as i64).collect() },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn samples() -> Vec<Msg> {
+        vec![
+            Msg::Announce { key: "a;b;c".into(), step: 7, need: 1 << 20, returned: vec![(1, 2), (3, 4)] },
+            Msg::Publish { key: "k".into(), edge_id: 9, slots: vec![SlotDesc { id: 1, gen: 2, offset: 4096, capacity: 100 }] },
+            Msg::Credit { edge_id: 1, slot: 2, gen: 3 },
+            Msg::ReturnSlot { slot: 5, gen: 6 },
+            Msg::NoSpace { key: "k".into(), need: 99 },
+            Msg::Inline { key: "k".into(), step: 1, meta: TensorMeta { dtype: 1, flags: 2, dims: vec![2, 3] }, total: 6, offset: 0, bytes: vec![1, 2, 3] },
+        ]
+    }
+
+    #[test]
+    fn messages_round_trip() {
+        for m in samples() {
+            assert_eq!(Msg::decode(&m.encode()).unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn every_truncation_is_an_error_not_a_panic() {
+        for m in samples() {
+            let b = m.encode();
+            for n in 0..b.len() {
+                assert!(matches!(Msg::decode(&b[..n]), Err(Error::Protocol(_))), "{m:?} cut at {n}");
+            }
+            let mut longer = b.clone();
+            longer.push(0);
+            assert!(Msg::decode(&longer).is_err());
+        }
+    }
+
+    #[test]
+    fn garbage_is_rejected() {
+        let mut x: u64 = 0x9e3779b97f4a7c15;
+        for _ in 0..20000 {
+            x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+            let len = (x % 64) as usize;
+            let mut b: Vec<u8> = (0..len).map(|i| (x >> (i % 8 * 8)) as u8).collect();
+            if !b.is_empty() { b[0] = (x % 8) as u8 }
+            let _ = Msg::decode(&b); // must not panic
+            let _ = Hello::decode(&b);
+        }
+        // A count that claims more elements than the message holds.
+        let mut b = vec![T_PUBLISH]; b.extend_from_slice(&1u32.to_le_bytes()); b.push(b'k');
+        b.extend_from_slice(&1u32.to_le_bytes()); b.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Msg::decode(&b).is_err());
+    }
+
+    #[test]
+    fn header_round_trip_and_checks() {
+        let h = SlotHeader { edge_id: 1, slot: 2, gen: 3, incarnation: 4, step: 5, len: 6,
+            meta: TensorMeta { dtype: 7, flags: FLAG_DEAD, dims: vec![1, -1, 3] } };
+        let b = h.encode();
+        assert_eq!(b.len(), HEADER_BYTES);
+        assert_eq!(SlotHeader::decode(&b).unwrap(), h);
+        let mut bad = b.clone(); bad[0] ^= 1;
+        assert!(SlotHeader::decode(&bad).is_err());
+        let mut bad = b; bad[6] = 200;
+        assert!(SlotHeader::decode(&bad).is_err());
+    }
+
+    #[test]
+    fn hello_checks_version() {
+        let h = Hello { task: "/job:w/task:0".into(), incarnation: 42, target: "x".into() };
+        assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
+        let mut b = h.encode(); b[4] = 99;
+        let e = Hello::decode(&b).unwrap_err();
+        assert!(e.message().contains("version"));
+    }
+}

@@ -1,0 +1,143 @@
+//! Counters a user reads to see what the transport is doing: how many
+//! tensors and bytes went by push, by the inline path and by stock gRPC
+//! (with reasons), per-peer transports, arena use. Process-wide: a process
+//! normally hosts one TensorFlow server; tests with several contexts in one
+//! process see their sum.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::OnceLock;
+
+use parking_lot::Mutex;
+
+macro_rules! counters {
+    ($($name:ident : $help:literal,)*) => {
+        /// Monotonic counters (plus a few gauges, noted as such).
+        #[derive(Default)]
+        pub struct Counters { $(#[doc = $help] pub $name: AtomicU64,)* }
+        impl Counters {
+            fn each(&self) -> Vec<(&'static str, u64)> {
+                vec![$((stringify!($name), self.$name.load(Relaxed)),)*]
+            }
+            fn clear(&self) { $(self.$name.store(0, Relaxed);)* }
+        }
+    };
+}
+
+counters! {
+    tensors_pushed: "tensors written one-sided into a receiver's slot",
+    bytes_pushed: "payload bytes of those tensors",
+    tensors_received: "tensors handed to a receiver (push or inline)",
+    bytes_received: "payload bytes of those tensors",
+    inline_tensors: "tensors sent through the chunked inline path (arena full, rank > 24)",
+    inline_bytes: "payload bytes of those tensors",
+    fallback_tensors: "tensors that went over stock gRPC",
+    fallback_bytes: "payload bytes of those tensors",
+    negotiation_messages: "announce/publish messages (first use, size change)",
+    credits_sent: "slot credits returned to senders",
+    edges_static: "edges placed ahead of time from static shapes",
+    edges_traced: "edges placed on first use",
+    replacements: "edges re-placed after a size change",
+    slots_reclaimed: "idle slots reclaimed to make room in the arena",
+    rejected_writes: "pushes rejected (stale generation, bad header)",
+    dropped_late: "pushes that arrived after their step finished",
+    peers_lost: "connections lost (peer exit, transport error)",
+    waiters_failed: "receives that completed with an error",
+    arena_bytes_in_use: "gauge: bytes of the receive arena placed in slots",
+    arena_bytes_total: "gauge: size of the receive arena",
+}
+
+pub struct Stats {
+    pub c: Counters,
+    peers: Mutex<BTreeMap<String, String>>,
+    fallback_reasons: Mutex<BTreeMap<String, u64>>,
+}
+
+static GLOBAL: OnceLock<Stats> = OnceLock::new();
+
+impl Stats {
+    pub fn global() -> &'static Stats {
+        GLOBAL.get_or_init(|| Stats {
+            c: Counters::default(),
+            peers: Mutex::new(BTreeMap::new()),
+            fallback_reasons: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Relaxed);
+    }
+
+    /// Record which transport serves `peer` ("shm", "verbs", "grpc (reason)").
+    pub fn set_peer(&self, peer: &str, transport: &str) {
+        self.peers.lock().insert(peer.to_string(), transport.to_string());
+    }
+
+    pub fn record_fallback(&self, bytes: u64, reason: &str) {
+        Stats::add(&self.c.fallback_tensors, 1);
+        Stats::add(&self.c.fallback_bytes, bytes);
+        *self.fallback_reasons.lock().entry(reason.to_string()).or_insert(0) += 1;
+    }
+
+    /// Zero every counter (gauges included) and forget peers; for benchmarks
+    /// and tests that measure one phase.
+    pub fn reset(&self) {
+        self.c.clear();
+        self.peers.lock().clear();
+        self.fallback_reasons.lock().clear();
+    }
+
+    pub fn get(&self, name: &str) -> Option<u64> {
+        self.c.each().into_iter().find(|(n, _)| *n == name).map(|(_, v)| v)
+    }
+
+    /// `{"counters": {...}, "peers": {...}, "fallback_reasons": {...}}`
+    pub fn to_json(&self) -> String {
+        let mut out = String::from("{\"counters\": {");
+        for (i, (k, v)) in self.c.each().into_iter().enumerate() {
+            let _ = write!(out, "{}\"{k}\": {v}", if i > 0 { ", " } else { "" });
+        }
+        out.push_str("}, \"peers\": {");
+        for (i, (k, v)) in self.peers.lock().iter().enumerate() {
+            let _ = write!(out, "{}{}: {}", if i > 0 { ", " } else { "" }, json_str(k), json_str(v));
+        }
+        out.push_str("}, \"fallback_reasons\": {");
+        for (i, (k, v)) in self.fallback_reasons.lock().iter().enumerate() {
+            let _ = write!(out, "{}{}: {v}", if i > 0 { ", " } else { "" }, json_str(k));
+        }
+        out.push_str("}}");
+        out
+    }
+}
+
+/// A JSON string literal for `s`.
+pub fn json_str(s: &str) -> String {
+    let mut o = String::with_capacity(s.len() + 2);
+    o.push('"');
+    for ch in s.chars() {
+        match ch {
+            '"' => o.push_str("\\\""),
+            '\\' => o.push_str("\\\\"),
+            '\n' => o.push_str("\\n"),
+            '\r' => o.push_str("\\r"),
+            '\t' => o.push_str("\\t"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(o, "\\u{:04x}", c as u32);
+            }
+            c => o.push(c),
+        }
+    }
+    o.push('"');
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_escapes() {
+        assert_eq!(json_str("a\"b\\c\n\u{1}"), "\"a\\\"b\\\\c\\n\\u0001\"");
+    }
+}
