@@ -16,6 +16,8 @@
 //! a backend can step aside with a reason instead of failing.
 
 pub mod arena;
+#[doc(hidden)]
+pub mod conformance;
 pub mod shm;
 #[cfg(feature = "verbs")]
 pub mod verbs;

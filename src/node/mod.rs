@@ -39,6 +39,12 @@ unsafe impl Send for Lease {}
 // SAFETY: as above; the bytes are only read.
 unsafe impl Sync for Lease {}
 
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Lease({:?}, {} bytes, in place: {})", self.meta, self.len, self.in_place())
+    }
+}
+
 impl Lease {
     pub fn meta(&self) -> &TensorMeta {
         &self.meta

@@ -1,0 +1,69 @@
+//! Shared helpers for the integration tests.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use rdma_device::config::Config;
+use rdma_device::node::{Lease, Node};
+use rdma_device::rendezvous::TensorMeta;
+use rdma_device::Result;
+
+/// A free loopback port (bound, then released).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+pub fn task(i: usize) -> String {
+    format!("/job:worker/replica:0/task:{i}")
+}
+
+pub fn small_config() -> Config {
+    let mut c = Config::default();
+    c.arena_bytes = 256 << 20;
+    c
+}
+
+/// Deterministic bytes for (seed, len).
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+pub fn checksum(b: &[u8]) -> u64 {
+    // FNV-1a
+    let mut h: u64 = 0xcbf29ce484222325;
+    for &x in b {
+        h ^= x as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+/// Blocking send (waits for the completion).
+pub fn send_wait(n: &Node, peer: &str, key: &str, step: u64, meta: TensorMeta, data: Vec<u8>) -> Result<()> {
+    let (tx, rx) = mpsc::channel();
+    n.send(peer, key, step, meta, Box::new(data), Box::new(move |r| tx.send(r).unwrap()));
+    rx.recv_timeout(Duration::from_secs(30)).expect("send completion")
+}
+
+/// Start a receive; the result comes on the returned channel.
+pub fn recv_async(n: &Node, peer: &str, key: &str, step: u64) -> mpsc::Receiver<Result<Lease>> {
+    let (tx, rx) = mpsc::channel();
+    n.recv(peer, key, step, Box::new(move |r| {
+        let _ = tx.send(r);
+    }));
+    rx
+}
+
+pub fn recv_wait(n: &Node, peer: &str, key: &str, step: u64) -> Result<Lease> {
+    recv_async(n, peer, key, step).recv_timeout(Duration::from_secs(30)).expect("recv completion")
+}

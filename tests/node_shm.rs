@@ -1,0 +1,127 @@
+//! Two or three nodes in one process exchanging tensors over shm: the
+//! protocol end to end (placement, credits, re-placement, inline, aborts).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use rdma_device::node::Node;
+use rdma_device::rendezvous::{TensorMeta, FLAG_DEAD};
+use rdma_device::stats::Stats;
+use rdma_device::Error;
+
+fn pair(cfg: rdma_device::config::Config) -> (Node, Node, String, String) {
+    let (pa, pb) = (free_port(), free_port());
+    let (ta, tb) = (task(0), task(1));
+    let a = Node::new(cfg.clone(), &ta, &format!("localhost:{pa}")).unwrap();
+    let b = Node::new(cfg, &tb, &format!("localhost:{pb}")).unwrap();
+    let ca = a.add_peer(&tb, &format!("localhost:{pb}"));
+    let cb = b.add_peer(&ta, &format!("localhost:{pa}"));
+    assert_eq!(ca.transport.map(|k| k.name()), Some("shm"), "{}", ca.reason);
+    assert_eq!(cb.transport.map(|k| k.name()), Some("shm"), "{}", cb.reason);
+    (a, b, ta, tb)
+}
+
+fn meta(dims: &[i64]) -> TensorMeta {
+    TensorMeta { dtype: 1, flags: 0, dims: dims.to_vec() }
+}
+
+#[test]
+fn tensors_arrive_in_place_and_bit_identical() {
+    let (a, b, ta, tb) = pair(small_config());
+    for step in 1..=50u64 {
+        let len = [4, 4096, 100_000, 1 << 20][step as usize % 4];
+        let data = pattern(step, len);
+        let r = recv_async(&b, &ta, "edge;x", step);
+        send_wait(&a, &tb, "edge;x", step, meta(&[len as i64]), data.clone()).unwrap();
+        let lease = r.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
+        assert_eq!(lease.bytes(), &data[..]);
+        assert_eq!(lease.meta().dims, vec![len as i64]);
+        assert!(lease.in_place());
+        assert_eq!(lease.as_ptr() as usize % 64, 0, "payload must be 64-byte aligned");
+    }
+}
+
+#[test]
+fn send_before_recv_and_pipelined_steps() {
+    let (a, b, ta, tb) = pair(small_config());
+    // Two slots per edge: two steps may be pushed before either is taken.
+    for step in 1..=2u64 {
+        send_wait(&a, &tb, "k", step, meta(&[8]), pattern(step, 8)).unwrap();
+    }
+    for step in 1..=2u64 {
+        let l = recv_wait(&b, &ta, "k", step).unwrap();
+        assert_eq!(l.bytes(), &pattern(step, 8)[..]);
+    }
+}
+
+#[test]
+fn growing_shrinking_and_dead_tensors() {
+    let (a, b, ta, tb) = pair(small_config());
+    let sizes = [10usize, 5000, 3, 300_000, 0, 2_000_000, 7];
+    for (i, &len) in sizes.iter().enumerate() {
+        let step = 100 + i as u64;
+        let dead = len == 0;
+        let m = TensorMeta { dtype: 9, flags: if dead { FLAG_DEAD } else { 0 }, dims: vec![len as i64] };
+        send_wait(&a, &tb, "grow", step, m.clone(), pattern(step, len)).unwrap();
+        let l = recv_wait(&b, &ta, "grow", step).unwrap();
+        assert_eq!(l.meta(), &m);
+        assert_eq!(l.bytes(), &pattern(step, len)[..]);
+    }
+}
+
+#[test]
+fn arena_too_small_falls_back_inline() {
+    let mut cfg = small_config();
+    cfg.arena_bytes = 1 << 20;
+    let (a, b, ta, tb) = pair(cfg);
+    let before = Stats::global().get("inline_tensors").unwrap();
+    let data = pattern(5, 3 << 20);
+    let r = recv_async(&b, &ta, "big", 1);
+    send_wait(&a, &tb, "big", 1, meta(&[3 << 20]), data.clone()).unwrap();
+    let l = r.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
+    assert!(!l.in_place());
+    assert_eq!(checksum(l.bytes()), checksum(&data));
+    assert!(Stats::global().get("inline_tensors").unwrap() > before);
+}
+
+#[test]
+fn abort_step_fails_waiters_promptly() {
+    let (_a, b, ta, _tb) = pair(small_config());
+    let r = recv_async(&b, &ta, "never", 77);
+    b.abort_step(77, Error::Aborted("cancelled by test".into()));
+    let e = r.recv_timeout(Duration::from_secs(5)).unwrap().unwrap_err();
+    assert!(matches!(e, Error::Aborted(_)), "{e}");
+}
+
+#[test]
+fn dropped_peer_fails_waiters_within_5s() {
+    let (a, b, ta, tb) = pair(small_config());
+    // Establish the connection, then kill the sender's node.
+    send_wait(&a, &tb, "k", 1, meta(&[1]), vec![1]).unwrap();
+    drop(recv_wait(&b, &ta, "k", 1).unwrap());
+    let r = recv_async(&b, &ta, "k", 2);
+    let t0 = Instant::now();
+    drop(a);
+    let e = r.recv_timeout(Duration::from_secs(5)).expect("error within 5 s").unwrap_err();
+    assert!(matches!(e, Error::PeerLost(_) | Error::Aborted(_)), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn receiver_without_connection_learns_peer_is_gone() {
+    let cfg = small_config();
+    let pb = free_port();
+    let tb = task(1);
+    let b = Node::new(cfg.clone(), &tb, &format!("localhost:{pb}")).unwrap();
+    // A peer that never starts: the receive must fail, not hang.
+    let mut cfg_short = cfg;
+    cfg_short.connect_timeout_ms = 500;
+    drop(cfg_short);
+    let ghost = free_port();
+    b.add_peer(&task(7), &format!("localhost:{ghost}"));
+    let r = recv_async(&b, &task(7), "k", 1);
+    let e = r.recv_timeout(Duration::from_secs(15)).expect("error, not a hang").unwrap_err();
+    assert!(matches!(e, Error::PeerLost(_)), "{e}");
+}
