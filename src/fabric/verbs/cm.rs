@@ -1,0 +1,392 @@
+//! rdma_cm: the event channel, connection ids, addresses, and the small
+//! fixed-size private data carried by the CM's connect/accept messages.
+//!
+//! Private data is tiny (56 bytes on a RoCE/IB REQ, 196 on a REP), so it
+//! carries only what the backend itself needs (magic, version, the arena's
+//! address/rkey/length, MTUs); the caller's opaque handshake payloads go
+//! over the established connection as the first control messages.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+
+use rdma_sys::*;
+
+use crate::error::{Error, Result};
+
+/// The event channel all of a fabric's ids report on.
+pub struct EventChannel {
+    pub(crate) raw: *mut rdma_event_channel,
+}
+
+// SAFETY: librdmacm channels are thread-safe; only the progress thread reads.
+unsafe impl Send for EventChannel {}
+// SAFETY: as above.
+unsafe impl Sync for EventChannel {}
+
+impl EventChannel {
+    pub fn new() -> Result<Arc<EventChannel>> {
+        // SAFETY: no preconditions.
+        let raw = unsafe { rdma_create_event_channel() };
+        if raw.is_null() {
+            return Err(Error::NotViable(format!(
+                "rdma_create_event_channel failed ({}); is the rdma_ucm module loaded?",
+                std::io::Error::last_os_error()
+            )));
+        }
+        // SAFETY: raw is valid.
+        super::device::set_nonblocking(unsafe { (*raw).fd })?;
+        Ok(Arc::new(EventChannel { raw }))
+    }
+
+    pub fn fd(&self) -> i32 {
+        // SAFETY: raw is valid for our lifetime.
+        unsafe { (*self.raw).fd }
+    }
+}
+
+impl Drop for EventChannel {
+    fn drop(&mut self) {
+        // SAFETY: all ids on it are destroyed first (they hold an Arc to us).
+        unsafe { rdma_destroy_event_channel(self.raw) };
+    }
+}
+
+/// An `rdma_cm_id`, with the QP rdma_cm created on it (if any). Dropping
+/// destroys the QP, then the id. Holds the CQ the QP uses, so the CQ (and
+/// its device) outlive the QP.
+pub struct CmId {
+    pub(crate) raw: *mut rdma_cm_id,
+    has_qp: bool,
+    cq: Option<Arc<super::device::Cq>>,
+    _channel: Arc<EventChannel>,
+}
+
+// SAFETY: the id is only mutated under its owner's lock or on the progress
+// thread; librdmacm calls are thread-safe.
+unsafe impl Send for CmId {}
+// SAFETY: as above.
+unsafe impl Sync for CmId {}
+
+impl CmId {
+    /// A new TCP-port-space id whose `context` is the integer `token`.
+    pub fn new(channel: &Arc<EventChannel>, token: u64) -> Result<CmId> {
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: channel is live; the context is an integer tag, never
+        // dereferenced by librdmacm.
+        let rc = unsafe {
+            rdma_create_id(channel.raw, &mut raw, token as usize as *mut _, rdma_port_space::RDMA_PS_TCP)
+        };
+        if rc != 0 {
+            return Err(Error::last_os("rdma_create_id"));
+        }
+        Ok(CmId { raw, has_qp: false, cq: None, _channel: channel.clone() })
+    }
+
+    /// Adopt an id librdmacm created for an incoming connect request.
+    ///
+    /// # Safety
+    /// `raw` must be the `id` of a CONNECT_REQUEST event, owned by nobody else.
+    pub unsafe fn adopt(channel: &Arc<EventChannel>, raw: *mut rdma_cm_id, token: u64) -> CmId {
+        // SAFETY: raw is valid (caller); `context` is the user's field.
+        unsafe { (*raw).context = token as usize as *mut _ };
+        CmId { raw, has_qp: false, cq: None, _channel: channel.clone() }
+    }
+
+    /// The device context rdma_cm bound this id to (null before binding).
+    pub fn verbs(&self) -> *mut ibv_context {
+        // SAFETY: raw is valid for our lifetime.
+        unsafe { (*self.raw).verbs }
+    }
+
+    pub fn port_num(&self) -> u8 {
+        // SAFETY: as above.
+        unsafe { (*self.raw).port_num }
+    }
+
+    pub fn qp(&self) -> *mut ibv_qp {
+        // SAFETY: as above.
+        unsafe { (*self.raw).qp }
+    }
+
+    /// The source GID rdma_cm chose for this id's route.
+    pub fn sgid(&self) -> [u8; 16] {
+        // SAFETY: route.addr is plain data in the id; for RoCE/IB ids the
+        // ibaddr member is the active one.
+        unsafe { (*self.raw).route.addr.addr.ibaddr.sgid.raw }
+    }
+
+    /// The local TCP-space port (host order).
+    pub fn src_port(&self) -> u16 {
+        // SAFETY: raw is valid.
+        u16::from_be(unsafe { rdma_get_src_port(self.raw) })
+    }
+
+    /// Create an RC QP on this id with the given CQ for both queues.
+    pub fn create_qp(&mut self, pd: &super::device::Pd, cq: &Arc<super::device::Cq>, cap: ibv_qp_cap) -> Result<()> {
+        // SAFETY: zeroed POD init-attr, then filled.
+        let mut attr: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        attr.send_cq = cq.raw;
+        attr.recv_cq = cq.raw;
+        attr.cap = cap;
+        attr.qp_type = ibv_qp_type::IBV_QPT_RC;
+        attr.sq_sig_all = 0;
+        // SAFETY: id, pd and cq are live and on the same device.
+        if unsafe { rdma_create_qp(self.raw, pd.raw, &mut attr) } != 0 {
+            return Err(Error::last_os("rdma_create_qp"));
+        }
+        self.has_qp = true;
+        self.cq = Some(cq.clone());
+        Ok(())
+    }
+
+    /// Move the QP to the error state and send a DREQ (idempotent).
+    pub fn disconnect(&self) {
+        // SAFETY: raw is valid; an error only means "not connected".
+        unsafe { rdma_disconnect(self.raw) };
+    }
+}
+
+impl Drop for CmId {
+    fn drop(&mut self) {
+        if self.has_qp {
+            // SAFETY: the QP was made by rdma_create_qp on this id; no thread
+            // posts to it any more (owners drop us under their lock).
+            unsafe { rdma_destroy_qp(self.raw) };
+        }
+        // SAFETY: every event for this id has been acknowledged (the progress
+        // thread acks before acting), so this does not block.
+        let rc = unsafe { rdma_destroy_id(self.raw) };
+        if rc != 0 {
+            log::warn!("verbs: rdma_destroy_id failed: {}", std::io::Error::last_os_error());
+        }
+        drop(self.cq.take());
+    }
+}
+
+/// Resolve "host:port" (IPv4 preferred) with `offset` added to the port.
+pub fn resolve(addr: &str, offset: u16) -> Result<SocketAddr> {
+    let (host, port) = addr
+        .rsplit_once(':')
+        .ok_or_else(|| Error::InvalidArgument(format!("address {addr:?} is not host:port")))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let port: u16 = port
+        .parse()
+        .map_err(|_| Error::InvalidArgument(format!("bad port in address {addr:?}")))?;
+    let port = if port == 0 {
+        0
+    } else {
+        port.checked_add(offset).ok_or_else(|| {
+            Error::InvalidArgument(format!("port {port} + rdma_cm port offset {offset} overflows"))
+        })?
+    };
+    let addrs: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| Error::InvalidArgument(format!("cannot resolve {host:?}: {e}")))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| Error::InvalidArgument(format!("{host:?} resolves to no address")))
+}
+
+/// A socket address in the C layout rdma_cm takes.
+pub struct RawAddr(libc::sockaddr_storage);
+
+impl RawAddr {
+    pub fn new(a: &SocketAddr) -> RawAddr {
+        // SAFETY: zeroed sockaddr_storage is valid; we fill one family below.
+        let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        match a {
+            SocketAddr::V4(v4) => {
+                // SAFETY: sockaddr_storage is large and aligned enough.
+                let sin = unsafe { &mut *(&mut ss as *mut _ as *mut libc::sockaddr_in) };
+                sin.sin_family = libc::AF_INET as _;
+                sin.sin_port = v4.port().to_be();
+                sin.sin_addr.s_addr = u32::from_ne_bytes(v4.ip().octets());
+            }
+            SocketAddr::V6(v6) => {
+                // SAFETY: as above.
+                let sin6 = unsafe { &mut *(&mut ss as *mut _ as *mut libc::sockaddr_in6) };
+                sin6.sin6_family = libc::AF_INET6 as _;
+                sin6.sin6_port = v6.port().to_be();
+                sin6.sin6_addr.s6_addr = v6.ip().octets();
+                sin6.sin6_scope_id = v6.scope_id();
+            }
+        }
+        RawAddr(ss)
+    }
+
+    pub fn as_mut_ptr(&mut self) -> *mut libc::sockaddr {
+        &mut self.0 as *mut _ as *mut libc::sockaddr
+    }
+}
+
+/// Magic and version at the start of our private data ("RDV" + version).
+pub const MAGIC: u32 = 0x5244_5601;
+
+/// What the connecting side tells the listener in the CM REQ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectData {
+    pub mtu: u32,
+    pub recv_depth: u32,
+    pub slot: u32,
+}
+
+/// What the listener answers in the CM REP: where to write, and its MTU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AcceptData {
+    pub arena_addr: u64,
+    pub arena_rkey: u32,
+    pub arena_len: u64,
+    pub mtu: u32,
+    pub recv_depth: u32,
+    pub slot: u32,
+}
+
+fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+
+fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
+}
+
+impl ConnectData {
+    pub const LEN: usize = 16;
+
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..8].copy_from_slice(&self.mtu.to_le_bytes());
+        b[8..12].copy_from_slice(&self.recv_depth.to_le_bytes());
+        b[12..16].copy_from_slice(&self.slot.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<ConnectData> {
+        let bad = || Error::Protocol("connect request is not from an rdma_device verbs peer (bad private data)".into());
+        if u32_at(b, 0) != Some(MAGIC) {
+            return Err(bad());
+        }
+        Ok(ConnectData {
+            mtu: u32_at(b, 4).ok_or_else(bad)?,
+            recv_depth: u32_at(b, 8).ok_or_else(bad)?,
+            slot: u32_at(b, 12).ok_or_else(bad)?,
+        })
+    }
+}
+
+impl AcceptData {
+    pub const LEN: usize = 36;
+
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..12].copy_from_slice(&self.arena_addr.to_le_bytes());
+        b[12..16].copy_from_slice(&self.arena_rkey.to_le_bytes());
+        b[16..24].copy_from_slice(&self.arena_len.to_le_bytes());
+        b[24..28].copy_from_slice(&self.mtu.to_le_bytes());
+        b[28..32].copy_from_slice(&self.recv_depth.to_le_bytes());
+        b[32..36].copy_from_slice(&self.slot.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<AcceptData> {
+        let bad = || Error::Protocol("accept reply is not from an rdma_device verbs peer (bad private data)".into());
+        if u32_at(b, 0) != Some(MAGIC) {
+            return Err(bad());
+        }
+        Ok(AcceptData {
+            arena_addr: u64_at(b, 4).ok_or_else(bad)?,
+            arena_rkey: u32_at(b, 12).ok_or_else(bad)?,
+            arena_len: u64_at(b, 16).ok_or_else(bad)?,
+            mtu: u32_at(b, 24).ok_or_else(bad)?,
+            recv_depth: u32_at(b, 28).ok_or_else(bad)?,
+            slot: u32_at(b, 32).ok_or_else(bad)?,
+        })
+    }
+}
+
+/// A CM event, copied out so the event can be acknowledged at once.
+pub struct Event {
+    pub kind: rdma_cm_event_type::Type,
+    pub status: i32,
+    pub id: *mut rdma_cm_id,
+    /// `context` of the event's id (or of the listening id for a request).
+    pub token: u64,
+    pub private: Vec<u8>,
+    pub responder_resources: u8,
+    pub initiator_depth: u8,
+}
+
+impl Event {
+    pub fn name(&self) -> String {
+        // SAFETY: returns a static string for any value.
+        let p = unsafe { rdma_event_str(self.kind) };
+        if p.is_null() {
+            return format!("event {}", self.kind);
+        }
+        // SAFETY: static NUL-terminated string.
+        unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+}
+
+/// Take the next CM event without blocking, copy it and acknowledge it.
+pub fn next_event(ch: &EventChannel) -> Option<Event> {
+    let mut ev = std::ptr::null_mut();
+    // SAFETY: the channel fd is non-blocking; ev is a valid out-pointer.
+    if unsafe { rdma_get_cm_event(ch.raw, &mut ev) } != 0 || ev.is_null() {
+        return None;
+    }
+    // SAFETY: ev is a live event until acked below; we copy what we need.
+    let out = unsafe {
+        let e = &*ev;
+        let is_req = e.event == rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST;
+        let ctx_id = if is_req && !e.listen_id.is_null() { e.listen_id } else { e.id };
+        let conn = &e.param.conn;
+        let private = if conn.private_data.is_null() || conn.private_data_len == 0 {
+            Vec::new()
+        } else {
+            std::slice::from_raw_parts(conn.private_data.cast::<u8>(), conn.private_data_len as usize).to_vec()
+        };
+        Event {
+            kind: e.event,
+            status: e.status,
+            id: e.id,
+            token: (*ctx_id).context as usize as u64,
+            private,
+            responder_resources: conn.responder_resources,
+            initiator_depth: conn.initiator_depth,
+        }
+    };
+    // SAFETY: ev came from rdma_get_cm_event and is acked exactly once.
+    unsafe { rdma_ack_cm_event(ev) };
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn private_data_round_trips() {
+        let c = ConnectData { mtu: 1024, recv_depth: 32, slot: 4096 };
+        assert_eq!(ConnectData::decode(&c.encode()).unwrap(), c);
+        let a = AcceptData { arena_addr: 0x7f00_0000_1000, arena_rkey: 77, arena_len: 1 << 30, mtu: 4096, recv_depth: 32, slot: 4096 };
+        assert_eq!(AcceptData::decode(&a.encode()).unwrap(), a);
+        assert!(ConnectData::decode(&[0u8; 16]).is_err());
+        assert!(AcceptData::decode(&a.encode()[..20]).is_err());
+        assert!(ConnectData::LEN <= 56 && AcceptData::LEN <= 196);
+    }
+
+    #[test]
+    fn resolve_adds_offset_and_prefers_ipv4() {
+        assert_eq!(resolve("127.0.0.1:1000", 5).unwrap(), "127.0.0.1:1005".parse().unwrap());
+        assert_eq!(resolve("127.0.0.1:0", 5).unwrap().port(), 0);
+        assert!(resolve("nohostport", 0).is_err());
+        assert!(resolve("127.0.0.1:65535", 1).is_err());
+        assert!(resolve("localhost:7", 0).unwrap().is_ipv4());
+    }
+}

@@ -1,0 +1,777 @@
+//! One RC connection (either side): its QP, registered buffers, the ops in
+//! flight, and the FIFO of work waiting for send-queue slots or buffers.
+//!
+//! Everything mutable sits behind one lock and every post happens under
+//! it, so work reaches the QP in call order (RC then keeps that order on the
+//! wire: a write's final WRITE_WITH_IMM lands after its pieces, a message
+//! sent after a write arrives after it). Callbacks never run under the lock:
+//! methods return [`Action`]s that the caller runs after unlocking.
+//!
+//! Send-side strategy for arbitrary (unregistered) source memory, per write:
+//! - staging (default below [`super::VerbsOptions::register_threshold`]):
+//!   copy into one of this connection's registered chunks, one WRITE per
+//!   chunk; chunks recycle on completion, so a write of any size pipelines
+//!   through a bounded amount of pinned memory.
+//! - registration (at or above the threshold): `ibv_reg_mr` each segment,
+//!   WRITE straight from it, deregister on completion: zero-copy, but pays
+//!   the kernel's pin + translate per write. A cache of such registrations
+//!   would be unsafe here: nothing tells us when TF frees a buffer and the
+//!   allocator maps other pages at the same address (stale translations =
+//!   silent corruption). See the module docs of `verbs` for the numbers.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use parking_lot::{Condvar, Mutex};
+use rdma_sys::*;
+
+use super::cm::{AcceptData, CmId};
+use super::device::Device;
+use super::mr::{Mr, Slab};
+use super::wr::{self, WrKind, NO_CHUNK};
+use crate::error::{Error, Result};
+use crate::fabric::{ConnId, FabricEvents, ReadDone, Segment, WriteDone};
+
+/// Control-message fragment header: kind, flags, 2 spare, payload length.
+const HDR: usize = 8;
+const FLAG_MORE: u8 = 1;
+
+/// Kinds of control messages (the first byte of each fragment).
+pub(crate) const MSG_HELLO: u8 = 1;
+pub(crate) const MSG_HELLO_OK: u8 = 2;
+pub(crate) const MSG_HELLO_ERR: u8 = 3;
+pub(crate) const MSG_USER: u8 = 4;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    Active,
+    Passive,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// rdma_cm is resolving / connecting.
+    Connecting,
+    /// Connected; the sender's hello is due (passive) or its reply (active).
+    Handshake,
+    Ready,
+    Dead,
+}
+
+/// Work a connection's owner must do after releasing the lock.
+pub(crate) enum Action {
+    WriteDone(WriteDone, Result<()>),
+    ReadDone(ReadDone, Result<Vec<u8>>),
+    Imm(u32),
+    Message(Vec<u8>),
+    /// The sender's hello arrived: call `on_accept`.
+    Accept(Vec<u8>),
+    Disconnect(Error),
+    /// Tear the connection down (on the progress thread).
+    Kill(Error),
+}
+
+struct WriteOp {
+    // Field order = drop order: registrations before the memory they pin.
+    mrs: Vec<Option<Mr>>,
+    segs: Vec<Segment>,
+    done: Option<WriteDone>,
+    imm: u32,
+    remote_off: u64,
+    left: usize,
+    seg: usize,
+    seg_off: usize,
+    register: bool,
+    last_chunk: u32,
+}
+
+struct ReadOp {
+    mr: Option<Mr>,
+    buf: Vec<u8>,
+    done: Option<ReadDone>,
+    remote_off: u64,
+    posted: bool,
+}
+
+enum Op {
+    Write(WriteOp),
+    Read(ReadOp),
+}
+
+struct OpSlot {
+    gen: u32,
+    op: Option<Op>,
+}
+
+enum Work {
+    Msg { kind: u8, data: Vec<u8>, sent: usize, started: bool },
+    Op(u32),
+}
+
+/// Sizes a connection is built with.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sizing {
+    pub slot: usize,
+    pub n_recv: u32,
+    pub n_send: u32,
+    pub chunk: usize,
+    pub n_chunks: u32,
+    pub sq_depth: u32,
+    pub register_threshold: usize,
+}
+
+pub(crate) struct Inner {
+    pub phase: Phase,
+    pub cm: Option<CmId>,
+    pub dev: Option<Arc<Device>>,
+    pub slab: Option<Slab>,
+    pub arena_mr: Option<Arc<Mr>>,
+    pub remote: Option<AcceptData>,
+    pub peer_hello: Vec<u8>,
+    /// Active side: the hello to send once established.
+    pub hello: Vec<u8>,
+    /// Active side: how `connect` ends.
+    pub result: Option<Result<()>>,
+    /// `on_disconnect` is owed (passive: accepted; active: handed out).
+    pub owes_disconnect: bool,
+    pub cqe_reserved: u32,
+    pub qpn: u32,
+    qp: *mut ibv_qp,
+    free_send: Vec<u32>,
+    free_chunks: Vec<u32>,
+    sq_free: u32,
+    ops: Vec<OpSlot>,
+    free_ops: Vec<u32>,
+    queue: VecDeque<Work>,
+    reasm: Vec<u8>,
+}
+
+// SAFETY: the raw QP pointer is only used under the connection's lock while
+// the CmId that owns it is alive.
+unsafe impl Send for Inner {}
+
+pub(crate) struct Conn {
+    pub id: ConnId,
+    pub role: Role,
+    /// 24-bit tag of this connection in its buffers' `wr_id`s.
+    pub tag: u32,
+    pub events: Arc<dyn FabricEvents>,
+    /// Token of the listener that accepted us (passive side).
+    pub listener: u64,
+    pub sizing: Sizing,
+    pub inner: Mutex<Inner>,
+    pub cv: Condvar,
+}
+
+impl Conn {
+    pub fn new(id: ConnId, role: Role, events: Arc<dyn FabricEvents>, listener: u64, sizing: Sizing) -> Conn {
+        Conn {
+            id,
+            role,
+            tag: wr::gen24(id),
+            events,
+            listener,
+            sizing,
+            inner: Mutex::new(Inner {
+                phase: Phase::Connecting,
+                cm: None,
+                dev: None,
+                slab: None,
+                arena_mr: None,
+                remote: None,
+                peer_hello: Vec::new(),
+                hello: Vec::new(),
+                result: None,
+                owes_disconnect: false,
+                cqe_reserved: 0,
+                qpn: 0,
+                qp: std::ptr::null_mut(),
+                free_send: Vec::new(),
+                free_chunks: Vec::new(),
+                sq_free: 0,
+                ops: Vec::new(),
+                free_ops: Vec::new(),
+                queue: VecDeque::new(),
+                reasm: Vec::new(),
+            }),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Give the connection its device, buffers and QP (on `cm`), and post
+    /// every receive buffer. Before rdma_connect / rdma_accept.
+    /// On error the id stays in `inner` for [`Conn::kill`] to destroy.
+    pub fn setup(&self, inner: &mut Inner, cm: CmId, dev: Arc<Device>) -> Result<()> {
+        let s = self.sizing;
+        inner.cm = Some(cm);
+        let cqe = s.sq_depth + s.n_recv;
+        dev.reserve_cqe(cqe)?;
+        inner.cqe_reserved = cqe;
+        inner.dev = Some(dev.clone());
+        let slab = Slab::new(&dev.pd, s.slot, s.n_recv, s.n_send, s.chunk, s.n_chunks)?;
+        let cap = ibv_qp_cap {
+            max_send_wr: s.sq_depth,
+            max_recv_wr: s.n_recv,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        };
+        let cm = inner.cm.as_mut().ok_or_else(|| Error::Internal("no id".into()))?;
+        cm.create_qp(&dev.pd, &dev.cq, cap)?;
+        inner.qp = cm.qp();
+        // SAFETY: the QP was just created and is owned by cm.
+        inner.qpn = unsafe { (*inner.qp).qp_num };
+        inner.free_send = (0..s.n_send).rev().collect();
+        inner.free_chunks = (0..s.n_chunks).rev().collect();
+        inner.sq_free = s.sq_depth;
+        inner.slab = Some(slab);
+        for i in 0..s.n_recv {
+            post_recv(inner, self.tag, i)?;
+        }
+        Ok(())
+    }
+
+    /// Queue a control message (fragmented to buffer size) and post what fits.
+    pub fn send_msg(&self, kind: u8, data: Vec<u8>) -> Result<Vec<Action>> {
+        let mut inner = self.inner.lock();
+        let ok = match kind {
+            MSG_USER => inner.phase == Phase::Ready,
+            _ => matches!(inner.phase, Phase::Handshake | Phase::Ready),
+        };
+        if !ok {
+            return Err(Error::PeerLost(format!("connection {} is closed", self.id)));
+        }
+        inner.queue.push_back(Work::Msg { kind, data, sent: 0, started: false });
+        Ok(self.pump(&mut inner))
+    }
+
+    /// Start a write (see [`crate::fabric::Endpoint::write_imm`]).
+    pub fn write_imm(&self, remote_off: u64, segs: Vec<Segment>, imm: u32, done: WriteDone) -> Vec<Action> {
+        let mut inner = self.inner.lock();
+        if inner.phase != Phase::Ready {
+            return vec![Action::WriteDone(done, Err(Error::PeerLost(format!("connection {} is closed", self.id))))];
+        }
+        let total: usize = segs.iter().map(|s| (**s).as_ref().len()).sum();
+        let arena_len = inner.remote.map(|r| r.arena_len).unwrap_or(0);
+        if remote_off.checked_add(total as u64).is_none_or(|end| end > arena_len) {
+            drop(inner);
+            drop(segs);
+            return vec![Action::WriteDone(done, Err(Error::InvalidArgument(format!(
+                "write of {total} bytes at {remote_off} is outside the peer's arena of {arena_len} bytes"
+            ))))];
+        }
+        let register = total >= self.sizing.register_threshold || self.sizing.n_chunks == 0;
+        let mut mrs = Vec::new();
+        if register {
+            let Some(dev) = inner.dev.clone() else {
+                return vec![Action::WriteDone(done, Err(Error::Internal("no device".into())))];
+            };
+            for s in &segs {
+                let b = (**s).as_ref();
+                if b.is_empty() {
+                    mrs.push(None);
+                    continue;
+                }
+                // SAFETY: the segment is owned by this op and dropped only
+                // after the MR (field order of WriteOp) and the completion.
+                match unsafe { Mr::register(&dev.pd, b.as_ptr(), b.len(), super::mr::ACCESS_LOCAL_READ) } {
+                    Ok(mr) => mrs.push(Some(mr)),
+                    Err(e) => {
+                        drop(inner);
+                        drop(mrs);
+                        drop(segs);
+                        return vec![Action::WriteDone(done, Err(e))];
+                    }
+                }
+            }
+        }
+        let op = Op::Write(WriteOp {
+            mrs,
+            segs,
+            done: Some(done),
+            imm,
+            remote_off,
+            left: total,
+            seg: 0,
+            seg_off: 0,
+            register,
+            last_chunk: NO_CHUNK,
+        });
+        let slot = alloc_op(&mut inner, op);
+        inner.queue.push_back(Work::Op(slot));
+        self.pump(&mut inner)
+    }
+
+    /// Start a read into a freshly registered buffer.
+    pub fn read(&self, remote_off: u64, len: usize, done: ReadDone) -> Vec<Action> {
+        let mut inner = self.inner.lock();
+        if inner.phase != Phase::Ready {
+            return vec![Action::ReadDone(done, Err(Error::PeerLost(format!("connection {} is closed", self.id))))];
+        }
+        let arena_len = inner.remote.map(|r| r.arena_len).unwrap_or(0);
+        if len > super::MAX_WR_BYTES || remote_off.checked_add(len as u64).is_none_or(|e| e > arena_len) {
+            return vec![Action::ReadDone(done, Err(Error::InvalidArgument(format!(
+                "read of {len} bytes at {remote_off} is outside the peer's arena of {arena_len} bytes (or too long)"
+            ))))];
+        }
+        let buf = vec![0u8; len];
+        let mr = if len == 0 {
+            None
+        } else {
+            let Some(dev) = inner.dev.clone() else {
+                return vec![Action::ReadDone(done, Err(Error::Internal("no device".into())))];
+            };
+            // SAFETY: buf's heap block does not move (the Vec is moved, not
+            // its allocation) and outlives the MR (ReadOp field order).
+            match unsafe { Mr::register(&dev.pd, buf.as_ptr(), len, super::mr::ACCESS_LOCAL_WRITE) } {
+                Ok(mr) => Some(mr),
+                Err(e) => return vec![Action::ReadDone(done, Err(e))],
+            }
+        };
+        let slot = alloc_op(&mut inner, Op::Read(ReadOp { mr, buf, done: Some(done), remote_off, posted: false }));
+        inner.queue.push_back(Work::Op(slot));
+        self.pump(&mut inner)
+    }
+
+    /// Post queued work, in order, while slots and buffers last.
+    fn pump(&self, inner: &mut Inner) -> Vec<Action> {
+        let mut acts = Vec::new();
+        while let Some(front) = inner.queue.pop_front() {
+            let r = match front {
+                Work::Msg { kind, data, sent, started } => {
+                    match self.post_msg(inner, kind, &data, sent, started) {
+                        Ok(Some(sent)) => {
+                            inner.queue.push_front(Work::Msg { kind, data, sent, started: true });
+                            break;
+                        }
+                        Ok(None) => Ok(()),
+                        Err(e) => Err(e),
+                    }
+                }
+                Work::Op(slot) => match self.post_op(inner, slot) {
+                    Ok(true) => Ok(()),
+                    Ok(false) => {
+                        inner.queue.push_front(Work::Op(slot));
+                        break;
+                    }
+                    Err(e) => Err(e),
+                },
+            };
+            if let Err(e) = r {
+                acts.push(Action::Kill(e.context("posting work request")));
+                break;
+            }
+        }
+        acts
+    }
+
+    /// Post fragments of one message from `sent`; `Some(sent)` if it stalled.
+    fn post_msg(&self, inner: &mut Inner, kind: u8, data: &[u8], mut sent: usize, mut started: bool) -> Result<Option<usize>> {
+        let room = self.sizing.slot - HDR;
+        while !started || sent < data.len() {
+            if inner.sq_free == 0 || inner.free_send.is_empty() {
+                return Ok(Some(sent));
+            }
+            let Some(buf) = inner.free_send.pop() else { return Ok(Some(sent)) };
+            let n = room.min(data.len() - sent);
+            let more = sent + n < data.len();
+            let slab = inner.slab.as_ref().ok_or_else(|| Error::Internal("no buffers".into()))?;
+            let p = slab.send_buf(buf);
+            let mut hdr = [0u8; HDR];
+            hdr[0] = kind;
+            hdr[1] = if more { FLAG_MORE } else { 0 };
+            hdr[4..8].copy_from_slice(&(n as u32).to_le_bytes());
+            // SAFETY: buffer `buf` is ours (popped from the free list) and
+            // holds slot >= HDR + n bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(hdr.as_ptr(), p, HDR);
+                std::ptr::copy_nonoverlapping(data.as_ptr().add(sent), p.add(HDR), n);
+            }
+            let sge = ibv_sge { addr: p as u64, length: (HDR + n) as u32, lkey: slab.mr.lkey };
+            let id = wr::encode(WrKind::Send, self.tag, buf);
+            post_send(inner, id, ibv_wr_opcode::IBV_WR_SEND, Some(sge), None, 0)?;
+            sent += n;
+            started = true;
+        }
+        Ok(None)
+    }
+
+    /// Post what fits of op `slot`; `true` once it is fully posted.
+    fn post_op(&self, inner: &mut Inner, slot: u32) -> Result<bool> {
+        let gen = inner.ops[slot as usize].gen;
+        let chunk_size = self.sizing.chunk;
+        let tag = self.tag;
+        loop {
+            if inner.sq_free == 0 {
+                return Ok(false);
+            }
+            let rkey = inner.remote.map(|r| r.arena_rkey).unwrap_or(0);
+            let rbase = inner.remote.map(|r| r.arena_addr).unwrap_or(0);
+            let staging_chunk = match &inner.ops[slot as usize].op {
+                Some(Op::Write(w)) if !w.register && w.left > 0 => match inner.free_chunks.pop() {
+                    Some(c) => Some(c),
+                    None => return Ok(false),
+                },
+                _ => None,
+            };
+            let slab_lkey = inner.slab.as_ref().map(|s| s.mr.lkey).unwrap_or(0);
+            let chunk_ptr = staging_chunk.and_then(|c| inner.slab.as_ref().map(|s| s.chunk_buf(c)));
+            let Some(op) = inner.ops[slot as usize].op.as_mut() else { return Ok(true) };
+            let (wr_id, opcode, sge, remote, imm, last) = match op {
+                Op::Read(r) => {
+                    if r.posted {
+                        return Ok(true);
+                    }
+                    r.posted = true;
+                    let sge = r.mr.as_ref().map(|m| ibv_sge { addr: m.addr, length: r.buf.len() as u32, lkey: m.lkey });
+                    (wr::encode(WrKind::Read, gen, slot), ibv_wr_opcode::IBV_WR_RDMA_READ, sge, rbase + r.remote_off, 0, true)
+                }
+                Op::Write(w) => {
+                    // Skip empty segments so the cursor points at real bytes.
+                    while w.seg < w.segs.len() && w.seg_off >= (*w.segs[w.seg]).as_ref().len() {
+                        w.seg += 1;
+                        w.seg_off = 0;
+                    }
+                    let piece;
+                    let sge;
+                    if w.left == 0 {
+                        piece = 0;
+                        sge = None;
+                    } else if let (Some(c), Some(p)) = (staging_chunk, chunk_ptr) {
+                        piece = w.left.min(chunk_size);
+                        let mut copied = 0;
+                        while copied < piece {
+                            let b = (*w.segs[w.seg]).as_ref();
+                            let n = (b.len() - w.seg_off).min(piece - copied);
+                            // SAFETY: chunk c is ours (popped from the free
+                            // list) and holds chunk_size >= piece bytes; the
+                            // source range is inside the segment.
+                            unsafe { std::ptr::copy_nonoverlapping(b.as_ptr().add(w.seg_off), p.add(copied), n) };
+                            copied += n;
+                            w.seg_off += n;
+                            if w.seg_off == b.len() {
+                                w.seg += 1;
+                                w.seg_off = 0;
+                            }
+                        }
+                        sge = Some(ibv_sge { addr: p as u64, length: piece as u32, lkey: slab_lkey });
+                        let _ = c;
+                    } else {
+                        let b = (*w.segs[w.seg]).as_ref();
+                        let mr = w.mrs[w.seg].as_ref().ok_or_else(|| Error::Internal("segment not registered".into()))?;
+                        piece = (b.len() - w.seg_off).min(super::MAX_WR_BYTES);
+                        // SAFETY: offset inside the registered segment.
+                        let addr = unsafe { b.as_ptr().add(w.seg_off) } as u64;
+                        sge = Some(ibv_sge { addr, length: piece as u32, lkey: mr.lkey });
+                        w.seg_off += piece;
+                    }
+                    let remote = rbase + w.remote_off;
+                    w.remote_off += piece as u64;
+                    w.left -= piece;
+                    let last = w.left == 0;
+                    let chunk = staging_chunk.unwrap_or(NO_CHUNK);
+                    if last {
+                        w.last_chunk = chunk;
+                        (wr::encode(WrKind::WriteLast, gen, slot), ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM, sge, remote, w.imm, true)
+                    } else {
+                        (wr::encode(WrKind::Piece, tag, chunk), ibv_wr_opcode::IBV_WR_RDMA_WRITE, sge, remote, 0, false)
+                    }
+                }
+            };
+            post_send(inner, wr_id, opcode, sge, Some((remote, rkey)), imm)?;
+            if last {
+                return Ok(true);
+            }
+        }
+    }
+
+    /// Handle one completion of this connection's QP.
+    pub fn complete(&self, wc: &ibv_wc) -> Vec<Action> {
+        let mut acts = Vec::new();
+        let mut inner = self.inner.lock();
+        if inner.phase == Phase::Dead {
+            return acts;
+        }
+        let Some((kind, gen, idx)) = wr::decode(wc.wr_id) else {
+            log::warn!("verbs: conn {}: completion with unknown wr_id {:#x}", self.id, wc.wr_id);
+            return acts;
+        };
+        let ok = wc.status == ibv_wc_status::IBV_WC_SUCCESS;
+        let err = || {
+            // SAFETY: returns a static string for any status.
+            let s = unsafe { std::ffi::CStr::from_ptr(ibv_wc_status_str(wc.status)) };
+            Error::PeerLost(format!(
+                "RDMA {kind:?} on connection {} failed: {} (status {}, vendor error {:#x})",
+                self.id,
+                s.to_string_lossy(),
+                wc.status,
+                wc.vendor_err
+            ))
+        };
+        if kind != WrKind::Recv {
+            inner.sq_free += 1;
+        }
+        match kind {
+            WrKind::Recv if gen == self.tag => {
+                if ok {
+                    if let Err(e) = self.on_recv(&mut inner, wc, idx, &mut acts) {
+                        acts.push(Action::Kill(e));
+                    }
+                }
+            }
+            WrKind::Send if gen == self.tag => inner.free_send.push(idx),
+            WrKind::Piece if gen == self.tag => {
+                if idx != NO_CHUNK {
+                    inner.free_chunks.push(idx);
+                }
+            }
+            WrKind::WriteLast | WrKind::Read => {
+                if let Some(op) = take_op(&mut inner, idx, gen) {
+                    let res = if ok { Ok(()) } else { Err(err()) };
+                    match op {
+                        Op::Write(mut w) => {
+                            if w.last_chunk != NO_CHUNK {
+                                inner.free_chunks.push(w.last_chunk);
+                            }
+                            let done = w.done.take();
+                            drop(w);
+                            if let Some(d) = done {
+                                acts.push(Action::WriteDone(d, res));
+                            }
+                        }
+                        Op::Read(mut r) => {
+                            drop(r.mr.take());
+                            if let Some(d) = r.done.take() {
+                                acts.push(Action::ReadDone(d, res.map(|_| std::mem::take(&mut r.buf))));
+                            }
+                        }
+                    }
+                }
+            }
+            _ => log::debug!("verbs: conn {}: stale completion {kind:?} gen {gen}", self.id),
+        }
+        if !ok {
+            acts.push(Action::Kill(err()));
+            return acts;
+        }
+        acts.extend(self.pump(&mut inner));
+        acts
+    }
+
+    fn on_recv(&self, inner: &mut Inner, wc: &ibv_wc, idx: u32, acts: &mut Vec<Action>) -> Result<()> {
+        if wc.opcode == ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
+            post_recv(inner, self.tag, idx)?;
+            // SAFETY: for RECV_RDMA_WITH_IMM the union holds imm_data.
+            let imm = u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data });
+            if inner.phase == Phase::Ready {
+                acts.push(Action::Imm(imm));
+            }
+            return Ok(());
+        }
+        let len = wc.byte_len as usize;
+        let slab = inner.slab.as_ref().ok_or_else(|| Error::Internal("no buffers".into()))?;
+        if len < HDR || len > slab.slot {
+            return Err(Error::Protocol(format!("control fragment of {len} bytes")));
+        }
+        let mut frag = vec![0u8; len];
+        // SAFETY: receive buffer idx holds `len` bytes the NIC just wrote;
+        // it is reposted only after this copy.
+        unsafe { std::ptr::copy_nonoverlapping(slab.recv_buf(idx), frag.as_mut_ptr(), len) };
+        post_recv(inner, self.tag, idx)?;
+        let (kind, more) = (frag[0], frag[1] & FLAG_MORE != 0);
+        let n = u32::from_le_bytes([frag[4], frag[5], frag[6], frag[7]]) as usize;
+        if HDR + n != len {
+            return Err(Error::Protocol("control fragment length mismatch".into()));
+        }
+        inner.reasm.extend_from_slice(&frag[HDR..]);
+        if inner.reasm.len() > super::max_msg_bytes() + HDR {
+            return Err(Error::Protocol("control message larger than the maximum".into()));
+        }
+        if more {
+            return Ok(());
+        }
+        let msg = std::mem::take(&mut inner.reasm);
+        match (kind, self.role, inner.phase) {
+            (MSG_USER, _, Phase::Ready) => acts.push(Action::Message(msg)),
+            (MSG_HELLO, Role::Passive, Phase::Handshake) => acts.push(Action::Accept(msg)),
+            (MSG_HELLO_OK, Role::Active, Phase::Handshake) => {
+                inner.peer_hello = msg;
+                inner.phase = Phase::Ready;
+                inner.result = Some(Ok(()));
+                self.cv.notify_all();
+            }
+            (MSG_HELLO_ERR, Role::Active, Phase::Handshake) => {
+                let e = decode_refusal(&msg);
+                inner.result = Some(Err(e.clone()));
+                self.cv.notify_all();
+                acts.push(Action::Kill(e));
+            }
+            (k, r, p) => {
+                return Err(Error::Protocol(format!("unexpected control message {k} for {r:?} side in {p:?}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Tear down: destroy QP and id, fail everything pending. Returns the
+    /// callbacks owed (done(Err) for each op, then on_disconnect).
+    pub fn kill(&self, why: &Error) -> Vec<Action> {
+        let mut inner = self.inner.lock();
+        if inner.phase == Phase::Dead {
+            return Vec::new();
+        }
+        inner.phase = Phase::Dead;
+        if let Some(cm) = inner.cm.take() {
+            cm.disconnect();
+            // Destroys the QP: the NIC no longer touches any buffer below.
+            drop(cm);
+        }
+        inner.qp = std::ptr::null_mut();
+        inner.slab = None;
+        inner.arena_mr = None;
+        if let Some(dev) = inner.dev.take() {
+            dev.release_cqe(inner.cqe_reserved);
+        }
+        inner.queue.clear();
+        let mut acts = Vec::new();
+        for s in inner.ops.iter_mut() {
+            match s.op.take() {
+                Some(Op::Write(mut w)) => {
+                    let d = w.done.take();
+                    drop(w);
+                    if let Some(d) = d {
+                        acts.push(Action::WriteDone(d, Err(why.clone())));
+                    }
+                }
+                Some(Op::Read(mut r)) => {
+                    drop(r.mr.take());
+                    if let Some(d) = r.done.take() {
+                        acts.push(Action::ReadDone(d, Err(why.clone())));
+                    }
+                }
+                None => {}
+            }
+        }
+        if inner.result.is_none() {
+            inner.result = Some(Err(why.clone()));
+        }
+        self.cv.notify_all();
+        if std::mem::take(&mut inner.owes_disconnect) {
+            acts.push(Action::Disconnect(why.clone()));
+        }
+        acts
+    }
+}
+
+fn alloc_op(inner: &mut Inner, op: Op) -> u32 {
+    if let Some(i) = inner.free_ops.pop() {
+        let s = &mut inner.ops[i as usize];
+        s.gen = wr::gen24(u64::from(s.gen) + 1);
+        s.op = Some(op);
+        i
+    } else {
+        inner.ops.push(OpSlot { gen: 1, op: Some(op) });
+        (inner.ops.len() - 1) as u32
+    }
+}
+
+fn take_op(inner: &mut Inner, idx: u32, gen: u32) -> Option<Op> {
+    let s = inner.ops.get_mut(idx as usize)?;
+    if s.gen != gen {
+        return None;
+    }
+    let op = s.op.take()?;
+    inner.free_ops.push(idx);
+    Some(op)
+}
+
+fn post_recv(inner: &mut Inner, tag: u32, idx: u32) -> Result<()> {
+    let slab = inner.slab.as_ref().ok_or_else(|| Error::Internal("no buffers".into()))?;
+    let mut sge = ibv_sge { addr: slab.recv_buf(idx) as u64, length: slab.slot as u32, lkey: slab.mr.lkey };
+    let mut wr = ibv_recv_wr { wr_id: wr::encode(WrKind::Recv, tag, idx), next: std::ptr::null_mut(), sg_list: &mut sge, num_sge: 1 };
+    let mut bad = std::ptr::null_mut();
+    // SAFETY: the QP is alive (owned by inner.cm, we hold the lock); wr and
+    // sge live across the call; the buffer is registered and ours.
+    let rc = unsafe { ibv_post_recv(inner.qp, &mut wr, &mut bad) };
+    if rc != 0 {
+        return Err(Error::Io(format!("ibv_post_recv: {}", std::io::Error::from_raw_os_error(rc))));
+    }
+    Ok(())
+}
+
+fn post_send(inner: &mut Inner, wr_id: u64, opcode: ibv_wr_opcode::Type, sge: Option<ibv_sge>, rdma: Option<(u64, u32)>, imm: u32) -> Result<()> {
+    if inner.qp.is_null() {
+        return Err(Error::PeerLost("queue pair is gone".into()));
+    }
+    let mut sge = sge;
+    // SAFETY: ibv_send_wr is POD; zero is a valid empty request.
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = wr_id;
+    wr.opcode = opcode;
+    wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+    if let Some(s) = sge.as_mut() {
+        wr.sg_list = s;
+        wr.num_sge = 1;
+    }
+    if let Some((addr, rkey)) = rdma {
+        wr.wr.rdma = rdma_t { remote_addr: addr, rkey };
+    }
+    wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+    let mut bad = std::ptr::null_mut();
+    // SAFETY: the QP is alive (we hold the owner's lock); wr/sge live across
+    // the call; the memory is registered and stays alive until completion.
+    let rc = unsafe { ibv_post_send(inner.qp, &mut wr, &mut bad) };
+    if rc != 0 {
+        return Err(Error::Io(format!("ibv_post_send: {}", std::io::Error::from_raw_os_error(rc))));
+    }
+    inner.sq_free -= 1;
+    Ok(())
+}
+
+/// A refusal travels as one kind byte + the message.
+pub(crate) fn encode_refusal(e: &Error) -> Vec<u8> {
+    let code = match e {
+        Error::InvalidArgument(_) => 1,
+        Error::NotViable(_) => 2,
+        Error::PeerLost(_) => 3,
+        Error::Aborted(_) => 4,
+        Error::Protocol(_) => 5,
+        Error::ResourceExhausted(_) => 6,
+        Error::Io(_) => 7,
+        Error::Config(_) => 8,
+        Error::Timeout(_) => 9,
+        Error::Internal(_) => 10,
+    };
+    let mut v = vec![code];
+    v.extend_from_slice(e.message().as_bytes());
+    v
+}
+
+pub(crate) fn decode_refusal(b: &[u8]) -> Error {
+    let m = String::from_utf8_lossy(b.get(1..).unwrap_or_default()).into_owned();
+    match b.first() {
+        Some(1) => Error::InvalidArgument(m),
+        Some(2) => Error::NotViable(m),
+        Some(3) => Error::PeerLost(m),
+        Some(4) => Error::Aborted(m),
+        Some(6) => Error::ResourceExhausted(m),
+        Some(7) => Error::Io(m),
+        Some(8) => Error::Config(m),
+        Some(9) => Error::Timeout(m),
+        Some(10) => Error::Internal(m),
+        _ => Error::Protocol(m),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusal_keeps_kind_and_message() {
+        for e in [Error::InvalidArgument("a".into()), Error::NotViable("b".into()), Error::Aborted("c".into())] {
+            assert_eq!(decode_refusal(&encode_refusal(&e)), e);
+        }
+        assert!(matches!(decode_refusal(&[]), Error::Protocol(_)));
+    }
+}

@@ -1,0 +1,141 @@
+//! The receiving side: an rdma_cm listening id on the task's address, the
+//! arena registered once per device, and the connections it accepted.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use rdma_sys::*;
+
+use super::cm::{self, CmId, RawAddr};
+use super::conn::MSG_USER;
+use super::device::{self, Device};
+use super::mr::{Mr, ACCESS_REMOTE};
+use super::progress::{self, Request, Shared, LISTENER_BIT};
+use crate::error::{Error, Result};
+use crate::fabric::{Arena, ConnId, FabricEvents, Listener};
+
+static NEXT_LISTENER: AtomicU64 = AtomicU64::new(1);
+
+pub(crate) struct ListenerShared {
+    pub token: u64,
+    pub addr: String,
+    pub events: Arc<dyn FabricEvents>,
+    pub arena: Arc<Arena>,
+    pub cm: Mutex<Option<CmId>>,
+    pub conns: Mutex<HashSet<ConnId>>,
+}
+
+impl ListenerShared {
+    /// The arena's registration on `dev` (made on first use; each device
+    /// has its own keys).
+    pub fn arena_mr(&self, dev: &Device) -> Result<Arc<Mr>> {
+        let mut mrs = dev.arena_mrs.lock();
+        if let Some(m) = mrs.get(&self.token) {
+            return Ok(m.clone());
+        }
+        let len = self.arena.len();
+        if len as u64 > dev.ctx.info.max_mr_size {
+            return Err(Error::ResourceExhausted(format!(
+                "receive arena of {len} bytes exceeds {}'s largest memory region ({} bytes); \
+                 use a smaller arena",
+                dev.name(),
+                dev.ctx.info.max_mr_size
+            )));
+        }
+        device::memlock_check(len as u64 + (super::MIN_MEMLOCK_BYTES / 2), "the receive arena")?;
+        // SAFETY: the arena mapping lives as long as `self.arena`, which
+        // this listener holds; the MR is dropped (in close_listener and with
+        // the last connection holding it) before the listener goes.
+        let mr = unsafe { Mr::register(&dev.pd, self.arena.as_ptr(), len, ACCESS_REMOTE)? };
+        let mr = Arc::new(mr);
+        mrs.insert(self.token, mr.clone());
+        Ok(mr)
+    }
+}
+
+/// A listening receiver. Dropping it shuts it down.
+pub struct VerbsListener {
+    shared: Arc<Shared>,
+    lst: Arc<ListenerShared>,
+    closed: AtomicBool,
+}
+
+pub(crate) fn listen(sh: &Arc<Shared>, local: &str, arena: Arc<Arena>, events: Arc<dyn FabricEvents>) -> Result<VerbsListener> {
+    let offset = sh.opts.cm_port_offset;
+    let addr = cm::resolve(local, offset)?;
+    let token = LISTENER_BIT | NEXT_LISTENER.fetch_add(1, Ordering::Relaxed);
+    let cmid = CmId::new(&sh.channel, token)?;
+    let mut raw = RawAddr::new(&addr);
+    // SAFETY: the id is fresh; raw outlives the call.
+    if unsafe { rdma_bind_addr(cmid.raw, raw.as_mut_ptr()) } != 0 {
+        return Err(Error::last_os(&format!("rdma_bind_addr({addr}) for the verbs listener")));
+    }
+    let port = cmid.src_port().saturating_sub(if addr.port() == 0 { 0 } else { offset });
+    let host = local.rsplit_once(':').map(|(h, _)| h).unwrap_or(local);
+    let lst = Arc::new(ListenerShared {
+        token,
+        addr: format!("{host}:{port}"),
+        events,
+        arena,
+        cm: Mutex::new(None),
+        conns: Mutex::new(HashSet::new()),
+    });
+    // A specific address binds to its device now: register the arena here
+    // so limits fail `listen`, not the first connection.
+    if !cmid.verbs().is_null() {
+        let dev = sh.device_for(&cmid, &format!("listener {}", lst.addr))?;
+        lst.arena_mr(&dev)?;
+    }
+    // SAFETY: the id is bound.
+    if unsafe { rdma_listen(cmid.raw, super::LISTEN_BACKLOG) } != 0 {
+        let e = Error::last_os(&format!("rdma_listen({addr})"));
+        return Err(e);
+    }
+    *lst.cm.lock() = Some(cmid);
+    sh.listeners.lock().insert(token, lst.clone());
+    log::info!("verbs: listening on {} (rdma_cm port {})", lst.addr, port as u32 + offset as u32);
+    Ok(VerbsListener { shared: sh.clone(), lst, closed: AtomicBool::new(false) })
+}
+
+impl Listener for VerbsListener {
+    fn local_addr(&self) -> String {
+        self.lst.addr.clone()
+    }
+
+    fn send_msg(&self, conn: ConnId, msg: &[u8]) -> Result<()> {
+        if msg.len() > super::max_msg_bytes() {
+            return Err(Error::InvalidArgument(format!(
+                "control message of {} bytes exceeds {}",
+                msg.len(),
+                super::max_msg_bytes()
+            )));
+        }
+        let c = self.shared.conns.lock().get(&conn).cloned();
+        let c = c
+            .filter(|c| c.listener == self.lst.token)
+            .ok_or_else(|| Error::PeerLost(format!("no connection {conn} on listener {}", self.lst.addr)))?;
+        let acts = c.send_msg(MSG_USER, msg.to_vec())?;
+        progress::run_actions(&self.shared, &c, acts);
+        Ok(())
+    }
+
+    fn close_conn(&self, conn: ConnId) {
+        if self.lst.conns.lock().contains(&conn) {
+            self.shared.request(Request::Kill(conn, Error::Aborted("connection closed locally".into())));
+        }
+    }
+
+    fn shutdown(&self) {
+        if !self.closed.swap(true, Ordering::SeqCst) {
+            self.shared.request(Request::CloseListener(self.lst.token));
+        }
+    }
+}
+
+impl Drop for VerbsListener {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

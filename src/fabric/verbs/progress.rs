@@ -1,0 +1,591 @@
+//! The progress thread and the state it shares with the API faces.
+//!
+//! One thread per fabric does every CM transition and every teardown, and
+//! polls the CQs: while completions come it busy-polls (and [`super::SPIN`]
+//! beyond the last), then arms the CQs and blocks in `poll(2)` on the
+//! completion channels, the CM channel and a wake-up eventfd. Because ids
+//! and QPs are destroyed only here, and CM events are acknowledged as soon
+//! as they are read, `rdma_destroy_id` never waits on an unacked event.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use rdma_sys::*;
+
+use super::cm::{self, AcceptData, CmId, ConnectData, EventChannel};
+use super::conn::{self, Action, Conn, Phase, Role, Sizing};
+use super::device::{self, Context, Device};
+use super::listener::ListenerShared;
+use super::VerbsOptions;
+use crate::error::{Error, Result};
+use crate::fabric::ConnId;
+
+/// Listener tokens live above every connection id in the ids' `context`.
+pub(crate) const LISTENER_BIT: u64 = 1 << 63;
+
+pub(crate) enum Request {
+    Kill(ConnId, Error),
+    CloseListener(u64),
+}
+
+pub(crate) struct Shared {
+    pub opts: VerbsOptions,
+    pub channel: Arc<EventChannel>,
+    pub conns: Mutex<HashMap<ConnId, Arc<Conn>>>,
+    by_qpn: Mutex<HashMap<(usize, u32), Arc<Conn>>>,
+    pub listeners: Mutex<HashMap<u64, Arc<ListenerShared>>>,
+    devices: Mutex<Vec<Arc<Device>>>,
+    requests: Mutex<Vec<Request>>,
+    wake: OwnedFd,
+    stop: AtomicBool,
+    thread: Mutex<Option<std::thread::ThreadId>>,
+}
+
+pub(crate) struct Runtime {
+    pub shared: Arc<Shared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Runtime {
+    pub fn start(opts: VerbsOptions) -> Result<Runtime> {
+        let channel = EventChannel::new()?;
+        // SAFETY: plain syscall; the fd is owned below.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::last_os("eventfd"));
+        }
+        let shared = Arc::new(Shared {
+            opts,
+            channel,
+            conns: Default::default(),
+            by_qpn: Default::default(),
+            listeners: Default::default(),
+            devices: Default::default(),
+            requests: Default::default(),
+            // SAFETY: fd is fresh and ours.
+            wake: unsafe { OwnedFd::from_raw_fd(fd) },
+            stop: AtomicBool::new(false),
+            thread: Mutex::new(None),
+        });
+        let sh = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("rdev-verbs".into())
+            .spawn(move || {
+                *sh.thread.lock() = Some(std::thread::current().id());
+                // A panic here must not unwind into libibverbs or kill TF.
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&sh))).is_err() {
+                    log::error!("verbs: progress thread panicked; connections are lost");
+                    kill_all(&sh, &Error::Internal("verbs progress thread panicked".into()));
+                }
+            })
+            .map_err(|e| Error::Io(format!("spawning the verbs progress thread: {e}")))?;
+        Ok(Runtime { shared, thread: Some(thread) })
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.wake();
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                log::warn!("verbs: progress thread ended with a panic");
+            }
+        }
+    }
+}
+
+impl Shared {
+    pub fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: writing 8 bytes from a valid u64 to our eventfd.
+        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    pub fn request(&self, r: Request) {
+        self.requests.lock().push(r);
+        self.wake();
+    }
+
+    fn on_progress_thread(&self) -> bool {
+        *self.thread.lock() == Some(std::thread::current().id())
+    }
+
+    pub fn sizing(&self, role: Role) -> Sizing {
+        let o = &self.opts;
+        Sizing {
+            slot: super::SLOT_BYTES,
+            n_recv: super::RECV_BUFFERS,
+            n_send: super::SEND_BUFFERS,
+            chunk: o.staging_chunk.max(4096),
+            // Only senders write; a listener's connections need no staging.
+            n_chunks: if role == Role::Active { o.staging_chunks } else { 0 },
+            sq_depth: super::SQ_DEPTH,
+            register_threshold: o.register_threshold,
+        }
+    }
+
+    /// The device an id is bound to, opened on first use; checks overrides.
+    pub fn device_for(&self, cm: &CmId, what: &str) -> Result<Arc<Device>> {
+        let ctx = cm.verbs();
+        if ctx.is_null() {
+            return Err(Error::NotViable(format!("{what} is not on an RDMA device")));
+        }
+        let dev = {
+            let mut devs = self.devices.lock();
+            match devs.iter().find(|d| d.ctx.raw == ctx) {
+                Some(d) => d.clone(),
+                None => {
+                    let d = Device::open(Context::for_cm(ctx)?)?;
+                    log::info!("verbs: using {}", d.ctx.info.describe());
+                    devs.push(d.clone());
+                    self.wake();
+                    d
+                }
+            }
+        };
+        let port = cm.port_num();
+        let info = &dev.ctx.info;
+        if let Some(want) = &self.opts.device {
+            if *want != info.name {
+                return Err(Error::NotViable(format!(
+                    "{what} is on RDMA device {} port {port}, but RDMA_DEVICE_VERBS_DEVICE={want}",
+                    info.name
+                )));
+            }
+        }
+        if let Some(want) = self.opts.port {
+            if want != port {
+                return Err(Error::NotViable(format!(
+                    "{what} is on {} port {port}, but RDMA_DEVICE_VERBS_PORT={want}",
+                    info.name
+                )));
+            }
+        }
+        Ok(dev)
+    }
+
+    /// Which GID rdma_cm chose for `cm` (index and description), and the
+    /// GID-index override check.
+    pub fn check_gid(&self, dev: &Device, cm: &CmId, what: &str) -> Result<String> {
+        let sgid = cm.sgid();
+        let port = dev.ctx.info.ports.iter().find(|p| p.num == cm.port_num());
+        let found = port.and_then(|p| p.gids.iter().find(|g| g.gid == sgid));
+        let desc = match found {
+            Some(g) => format!("{} port {} GID[{}] {} {} {}", dev.name(), cm.port_num(), g.index, device::gid_str(&g.gid), g.kind, g.netdev),
+            None => format!("{} port {} GID {}", dev.name(), cm.port_num(), device::gid_str(&sgid)),
+        };
+        if let Some(want) = self.opts.gid_index {
+            if found.map(|g| g.index) != Some(want) {
+                return Err(Error::Config(format!(
+                    "RDMA_DEVICE_VERBS_GID_INDEX={want}, but rdma_cm chose {desc} for {what}; \
+                     use the address that GID {want} carries, or unset the override"
+                )));
+            }
+        }
+        Ok(desc)
+    }
+
+    fn register_qp(&self, dev: &Device, qpn: u32, conn: &Arc<Conn>) {
+        self.by_qpn.lock().insert((dev.ctx.raw as usize, qpn), conn.clone());
+    }
+}
+
+/// Run the callbacks a connection owes, outside every lock.
+pub(crate) fn run_actions(sh: &Arc<Shared>, c: &Arc<Conn>, acts: Vec<Action>) {
+    for a in acts {
+        match a {
+            Action::WriteDone(d, r) => d(r),
+            Action::ReadDone(d, r) => d(r),
+            Action::Imm(imm) => c.events.on_write_imm(c.id, imm),
+            Action::Message(m) => c.events.on_message(c.id, &m),
+            Action::Disconnect(e) => c.events.on_disconnect(c.id, e),
+            Action::Accept(hello) => accept_hello(sh, c, hello),
+            Action::Kill(e) => {
+                if sh.on_progress_thread() {
+                    kill(sh, c, e);
+                } else {
+                    sh.request(Request::Kill(c.id, e));
+                }
+            }
+        }
+    }
+}
+
+/// The receiver's `on_accept` decides; its answer is the first message back.
+fn accept_hello(sh: &Arc<Shared>, c: &Arc<Conn>, hello: Vec<u8>) {
+    let (kind, body) = match c.events.on_accept(c.id, &hello) {
+        Ok(reply) => {
+            let mut inner = c.inner.lock();
+            if inner.phase != Phase::Handshake {
+                return;
+            }
+            inner.phase = Phase::Ready;
+            inner.owes_disconnect = true;
+            (conn::MSG_HELLO_OK, reply)
+        }
+        Err(e) => {
+            log::info!("verbs: conn {} refused by the receiver: {e}", c.id);
+            (conn::MSG_HELLO_ERR, conn::encode_refusal(&e))
+        }
+    };
+    match c.send_msg(kind, body) {
+        Ok(acts) => run_actions(sh, c, acts),
+        Err(e) => kill(sh, c, e),
+    }
+}
+
+pub(crate) fn kill(sh: &Arc<Shared>, c: &Arc<Conn>, why: Error) {
+    let (dev, qpn) = {
+        let i = c.inner.lock();
+        (i.dev.as_ref().map(|d| d.ctx.raw as usize), i.qpn)
+    };
+    let acts = c.kill(&why);
+    if let Some(d) = dev {
+        sh.by_qpn.lock().remove(&(d, qpn));
+    }
+    sh.conns.lock().remove(&c.id);
+    if c.role == Role::Passive {
+        if let Some(l) = sh.listeners.lock().get(&c.listener) {
+            l.conns.lock().remove(&c.id);
+        }
+    }
+    if !acts.is_empty() {
+        log::debug!("verbs: conn {} down: {why}", c.id);
+    }
+    run_actions(sh, c, acts);
+}
+
+fn kill_all(sh: &Arc<Shared>, why: &Error) {
+    let conns: Vec<_> = sh.conns.lock().values().cloned().collect();
+    for c in conns {
+        kill(sh, &c, why.clone());
+    }
+    let tokens: Vec<u64> = sh.listeners.lock().keys().copied().collect();
+    for t in tokens {
+        close_listener(sh, t);
+    }
+}
+
+fn close_listener(sh: &Arc<Shared>, token: u64) {
+    let Some(l) = sh.listeners.lock().remove(&token) else { return };
+    drop(l.cm.lock().take());
+    let ids: Vec<ConnId> = l.conns.lock().drain().collect();
+    for id in ids {
+        let c = sh.conns.lock().get(&id).cloned();
+        if let Some(c) = c {
+            kill(sh, &c, Error::Aborted("listener shut down".into()));
+        }
+    }
+    for d in sh.devices.lock().iter() {
+        d.arena_mrs.lock().remove(&token);
+    }
+}
+
+fn run(sh: &Arc<Shared>) {
+    // SAFETY: ibv_wc is POD; zeroed entries are overwritten by ibv_poll_cq.
+    let mut wcs: Vec<ibv_wc> = (0..32).map(|_| unsafe { std::mem::zeroed() }).collect();
+    let mut busy_at = Instant::now();
+    loop {
+        if sh.stop.load(Ordering::SeqCst) {
+            kill_all(sh, &Error::Aborted("verbs fabric shut down".into()));
+            return;
+        }
+        let reqs = std::mem::take(&mut *sh.requests.lock());
+        for r in reqs {
+            match r {
+                Request::Kill(id, why) => {
+                    let c = sh.conns.lock().get(&id).cloned();
+                    if let Some(c) = c {
+                        kill(sh, &c, why);
+                    }
+                }
+                Request::CloseListener(t) => close_listener(sh, t),
+            }
+        }
+        while let Some(ev) = cm::next_event(&sh.channel) {
+            on_cm_event(sh, ev);
+        }
+        let devs: Vec<Arc<Device>> = sh.devices.lock().clone();
+        let mut n = 0;
+        for d in &devs {
+            n += poll_cq(sh, d, &mut wcs);
+        }
+        if n > 0 {
+            busy_at = Instant::now();
+            continue;
+        }
+        if busy_at.elapsed() < sh.opts.spin {
+            std::hint::spin_loop();
+            continue;
+        }
+        for d in &devs {
+            // SAFETY: the CQ is live (the device is held by `devs`).
+            unsafe { ibv_req_notify_cq(d.cq.raw, 0) };
+        }
+        for d in &devs {
+            n += poll_cq(sh, d, &mut wcs);
+        }
+        if n > 0 {
+            busy_at = Instant::now();
+            continue;
+        }
+        let mut fds = vec![
+            libc::pollfd { fd: sh.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: sh.channel.fd(), events: libc::POLLIN, revents: 0 },
+        ];
+        fds.extend(devs.iter().map(|d| libc::pollfd { fd: d.cq.channel.fd(), events: libc::POLLIN, revents: 0 }));
+        // SAFETY: fds is a valid array of pollfd; bounded wait.
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 1000) };
+        let mut buf = 0u64;
+        // SAFETY: reading 8 bytes into a u64 from our non-blocking eventfd.
+        unsafe { libc::read(sh.wake.as_raw_fd(), (&mut buf as *mut u64).cast(), 8) };
+        for d in &devs {
+            drain_cq_events(d);
+        }
+        busy_at = Instant::now();
+    }
+}
+
+/// Consume (and acknowledge) the channel's notifications.
+fn drain_cq_events(d: &Device) {
+    loop {
+        let mut cq = std::ptr::null_mut();
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: the channel fd is non-blocking; out-pointers are valid.
+        if unsafe { ibv_get_cq_event(d.cq.channel.raw, &mut cq, &mut ctx) } != 0 {
+            return;
+        }
+        // SAFETY: cq is the CQ the event was for (ours), acked once.
+        unsafe { ibv_ack_cq_events(cq, 1) };
+    }
+}
+
+fn poll_cq(sh: &Arc<Shared>, d: &Arc<Device>, wcs: &mut [ibv_wc]) -> usize {
+    // SAFETY: the CQ is live; wcs has room for wcs.len() entries.
+    let n = unsafe { ibv_poll_cq(d.cq.raw, wcs.len() as i32, wcs.as_mut_ptr()) };
+    if n < 0 {
+        log::error!("verbs: ibv_poll_cq on {} failed ({n})", d.name());
+        return 0;
+    }
+    for wc in &wcs[..n as usize] {
+        let c = sh.by_qpn.lock().get(&(d.ctx.raw as usize, wc.qp_num)).cloned();
+        if let Some(c) = c {
+            let acts = c.complete(wc);
+            run_actions(sh, &c, acts);
+        }
+    }
+    n as usize
+}
+
+fn on_cm_event(sh: &Arc<Shared>, ev: cm::Event) {
+    use rdma_cm_event_type::*;
+    if ev.kind == RDMA_CM_EVENT_CONNECT_REQUEST {
+        on_connect_request(sh, ev);
+        return;
+    }
+    let Some(c) = sh.conns.lock().get(&ev.token).cloned() else {
+        if ev.token & LISTENER_BIT == 0 || ev.kind == RDMA_CM_EVENT_DEVICE_REMOVAL {
+            log::debug!("verbs: {} for unknown id {:#x}", ev.name(), ev.token);
+        }
+        return;
+    };
+    let r = match ev.kind {
+        RDMA_CM_EVENT_ADDR_RESOLVED => {
+            let inner = c.inner.lock();
+            match &inner.cm {
+                // SAFETY: the id is alive while inner.cm holds it.
+                Some(cm) if unsafe { rdma_resolve_route(cm.raw, super::RESOLVE_TIMEOUT_MS) } != 0 => {
+                    Err(Error::last_os("rdma_resolve_route"))
+                }
+                _ => Ok(()),
+            }
+        }
+        RDMA_CM_EVENT_ROUTE_RESOLVED => active_connect(sh, &c),
+        RDMA_CM_EVENT_ESTABLISHED => established(sh, &c, &ev),
+        RDMA_CM_EVENT_DISCONNECTED => Err(Error::PeerLost(format!("peer of connection {} disconnected", c.id))),
+        RDMA_CM_EVENT_REJECTED => Err(rejected(&ev)),
+        RDMA_CM_EVENT_DEVICE_REMOVAL => Err(Error::PeerLost("RDMA device removed".into())),
+        RDMA_CM_EVENT_ADDR_ERROR | RDMA_CM_EVENT_ROUTE_ERROR | RDMA_CM_EVENT_UNREACHABLE | RDMA_CM_EVENT_CONNECT_ERROR => {
+            Err(Error::PeerLost(format!("rdma_cm {} (status {})", ev.name(), ev.status)))
+        }
+        _ => Ok(()),
+    };
+    if let Err(e) = r {
+        kill(sh, &c, e);
+    }
+}
+
+fn rejected(ev: &cm::Event) -> Error {
+    if ev.private.len() > 5 && ev.private[..4] == cm::MAGIC.to_le_bytes() {
+        let len = ev.private[4] as usize;
+        if let Some(b) = ev.private.get(5..5 + len) {
+            return conn::decode_refusal(b);
+        }
+    }
+    Error::PeerLost(format!(
+        "connection rejected (status {}): no rdma_device verbs listener at that address?",
+        ev.status
+    ))
+}
+
+fn conn_param(dev: &Device, private: &[u8], peer_rr: Option<(u8, u8)>) -> rdma_conn_param {
+    let (mut rr, mut depth) = (dev.ctx.info.max_qp_rd_atom.clamp(1, 16) as u8, dev.ctx.info.max_qp_init_rd_atom.clamp(1, 16) as u8);
+    if let Some((prr, pdepth)) = peer_rr {
+        // The passive side may not exceed what the requester offered.
+        rr = rr.min(pdepth.max(1));
+        depth = depth.min(prr.max(1));
+    }
+    rdma_conn_param {
+        private_data: private.as_ptr().cast(),
+        private_data_len: private.len() as u8,
+        responder_resources: rr,
+        initiator_depth: depth,
+        flow_control: 1,
+        retry_count: 7,
+        // 7 = retry forever on receiver-not-ready: flow control, not failure.
+        rnr_retry_count: 7,
+        srq: 0,
+        qp_num: 0,
+    }
+}
+
+fn active_connect(sh: &Arc<Shared>, c: &Arc<Conn>) -> Result<()> {
+    let mut inner = c.inner.lock();
+    let Some(cm) = inner.cm.take() else { return Ok(()) };
+    let what = format!("connection {}", c.id);
+    let dev = sh.device_for(&cm, &what)?;
+    let gid = sh.check_gid(&dev, &cm, &what)?;
+    log::debug!("verbs: conn {} via {gid}", c.id);
+    c.setup(&mut inner, cm, dev.clone())?;
+    sh.register_qp(&dev, inner.qpn, c);
+    let port_mtu = mtu_of(&dev, &inner);
+    let pd = ConnectData { mtu: port_mtu, recv_depth: c.sizing.n_recv, slot: c.sizing.slot as u32 }.encode();
+    let mut p = conn_param(&dev, &pd, None);
+    let raw = inner.cm.as_ref().map(|m| m.raw).ok_or_else(|| Error::Internal("no id".into()))?;
+    // SAFETY: the id and its QP are alive; p and pd outlive the call.
+    if unsafe { rdma_connect(raw, &mut p) } != 0 {
+        return Err(Error::last_os("rdma_connect"));
+    }
+    Ok(())
+}
+
+fn mtu_of(dev: &Device, inner: &conn::Inner) -> u32 {
+    let port = inner.cm.as_ref().map(|m| m.port_num()).unwrap_or(1);
+    dev.ctx.info.ports.iter().find(|p| p.num == port).map(|p| p.mtu).unwrap_or(0)
+}
+
+fn path_mtu(inner: &conn::Inner) -> u32 {
+    let Some(cm) = inner.cm.as_ref() else { return 0 };
+    // SAFETY: zeroed POD out-structs.
+    let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: the QP is alive under the connection lock.
+    let rc = unsafe { ibv_query_qp(cm.qp(), &mut attr, ibv_qp_attr_mask::IBV_QP_PATH_MTU.0 as i32, &mut init) };
+    if rc != 0 {
+        return 0;
+    }
+    device::mtu_bytes(attr.path_mtu)
+}
+
+fn established(sh: &Arc<Shared>, c: &Arc<Conn>, ev: &cm::Event) -> Result<()> {
+    if c.role == Role::Passive {
+        return Ok(());
+    }
+    let hello = {
+        let mut inner = c.inner.lock();
+        if inner.phase != Phase::Connecting {
+            return Ok(());
+        }
+        let acc = AcceptData::decode(&ev.private)?;
+        let path = path_mtu(&inner);
+        log::info!(
+            "verbs: conn {} established: path MTU {path} (ours {}, peer's {}), peer arena {} bytes",
+            c.id,
+            inner.dev.as_ref().map(|d| mtu_of(d, &inner)).unwrap_or(0),
+            acc.mtu,
+            acc.arena_len
+        );
+        inner.remote = Some(acc);
+        inner.phase = Phase::Handshake;
+        std::mem::take(&mut inner.hello)
+    };
+    let acts = c.send_msg(conn::MSG_HELLO, hello)?;
+    run_actions(sh, c, acts);
+    Ok(())
+}
+
+fn reject(raw: *mut rdma_cm_id, why: &Error) {
+    let mut body = conn::encode_refusal(why);
+    body.truncate(140);
+    let mut pd = cm::MAGIC.to_le_bytes().to_vec();
+    pd.push(body.len() as u8);
+    pd.extend_from_slice(&body);
+    // SAFETY: raw is the live request id; pd outlives the call.
+    unsafe { rdma_reject(raw, pd.as_ptr().cast(), pd.len() as u8) };
+}
+
+fn on_connect_request(sh: &Arc<Shared>, ev: cm::Event) {
+    let id = crate::fabric::next_conn_id();
+    // SAFETY: ev.id is the new id of this CONNECT_REQUEST, owned by nobody.
+    let cmid = unsafe { CmId::adopt(&sh.channel, ev.id, id) };
+    let lst = sh.listeners.lock().get(&ev.token).cloned();
+    let Some(lst) = lst else {
+        reject(cmid.raw, &Error::NotViable("listener is closed".into()));
+        return;
+    };
+    let c = Arc::new(Conn::new(id, Role::Passive, lst.events.clone(), lst.token, sh.sizing(Role::Passive)));
+    let raw = cmid.raw;
+    // The id moves into the conn first, so every failure below leaves it
+    // there for `kill` to destroy after `reject` used it.
+    c.inner.lock().cm = Some(cmid);
+    let r = (|| -> Result<()> {
+        let peer = ConnectData::decode(&ev.private)?;
+        let what = format!("listener {}", lst.addr);
+        let mut inner = c.inner.lock();
+        let (dev, gid) = {
+            let cmid = inner.cm.as_ref().ok_or_else(|| Error::Internal("no id".into()))?;
+            let dev = sh.device_for(cmid, &what)?;
+            let gid = sh.check_gid(&dev, cmid, &what)?;
+            (dev, gid)
+        };
+        let mr = lst.arena_mr(&dev)?;
+        let cmid = inner.cm.take().ok_or_else(|| Error::Internal("no id".into()))?;
+        c.setup(&mut inner, cmid, dev.clone())?;
+        inner.arena_mr = Some(mr.clone());
+        sh.register_qp(&dev, inner.qpn, &c);
+        sh.conns.lock().insert(id, c.clone());
+        lst.conns.lock().insert(id);
+        let ours = mtu_of(&dev, &inner);
+        log::debug!("verbs: conn {id} accepted on {gid}, MTU ours {ours} peer's {}", peer.mtu);
+        let acc = AcceptData {
+            arena_addr: mr.addr,
+            arena_rkey: mr.rkey,
+            arena_len: mr.len as u64,
+            mtu: ours,
+            recv_depth: c.sizing.n_recv,
+            slot: c.sizing.slot as u32,
+        }
+        .encode();
+        let mut p = conn_param(&dev, &acc, Some((ev.responder_resources, ev.initiator_depth)));
+        // The sender's hello may arrive before our ESTABLISHED event.
+        inner.phase = Phase::Handshake;
+        // SAFETY: the id and its QP are alive; p/acc outlive the call.
+        if unsafe { rdma_accept(raw, &mut p) } != 0 {
+            return Err(Error::last_os("rdma_accept"));
+        }
+        Ok(())
+    })();
+    if let Err(e) = r {
+        log::warn!("verbs: refusing a connection at {}: {e}", lst.addr);
+        reject(raw, &e);
+        // The id (and QP, if made) is owned by the conn now, or was dropped
+        // with `cmid`; kill cleans up whichever applies.
+        kill(sh, &c, e);
+    }
+}
