@@ -103,6 +103,10 @@ pub(crate) struct Inner {
     rdv: Mutex<Rendezvous>,
     links: Mutex<HashMap<ConnId, LinkRef>>,
     peers: peers::Peers,
+    /// Set once every listener is registered: a connection accepted while
+    /// `Node::new` is still running waits for it, so replies on it can
+    /// find their listener.
+    ready: (Mutex<bool>, parking_lot::Condvar),
     me: Weak<Inner>,
 }
 
@@ -141,6 +145,7 @@ impl Node {
             rdv: Mutex::new(rdv),
             links: Mutex::new(HashMap::new()),
             peers: peers::Peers::default(),
+            ready: (Mutex::new(false), parking_lot::Condvar::new()),
             me: me.clone(),
         });
         let st = Stats::global();
@@ -158,6 +163,8 @@ impl Node {
                 Err(e) => log::warn!("{} transport cannot listen at {addr}: {e}", f.kind().name()),
             }
         }
+        *inner.ready.0.lock() = true;
+        inner.ready.1.notify_all();
         log::info!("rdma_device node {task} at {addr} (incarnation {incarnation:#x})");
         Ok(Node { inner })
     }
@@ -219,6 +226,11 @@ impl Node {
         self.inner.exec(acts);
     }
 
+    /// A dump of the protocol state, for diagnostics.
+    pub fn describe(&self) -> String {
+        self.inner.locked(|r| r.describe())
+    }
+
     /// Drop every connection to or from `peer` (its waiters fail).
     pub fn abort_peer(&self, peer: &str) {
         self.inner.close_peer(peer);
@@ -259,6 +271,15 @@ struct Events {
 impl FabricEvents for Events {
     fn on_accept(&self, conn: ConnId, hello: &[u8]) -> Result<Vec<u8>> {
         let n = self.node.upgrade().ok_or_else(|| Error::Aborted("transport shut down".into()))?;
+        {
+            let mut r = n.ready.0.lock();
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while !*r {
+                if n.ready.1.wait_until(&mut r, deadline).timed_out() {
+                    return Err(Error::Aborted("transport is not ready".into()));
+                }
+            }
+        }
         let h = Hello::decode(hello)?;
         if !h.target.is_empty() && h.target != n.task {
             return Err(Error::InvalidArgument(format!("this is {}, not {}", n.task, h.target)));
@@ -278,6 +299,9 @@ impl FabricEvents for Events {
 
     fn on_message(&self, conn: ConnId, msg: &[u8]) {
         let Some(n) = self.node.upgrade() else { return };
+        if log::log_enabled!(log::Level::Trace) {
+            log::trace!("{}: recv on {conn}: {:?}", n.task, rendezvous::Msg::decode(msg));
+        }
         let acts = n.locked(|r| r.on_message(conn, msg));
         n.exec(acts);
     }
@@ -399,8 +423,12 @@ impl Inner {
                     done(res);
                 }
                 Action::Send { link, msg } => {
-                    if let Err(e) = self.send_msg(link, &msg) {
-                        log::debug!("control message on connection {link} not sent: {e}");
+                    log::trace!("{}: send on {link}: {msg:?}", self.task);
+                    match self.send_msg(link, &msg) {
+                        Ok(()) => {}
+                        // The disconnect event reports the loss itself.
+                        Err(e @ Error::PeerLost(_)) => log::debug!("{}: message on connection {link} not sent: {e}", self.task),
+                        Err(e) => log::warn!("{}: message on connection {link} not sent: {e}", self.task),
                     }
                 }
                 Action::Close { link, why } => {

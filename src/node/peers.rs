@@ -107,7 +107,14 @@ impl Inner {
             .ok_or_else(|| Error::Internal(format!("{} backend missing", kind.name())))?;
         let hello = Hello { task: self.task.clone(), incarnation: self.incarnation, target: peer.to_string() }.encode();
         let events: Arc<dyn FabricEvents> = Arc::new(Events { node: self.me.clone(), kind });
-        let timeout = Duration::from_millis(self.cfg.connect_timeout_ms);
+        // A peer we were connected to and lost gets one attempt: if it has
+        // restarted we reach its new life, if it is dead we fail now rather
+        // than after the start-up grace period.
+        let timeout = if self.locked(|r| r.is_lost(peer)) {
+            Duration::ZERO
+        } else {
+            Duration::from_millis(self.cfg.connect_timeout_ms)
+        };
         let ep = f.connect(&addr, &hello, events, timeout).map_err(|e| e.context(&format!("connecting to {peer} at {addr}")))?;
         let reply = Hello::decode(ep.peer_hello())?;
         if reply.task != peer {

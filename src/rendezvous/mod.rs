@@ -168,6 +168,24 @@ impl Rendezvous {
         self.alloc.in_use()
     }
 
+    /// A human-readable dump of the protocol state (diagnostics).
+    pub fn describe(&self) -> String {
+        use std::fmt::Write as _;
+        let mut o = String::new();
+        for (l, t) in &self.tx {
+            let _ = writeln!(o, "tx link {l} → {}: {}", t.peer, t.describe());
+        }
+        for (l, r) in &self.rx {
+            let _ = writeln!(o, "rx link {l} ← {}: {}", r.peer, r.describe());
+        }
+        for ((k, s), e) in &self.table {
+            let what = match e { Entry::Waiting { peer, .. } => format!("waiting on {peer}"), Entry::Ready(_) => "ready".into() };
+            let _ = writeln!(o, "table ({k}, {s}): {what}");
+        }
+        let _ = writeln!(o, "lost: {:?}; arena in use {}", self.lost.keys().collect::<Vec<_>>(), self.alloc.in_use());
+        o
+    }
+
     /// Every link to or from `peer`.
     pub fn links_of(&self, peer: &str) -> Vec<LinkId> {
         self.tx.iter().filter(|(_, t)| t.peer == peer).map(|(l, _)| *l)

@@ -58,6 +58,22 @@ pub(super) struct RxLink {
     pub(super) inline: HashMap<(String, u64), Assembly>,
 }
 
+impl RxLink {
+    pub(super) fn describe(&self) -> String {
+        let mut o = String::new();
+        for (id, e) in &self.edge_info {
+            o.push_str(&format!("\n  edge {id} {} set {:?}", e.key, e.set));
+        }
+        let mut ids: Vec<_> = self.slots.keys().collect();
+        ids.sort();
+        for id in ids {
+            let s = &self.slots[id];
+            o.push_str(&format!("\n  slot {id} edge {} gen {} cap {} {:?} retired {}", s.edge_id, s.gen, s.capacity, s.token, s.retired));
+        }
+        o
+    }
+}
+
 impl Rendezvous {
     /// A sender `peer` (in life `incarnation`) connected to us on `link`.
     pub fn add_rx_link(&mut self, link: LinkId, peer: &str, incarnation: u64) {
@@ -107,6 +123,11 @@ impl Rendezvous {
         }
         self.table.insert(k, Entry::Waiting { peer: peer.to_string(), done });
         Vec::new()
+    }
+
+    /// Did our connection with `peer` break (and no new one is up)?
+    pub fn is_lost(&self, peer: &str) -> bool {
+        self.lost.contains_key(peer) && !self.peer_connected(peer)
     }
 
     /// Fail the receives waiting on `peer` (it is unreachable).

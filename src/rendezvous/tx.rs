@@ -34,6 +34,21 @@ pub(super) struct TxLink {
 }
 
 impl TxLink {
+    pub(super) fn describe(&self) -> String {
+        let mut o = format!("outstanding {}", self.outstanding);
+        for (k, e) in &self.edges {
+            o.push_str(&format!(
+                "\n  edge {k} id {:?} awaiting {} inline_from {:?} pending steps {:?} slots {:?}",
+                e.edge_id,
+                e.awaiting_publish,
+                e.inline_from,
+                e.pending.iter().map(|p| (p.step, p.payload.bytes().len())).collect::<Vec<_>>(),
+                e.slots.iter().map(|(s, f)| (s.id, s.gen, s.capacity, *f)).collect::<Vec<_>>()
+            ));
+        }
+        o
+    }
+
     fn drain_pending(&mut self, pred: impl Fn(&Pending) -> bool, why: &Error) -> Vec<Action> {
         let mut acts = Vec::new();
         for e in self.edges.values_mut() {

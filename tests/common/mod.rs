@@ -22,6 +22,9 @@ pub fn task(i: usize) -> String {
 pub fn small_config() -> Config {
     let mut c = Config::default();
     c.arena_bytes = 256 << 20;
+    if let Ok(l) = std::env::var("RDMA_DEVICE_LOG") {
+        c.log = l;
+    }
     c
 }
 
@@ -52,7 +55,10 @@ pub fn checksum(b: &[u8]) -> u64 {
 pub fn send_wait(n: &Node, peer: &str, key: &str, step: u64, meta: TensorMeta, data: Vec<u8>) -> Result<()> {
     let (tx, rx) = mpsc::channel();
     n.send(peer, key, step, meta, Box::new(data), Box::new(move |r| tx.send(r).unwrap()));
-    rx.recv_timeout(Duration::from_secs(30)).expect("send completion")
+    match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(r) => r,
+        Err(_) => panic!("send of {key} step {step} did not complete; state:\n{}", n.describe()),
+    }
 }
 
 /// Start a receive; the result comes on the returned channel.
@@ -65,5 +71,8 @@ pub fn recv_async(n: &Node, peer: &str, key: &str, step: u64) -> mpsc::Receiver<
 }
 
 pub fn recv_wait(n: &Node, peer: &str, key: &str, step: u64) -> Result<Lease> {
-    recv_async(n, peer, key, step).recv_timeout(Duration::from_secs(30)).expect("recv completion")
+    match recv_async(n, peer, key, step).recv_timeout(Duration::from_secs(30)) {
+        Ok(r) => r,
+        Err(_) => panic!("recv of {key} step {step} did not complete; state:\n{}", n.describe()),
+    }
 }

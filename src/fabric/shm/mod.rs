@@ -75,8 +75,11 @@ impl Fabric for ShmFabric {
                     log::debug!("{m}; retrying");
                     std::thread::sleep(Duration::from_millis(10));
                 }
+                Err(Error::NotViable(m)) if timeout.is_zero() => {
+                    return Err(Error::PeerLost(format!("{remote} is not accepting connections: {m}")))
+                }
                 Err(Error::NotViable(m)) => {
-                    return Err(Error::Timeout(format!("connecting to {remote} over shm: {m}")))
+                    return Err(Error::Timeout(format!("connecting to {remote} over shm for {timeout:?}: {m}")))
                 }
                 Err(e) => return Err(e),
             }

@@ -5,7 +5,7 @@
 //! Frame: `u32 length (LE, of kind + body) | u8 kind | body`. A frame longer
 //! than the limit is a protocol error, never an allocation.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 
@@ -135,12 +135,10 @@ pub fn send_frame(s: &UnixStream, kind: u8, body: &[u8], fds: &[i32]) -> Result<
     head[..4].copy_from_slice(&((body.len() + 1) as u32).to_le_bytes());
     head[4] = kind;
     if fds.is_empty() {
-        let mut w = s;
         let mut buf = Vec::with_capacity(5 + body.len());
         buf.extend_from_slice(&head);
         buf.extend_from_slice(body);
-        w.write_all(&buf).map_err(|e| Error::PeerLost(format!("shm socket write: {e}")))?;
-        return Ok(());
+        return send_all(s, &buf);
     }
     // Header (with the fds) via sendmsg, then the body.
     let mut iov = libc::iovec { iov_base: head.as_ptr() as *mut _, iov_len: head.len() };
@@ -168,8 +166,24 @@ pub fn send_frame(s: &UnixStream, kind: u8, body: &[u8], fds: &[i32]) -> Result<
     if n != head.len() as isize {
         return Err(Error::last_os("sendmsg with descriptors"));
     }
-    let mut w = s;
-    w.write_all(body).map_err(|e| Error::PeerLost(format!("shm socket write: {e}")))?;
+    send_all(s, body)
+}
+
+/// Write all of `b` with MSG_NOSIGNAL: a dead peer must be an error, never
+/// a SIGPIPE that kills the host process (TensorFlow or a C program).
+fn send_all(s: &UnixStream, mut b: &[u8]) -> Result<()> {
+    while !b.is_empty() {
+        // SAFETY: b is a live slice; the fd is valid for the call.
+        let n = unsafe { libc::send(s.as_raw_fd(), b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::PeerLost(format!("shm socket write: {e}")));
+        }
+        b = &b[n as usize..];
+    }
     Ok(())
 }
 
