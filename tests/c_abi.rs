@@ -1,0 +1,36 @@
+//! A C program compiled against include/rdma_device.h links the shared
+//! library and does a send/recv through it (tests/c/smoke.c).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn c_program_sends_and_receives_through_the_header() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    // target/<profile>/deps/c_abi-* → target/<profile> holds librdma_device.so
+    let exe = std::env::current_exe().unwrap();
+    let libdir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    assert!(libdir.join("librdma_device.so").exists(), "cdylib not built in {}", libdir.display());
+    let out = std::env::temp_dir().join(format!("rdev-smoke-{}", std::process::id()));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let st = Command::new(&cc)
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1"])
+        .arg("-I").arg(root.join("include"))
+        .arg(root.join("tests/c/smoke.c"))
+        .arg("-L").arg(&libdir)
+        .arg(format!("-Wl,-rpath,{}", libdir.display()))
+        .args(["-lrdma_device", "-lpthread", "-o"])
+        .arg(&out)
+        .status()
+        .expect("run the C compiler");
+    assert!(st.success(), "C smoke test failed to compile");
+    let o = Command::new(&out).arg(free_port().to_string()).arg(free_port().to_string()).output().unwrap();
+    let _ = std::fs::remove_file(&out);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "smoke failed: {stdout}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert!(stdout.contains("c smoke: ok"), "{stdout}");
+}

@@ -1,0 +1,150 @@
+//! Hostile or broken peers: malformed, truncated and out-of-protocol
+//! control messages, bad handshakes, bogus writes. Each must be rejected
+//! with an error (the offending connection closed), never a panic, and the
+//! node must keep serving well-behaved peers.
+
+mod common;
+
+use std::io::Write;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use rdma_device::fabric::conformance::{Ev, Recorder};
+use rdma_device::fabric::shm::ShmFabric;
+use rdma_device::fabric::{Endpoint, Fabric};
+use rdma_device::node::Node;
+use rdma_device::rendezvous::{Hello, Msg, SlotHeader, TensorMeta};
+use rdma_device::stats::Stats;
+
+static PANICS: AtomicUsize = AtomicUsize::new(0);
+
+fn count_panics() {
+    let prev = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        PANICS.fetch_add(1, Ordering::SeqCst);
+        prev(info);
+    }));
+}
+
+struct Fixture {
+    b: Node,
+    b_addr: String,
+    a: Node,
+}
+
+fn fixture() -> Fixture {
+    let (pa, pb) = (free_port(), free_port());
+    let b_addr = format!("localhost:{pb}");
+    let b = Node::new(small_config(), &task(1), &b_addr).unwrap();
+    let a = Node::new(small_config(), &task(0), &format!("localhost:{pa}")).unwrap();
+    a.add_peer(&task(1), &b_addr);
+    b.add_peer(&task(0), &format!("localhost:{pa}"));
+    b.add_peer("/job:evil/replica:0/task:0", "localhost:1");
+    Fixture { b, b_addr, a }
+}
+
+/// The node still moves a tensor between well-behaved peers.
+fn still_serves(f: &Fixture, step: u64) {
+    let data = pattern(step, 10_000);
+    let r = recv_async(&f.b, &task(0), "good", step);
+    send_wait(&f.a, &task(1), "good", step, TensorMeta { dtype: 1, flags: 0, dims: vec![10_000] }, data.clone()).unwrap();
+    let l = r.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
+    assert_eq!(l.bytes(), &data[..]);
+}
+
+fn evil(f: &Fixture) -> (Arc<dyn Endpoint>, Arc<Recorder>) {
+    let ev = Recorder::new(b"", None);
+    let hello = Hello { task: "/job:evil/replica:0/task:0".into(), incarnation: 7, target: task(1) }.encode();
+    let ep = ShmFabric::new(Duration::ZERO).connect(&f.b_addr, &hello, ev.clone(), Duration::from_secs(5)).unwrap();
+    (ep, ev)
+}
+
+fn closed(ev: &Recorder) {
+    ev.wait_for("the node to close the connection", |e| e.iter().any(|x| matches!(x, Ev::Disconnect(..))));
+}
+
+#[test]
+fn hostile_inputs_are_rejected_without_panics() {
+    count_panics();
+    let f = fixture();
+    still_serves(&f, 1);
+
+    // 1. Garbage and truncated control messages.
+    let good = Msg::Announce { key: "k".into(), step: 1, need: 100, returned: vec![(1, 1)] }.encode();
+    for bad in [vec![], vec![0xff], vec![1, 200, 0, 0], good[..good.len() - 1].to_vec(), [good.clone(), vec![0]].concat()] {
+        let (ep, ev) = evil(&f);
+        ep.send_msg(&bad).unwrap();
+        closed(&ev);
+    }
+    still_serves(&f, 2);
+
+    // 2. A message the receiver side never accepts (Publish sent to it).
+    let (ep, ev) = evil(&f);
+    ep.send_msg(&Msg::Publish { key: "k".into(), edge_id: 1, slots: vec![] }.encode()).unwrap();
+    closed(&ev);
+
+    // 3. An absurd size: refused with NoSpace, the connection survives.
+    let (ep, ev) = evil(&f);
+    ep.send_msg(&Msg::Announce { key: "huge".into(), step: 1, need: 1 << 60, returned: vec![] }.encode()).unwrap();
+    let evs = ev.wait_for("a reply", |e| e.iter().any(|x| matches!(x, Ev::Msg(..))));
+    let reply = evs.iter().find_map(|x| if let Ev::Msg(_, m) = x { Some(Msg::decode(m).unwrap()) } else { None }).unwrap();
+    assert!(matches!(reply, Msg::NoSpace { .. }), "{reply:?}");
+
+    // 4. Inline data claiming an absurd total, or arriving out of order.
+    ep.send_msg(&Msg::Inline { key: "i".into(), step: 1, meta: TensorMeta::default(), total: u64::MAX, offset: 0, bytes: vec![1] }.encode()).unwrap();
+    closed(&ev);
+    let (ep, ev) = evil(&f);
+    ep.send_msg(&Msg::Inline { key: "i".into(), step: 1, meta: TensorMeta::default(), total: 10, offset: 5, bytes: vec![1] }.encode()).unwrap();
+    closed(&ev);
+
+    // 5. Writes into slots never published, and with a forged header.
+    let (ep, ev) = evil(&f);
+    let (tx, rx) = std::sync::mpsc::channel();
+    ep.write_imm(0, vec![Box::new(vec![0u8; 512])], 12345, Box::new(move |r| tx.send(r).unwrap()));
+    rx.recv_timeout(Duration::from_secs(5)).unwrap().unwrap();
+    closed(&ev);
+    let (ep, ev) = evil(&f);
+    ep.send_msg(&Msg::Announce { key: "forged".into(), step: 1, need: 64, returned: vec![] }.encode()).unwrap();
+    let evs = ev.wait_for("publish", |e| e.iter().any(|x| matches!(x, Ev::Msg(..))));
+    let Some(Msg::Publish { slots, edge_id, .. }) = evs.iter().find_map(|x| if let Ev::Msg(_, m) = x { Some(Msg::decode(m).unwrap()) } else { None }) else {
+        panic!("expected a publish")
+    };
+    let s = slots[0];
+    let forged = SlotHeader { edge_id, slot: s.id, gen: s.gen, incarnation: 7, step: 1, len: s.capacity + 1, meta: TensorMeta::default() };
+    let (tx, rx) = std::sync::mpsc::channel();
+    ep.write_imm(s.offset, vec![Box::new(forged.encode())], s.id, Box::new(move |r| tx.send(r).unwrap()));
+    rx.recv_timeout(Duration::from_secs(5)).unwrap().unwrap();
+    closed(&ev);
+    // Both bogus writes were counted as rejected.
+    let rejected = Stats::global().get("rejected_writes").unwrap();
+    assert!(rejected >= 2, "rejected_writes = {rejected}");
+
+    // 6. Bad handshakes: garbage hello, wrong target, wrong version.
+    let fab = ShmFabric::new(Duration::ZERO);
+    for hello in [
+        b"garbage".to_vec(),
+        Hello { task: "x".into(), incarnation: 1, target: "/job:someone/else".into() }.encode(),
+        { let mut h = Hello { task: "x".into(), incarnation: 1, target: String::new() }.encode(); h[4] = 9; h },
+    ] {
+        let r = fab.connect(&f.b_addr, &hello, Recorder::new(b"", None), Duration::from_secs(5));
+        assert!(r.is_err(), "a bad handshake must be refused");
+    }
+
+    // 7. Raw socket abuse: truncated frames, an absurd frame length.
+    let port = f.b_addr.rsplit(':').next().unwrap();
+    // SAFETY: getuid has no preconditions.
+    let name = format!("rdma_device.{}.{port}", unsafe { libc::getuid() });
+    for bytes in [vec![10u8, 0, 0], vec![0xff, 0xff, 0xff, 0x7f, 1, 0, 0], vec![3, 0, 0, 0, 1, b'x']] {
+        let mut s = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name.as_bytes()).unwrap()).unwrap();
+        s.write_all(&bytes).unwrap();
+        drop(s);
+    }
+
+    std::thread::sleep(Duration::from_millis(200));
+    still_serves(&f, 3);
+    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "no input may cause a panic");
+}
