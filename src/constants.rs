@@ -41,3 +41,12 @@ pub const MAGIC: u32 = 0x5244_4556;
 /// Wire protocol version: both handshakes carry it; a mismatch is refused
 /// with a clear error instead of misparsing.
 pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Upper bound of the adaptive spin window of a progress thread. While
+/// small writes keep arriving, the thread polls for twice the recent gap
+/// between them (at least RDMA_DEVICE_SPIN_US) before it sleeps, since a
+/// wake-up costs tens of microseconds here. When the gaps exceed this
+/// bound (large writes), it sleeps at once: the wake-up is small next to
+/// the gap, and polling would only burn a core the application may need.
+/// An idle receiver stops polling within this bound of the last write.
+pub const MAX_ADAPTIVE_SPIN_US: u64 = 200;

@@ -226,7 +226,9 @@ fn refresh_polled(inner: &Inner) {
 
 /// Deliver completions; spin while busy, then sleep on the doorbell.
 fn progress_loop(inner: Arc<Inner>) {
+    let max_spin = Duration::from_micros(crate::constants::MAX_ADAPTIVE_SPIN_US).max(inner.spin);
     let mut idle_since = Instant::now();
+    let mut window = inner.spin;
     loop {
         let conns = inner.polled.read().clone();
         let mut found = 0;
@@ -255,10 +257,15 @@ fn progress_loop(inner: Arc<Inner>) {
             return;
         }
         if found > 0 {
+            // Adapt: keep polling across the gaps of a steady stream.
+            let gap = idle_since.elapsed();
+            // A stream of large writes (gaps beyond the cap) gains nothing
+            // from polling: a wake-up is small next to the gap.
+            window = if gap < max_spin { (gap * 2).clamp(inner.spin, max_spin) } else { Duration::ZERO };
             idle_since = Instant::now();
             continue;
         }
-        if idle_since.elapsed() < inner.spin {
+        if idle_since.elapsed() < window {
             std::hint::spin_loop();
             continue;
         }
@@ -275,5 +282,6 @@ fn progress_loop(inner: Arc<Inner>) {
             c.ring.set_sleeping(false);
         }
         idle_since = Instant::now();
+        window = inner.spin;
     }
 }
