@@ -1,0 +1,125 @@
+"""A local multi-task TensorFlow cluster: one subprocess per task, on free
+loopback ports, for benchmarks and demos.
+
+Each task process creates its server (loading the plugin first when the
+protocol needs it), prints ``READY`` and then answers commands on stdin:
+``stats`` prints the transport's counters as one JSON line; end of input
+stops the task.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+_TASK_MAIN = r"""
+import json, os, sys
+cluster, job, index, protocol = json.loads(sys.argv[1])
+import tensorflow as tf
+if protocol != "grpc":
+    import rdma_device
+    rdma_device.load()
+server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job,
+                              task_index=index, protocol=protocol, start=True)
+print("READY", flush=True)
+for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == "stats":
+        if protocol == "grpc":
+            print("{}", flush=True)
+        else:
+            import rdma_device
+            print(json.dumps(rdma_device.stats()), flush=True)
+    elif cmd == "reset":
+        if protocol != "grpc":
+            import rdma_device
+            rdma_device.reset_stats()
+        print("{}", flush=True)
+os._exit(0)
+"""
+
+
+def free_ports(n):
+    """n distinct free loopback ports (bound together, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class LocalCluster:
+    """Tasks ``jobs`` (e.g. {"worker": 2}) under ``protocol``, as processes."""
+
+    def __init__(self, protocol, jobs, env=None, timeout=120):
+        self.protocol = protocol
+        names = [(job, i) for job, n in jobs.items() for i in range(n)]
+        ports = free_ports(len(names))
+        self.spec = {}
+        for (job, i), port in zip(names, ports):
+            self.spec.setdefault(job, []).append(f"localhost:{port}")
+        self.procs = {}
+        penv = dict(os.environ)
+        penv.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        penv.update(env or {})
+        for job, i in names:
+            arg = json.dumps([self.spec, job, i, protocol])
+            self.procs[(job, i)] = subprocess.Popen(
+                [sys.executable, "-c", _TASK_MAIN, arg], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, text=True, env=penv)
+        deadline = time.time() + timeout
+        for key, p in self.procs.items():
+            line = p.stdout.readline()
+            if line.strip() != "READY":
+                self.close()
+                raise RuntimeError(f"task {key} of the {protocol} cluster did not start (exit {p.poll()})")
+            if time.time() > deadline:
+                self.close()
+                raise RuntimeError("cluster start timed out")
+
+    def target(self, job="worker", index=0):
+        return "grpc://" + self.spec[job][index]
+
+    def device(self, job, index):
+        return f"/job:{job}/replica:0/task:{index}"
+
+    def _ask(self, cmd):
+        out = {}
+        for key, p in self.procs.items():
+            p.stdin.write(cmd + "\n")
+            p.stdin.flush()
+            out[f"/job:{key[0]}/task:{key[1]}"] = json.loads(p.stdout.readline() or "{}")
+        return out
+
+    def stats(self):
+        """Transport counters of every task (empty for stock grpc)."""
+        return self._ask("stats")
+
+    def reset_stats(self):
+        self._ask("reset")
+
+    def close(self):
+        for p in self.procs.values():
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
