@@ -134,6 +134,26 @@ enum rdev_status rdev_send(const struct rdev_context *ctx,
                            rdev_send_done_cb cb,
                            void *userdata);
 
+// Sender side, before the first step (static shapes known at graph
+// registration): ask `peer` to place the edge `key` for `bytes` bytes and
+// wait up to `timeout_ms` until it has, so the edge's first send is
+// already a one-sided write. `*placed` is false when the peer had no
+// arena room (the edge then uses the slower path; not an error).
+enum rdev_status rdev_place_edge(const struct rdev_context *ctx,
+                                 const char *peer,
+                                 size_t peer_len,
+                                 const char *key,
+                                 size_t key_len,
+                                 uint64_t bytes,
+                                 uint64_t timeout_ms,
+                                 bool *placed);
+
+// Connect to `peer` now (e.g. at graph registration) instead of at its
+// first tensor. Fails with RDEV_TIMEOUT / RDEV_PEER_LOST when it cannot.
+enum rdev_status rdev_connect_peer(const struct rdev_context *ctx,
+                                   const char *peer,
+                                   size_t peer_len);
+
 // Receive the tensor `(key, step_id)` from `peer`. If this returns
 // RDEV_OK, `cb` runs exactly once: with a buffer, or with an error (peer
 // lost, step aborted, context freed).

@@ -9,6 +9,7 @@
 #![cfg(feature = "verbs")]
 
 use std::io::{BufRead, BufReader, Write};
+
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -199,9 +200,9 @@ fn bad_override_is_not_viable() {
 #[test]
 fn handshake_messages_and_writes() {
     let Some(f) = fabric() else { return };
-    let (l, ep, rx, tx, arena) = pair(&f, 16 << 20);
+    let (l, ep, rx, tx, arena) = pair(&f, 32 << 20);
     assert_eq!(ep.peer_hello(), b"reply:hello");
-    assert_eq!(ep.remote_len(), 16 << 20);
+    assert_eq!(ep.remote_len(), 32 << 20);
     let conn = rx.wait("accept", Duration::from_secs(10), |e| {
         e.iter().find_map(|x| if let Ev::Accept(c, h) = x { (h == b"hello").then_some(*c) } else { None })
     });
@@ -238,7 +239,7 @@ fn handshake_messages_and_writes() {
     // Writes of every size class, single- and multi-segment; each imm must
     // find its bytes already in place.
     for (k, len) in LENS.iter().enumerate() {
-        let off = 4096 * (1 + k as u64 * 1024);
+        let off = 4096 + (k as u64) * (4 << 20);
         let data = pattern(*len, k as u8);
         let segs: Vec<Segment> = if *len > 10 {
             let (a, b) = data.split_at(len / 3);
@@ -261,7 +262,7 @@ fn handshake_messages_and_writes() {
     assert_eq!(got, arena.copy_out(4096, 4095).unwrap());
 
     // Outside the arena: an error through `done`, connection unharmed.
-    let e = write_sync(&*ep, (16 << 20) - 2, vec![Box::new(vec![1u8; 3])], 1).unwrap_err();
+    let e = write_sync(&*ep, (32 << 20) - 2, vec![Box::new(vec![1u8; 3])], 1).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     ep.send_msg(b"still alive").unwrap();
     rx.wait("still alive", Duration::from_secs(10), |e| {
@@ -355,7 +356,7 @@ fn child_receiver() {
         return;
     }
     let f = fabric().expect("child needs the device");
-    let arena = Arc::new(Arena::new("verbs-child", 8 << 20).unwrap());
+    let arena = Arc::new(Arena::new("verbs-child", 16 << 20).unwrap());
     struct Child {
         arena: Arc<Arena>,
         l: Mutex<Option<Arc<dyn Listener>>>,
@@ -403,7 +404,17 @@ fn child_sender() {
     }
 }
 
-fn spawn_child(role: &str, test: &str, peer: Option<&str>) -> (std::process::Child, BufReader<std::process::ChildStdout>) {
+/// A child test process, SIGKILLed if the test ends early.
+struct ChildProc(std::process::Child);
+
+impl Drop for ChildProc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn_child(role: &str, test: &str, peer: Option<&str>) -> (ChildProc, std::sync::mpsc::Receiver<String>) {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
         .env("RDMA_DEVICE_TEST_CHILD", role)
@@ -413,18 +424,30 @@ fn spawn_child(role: &str, test: &str, peer: Option<&str>) -> (std::process::Chi
     }
     let mut child = cmd.spawn().unwrap();
     let out = BufReader::new(child.stdout.take().unwrap());
-    (child, out)
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in out.lines().map_while(|l| l.ok()) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (ChildProc(child), rx)
 }
 
-fn read_until(out: &mut BufReader<std::process::ChildStdout>, prefix: &str) -> String {
-    let mut line = String::new();
+/// The rest of the child's first line containing `marker` (libtest may
+/// print "test name ... " in front of it), within 60 s.
+fn read_until(out: &std::sync::mpsc::Receiver<String>, marker: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        line.clear();
-        if out.read_line(&mut line).unwrap() == 0 {
-            panic!("child exited before printing {prefix}");
-        }
-        if let Some(rest) = line.trim().strip_prefix(prefix) {
-            return rest.trim().to_string();
+        let left = deadline.saturating_duration_since(Instant::now());
+        match out.recv_timeout(left) {
+            Ok(line) => {
+                if let Some(i) = line.find(marker) {
+                    return line[i + marker.len()..].trim().to_string();
+                }
+            }
+            Err(e) => panic!("child did not print {marker}: {e:?}"),
         }
     }
 }
@@ -432,8 +455,8 @@ fn read_until(out: &mut BufReader<std::process::ChildStdout>, prefix: &str) -> S
 #[test]
 fn two_process_checksums_then_sigkill_receiver() {
     let Some(f) = fabric() else { return };
-    let (mut child, mut out) = spawn_child("receiver", "child_receiver", None);
-    let addr = read_until(&mut out, "CHILD-ADDR");
+    let (mut child, out) = spawn_child("receiver", "child_receiver", None);
+    let addr = read_until(&out, "CHILD-ADDR");
     let tx = Rec::new(false);
     let ep = f.connect(&addr, b"parent", tx.clone(), Duration::from_secs(20)).unwrap();
     assert_eq!(ep.peer_hello(), b"parent");
@@ -452,8 +475,8 @@ fn two_process_checksums_then_sigkill_receiver() {
     // SIGKILL the receiver: its kernel tears the connection down; the
     // survivor hears within 5 s and writes fail.
     let t = Instant::now();
-    child.kill().unwrap();
-    child.wait().unwrap();
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
     tx.wait("disconnect after SIGKILL", Duration::from_secs(5), |e| {
         e.iter().any(|x| matches!(x, Ev::Disc(c, Error::PeerLost(_)) if *c == ep.id())).then_some(())
     });
@@ -468,14 +491,14 @@ fn two_process_sigkill_sender() {
     let arena = Arc::new(Arena::new("verbs-kill-sender", 1 << 20).unwrap());
     let rx = Rec::new(false);
     let l = f.listen(&format!("{}:0", local_ip(&f)), arena, rx.clone()).unwrap();
-    let (mut child, mut out) = spawn_child("sender", "child_sender", Some(&l.local_addr()));
-    read_until(&mut out, "CONNECTED");
+    let (mut child, out) = spawn_child("sender", "child_sender", Some(&l.local_addr()));
+    read_until(&out, "CONNECTED");
     let conn = rx.wait("writes from the child", Duration::from_secs(30), |e| {
         e.iter().find_map(|x| if let Ev::Imm(c, i) = x { (*i > 3).then_some(*c) } else { None })
     });
     let t = Instant::now();
-    child.kill().unwrap();
-    child.wait().unwrap();
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
     rx.wait("disconnect after SIGKILL", Duration::from_secs(5), |e| {
         e.iter().any(|x| matches!(x, Ev::Disc(c, Error::PeerLost(_)) if *c == conn)).then_some(())
     });

@@ -318,6 +318,48 @@ unsafe fn meta_arg(meta: *const rdev_tensor_meta) -> Result<TensorMeta, Error> {
     Ok(TensorMeta { dtype: m.dtype, flags: m.flags, dims })
 }
 
+/// Sender side, before the first step (static shapes known at graph
+/// registration): ask `peer` to place the edge `key` for `bytes` bytes and
+/// wait up to `timeout_ms` until it has, so the edge's first send is
+/// already a one-sided write. `*placed` is false when the peer had no
+/// arena room (the edge then uses the slower path; not an error).
+#[no_mangle]
+pub unsafe extern "C" fn rdev_place_edge(
+    ctx: *const rdev_context,
+    peer: *const c_char,
+    peer_len: usize,
+    key: *const c_char,
+    key_len: usize,
+    bytes: u64,
+    timeout_ms: u64,
+    placed: *mut bool,
+) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per the documented contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
+        let key = unsafe { str_arg(key, key_len, "key") }?;
+        let ok = c.node.place_ahead(peer, key, bytes, std::time::Duration::from_millis(timeout_ms))?;
+        if !placed.is_null() {
+            // SAFETY: non-NULL out-param.
+            unsafe { *placed = ok };
+        }
+        Ok(())
+    })
+}
+
+/// Connect to `peer` now (e.g. at graph registration) instead of at its
+/// first tensor. Fails with RDEV_TIMEOUT / RDEV_PEER_LOST when it cannot.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_connect_peer(ctx: *const rdev_context, peer: *const c_char, peer_len: usize) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per the documented contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
+        c.node.connect(peer)
+    })
+}
+
 /// Receive the tensor `(key, step_id)` from `peer`. If this returns
 /// RDEV_OK, `cb` runs exactly once: with a buffer, or with an error (peer
 /// lost, step aborted, context freed).

@@ -107,6 +107,8 @@ pub(crate) struct Inner {
     /// `Node::new` is still running waits for it, so replies on it can
     /// find their listener.
     ready: (Mutex<bool>, parking_lot::Condvar),
+    /// This node's own counters (Stats holds the process-wide sums).
+    totals: Mutex<rendezvous::Tally>,
     me: Weak<Inner>,
 }
 
@@ -146,6 +148,7 @@ impl Node {
             links: Mutex::new(HashMap::new()),
             peers: peers::Peers::default(),
             ready: (Mutex::new(false), parking_lot::Condvar::new()),
+            totals: Mutex::new(rendezvous::Tally::default()),
             me: me.clone(),
         });
         let st = Stats::global();
@@ -206,6 +209,18 @@ impl Node {
         self.inner.send(peer, key, step, meta, payload, done)
     }
 
+    /// Sender side, ahead of the first step (static shapes): have `peer`
+    /// place `key` for `bytes` and wait until it has, so the first send
+    /// of the edge is already a push. `Ok(false)`: no room at the peer.
+    pub fn place_ahead(&self, peer: &str, key: &str, bytes: u64, timeout: std::time::Duration) -> Result<bool> {
+        self.inner.place_ahead(peer, key, bytes, timeout)
+    }
+
+    /// Connect to `peer` now rather than on first use.
+    pub fn connect(&self, peer: &str) -> Result<()> {
+        self.inner.connect(peer)
+    }
+
     /// Receive `(key, step)` from `peer`. `done` runs exactly once.
     pub fn recv(&self, peer: &str, key: &str, step: u64, done: LeaseDone) {
         self.inner.recv(peer, key, step, done)
@@ -224,6 +239,11 @@ impl Node {
     pub fn abort_all(&self, why: Error) {
         let acts = self.inner.locked(|r| r.abort_all(why));
         self.inner.exec(acts);
+    }
+
+    /// This node's protocol counters so far.
+    pub fn counters(&self) -> rendezvous::Tally {
+        self.inner.totals.lock().clone()
     }
 
     /// A dump of the protocol state, for diagnostics.
@@ -342,6 +362,9 @@ impl Inner {
         let t = std::mem::take(&mut r.tally);
         let in_use = r.arena_in_use();
         drop(r);
+        if t != rendezvous::Tally::default() {
+            self.totals.lock().add(&t);
+        }
         let c = &Stats::global().c;
         for (ctr, v) in [
             (&c.tensors_pushed, t.tensors_pushed),

@@ -129,6 +129,10 @@ impl Inner {
         Ok(id)
     }
 
+    pub(super) fn connect(&self, peer: &str) -> Result<()> {
+        self.ensure_tx(peer).map(|_| ())
+    }
+
     pub(super) fn send(&self, peer: &str, key: &str, step: u64, meta: TensorMeta, payload: Box<dyn Payload>, done: SendDone) {
         match self.ensure_tx(peer) {
             Ok(link) => {
@@ -183,6 +187,29 @@ impl Inner {
         });
         if let Err(e) = spawned {
             log::error!("cannot spawn a watcher thread: {e}");
+        }
+    }
+
+    /// Sender side: have `peer` place `key` for `bytes` now, before the
+    /// first step, and wait (up to `timeout`) until it has. Returns whether
+    /// the edge is placed (false: the receiver had no room; the edge will
+    /// use the slower path).
+    pub(super) fn place_ahead(&self, peer: &str, key: &str, bytes: u64, timeout: Duration) -> Result<bool> {
+        use crate::rendezvous::Placement;
+        let link = self.ensure_tx(peer)?;
+        let acts = self.locked(|r| r.place_ahead(link, key, bytes));
+        self.exec(acts);
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            match self.locked(|r| r.placement(link, key)) {
+                Placement::Placed(cap) if cap >= bytes => return Ok(true),
+                Placement::NoSpace => return Ok(false),
+                Placement::LinkLost => return Err(Error::PeerLost(format!("connection to {peer} lost while placing {key}"))),
+                _ if std::time::Instant::now() >= deadline => {
+                    return Err(Error::Timeout(format!("{peer} did not place {key} within {timeout:?}")))
+                }
+                _ => std::thread::sleep(Duration::from_micros(200)),
+            }
         }
     }
 

@@ -19,14 +19,14 @@ pub mod alloc;
 mod rx;
 mod tx;
 pub use rx::SlotMemory;
-pub use tx::inline_messages;
+pub use tx::{inline_messages, Placement};
 pub mod wire;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use crate::constants::FINISHED_STEPS_REMEMBERED;
 use crate::error::{Error, Result};
-pub use wire::{Hello, Msg, SlotDesc, SlotHeader, TensorMeta, FLAG_DEAD, FLAG_SERIALIZED};
+pub use wire::{Hello, Msg, SlotDesc, SlotHeader, TensorMeta, FLAG_DEAD, FLAG_SERIALIZED, STEP_AHEAD};
 
 /// A connection, as the protocol knows it (the fabric's id, opaque here).
 pub type LinkId = u64;
@@ -125,6 +125,27 @@ pub struct Tally {
     pub waiters_failed: u64,
 }
 
+impl Tally {
+    /// Add every counter of `o` to ours.
+    pub fn add(&mut self, o: &Tally) {
+        self.tensors_pushed += o.tensors_pushed;
+        self.bytes_pushed += o.bytes_pushed;
+        self.tensors_received += o.tensors_received;
+        self.bytes_received += o.bytes_received;
+        self.inline_tensors += o.inline_tensors;
+        self.inline_bytes += o.inline_bytes;
+        self.negotiation_messages += o.negotiation_messages;
+        self.credits_sent += o.credits_sent;
+        self.edges_static += o.edges_static;
+        self.edges_traced += o.edges_traced;
+        self.replacements += o.replacements;
+        self.slots_reclaimed += o.slots_reclaimed;
+        self.rejected_writes += o.rejected_writes;
+        self.dropped_late += o.dropped_late;
+        self.waiters_failed += o.waiters_failed;
+    }
+}
+
 enum Entry {
     Waiting { peer: String, done: RecvDone },
     Ready(Received),
@@ -144,6 +165,8 @@ pub struct Rendezvous {
     /// Slots of dead links still lent to the application: (offset, bytes).
     orphans: HashMap<(LinkId, u32, u32), (u64, u64)>,
     next_gen: u32,
+    /// Logical clock: one tick per arrival.
+    clock: u64,
     pub tally: Tally,
 }
 
@@ -160,6 +183,7 @@ impl Rendezvous {
             lost: HashMap::new(),
             orphans: HashMap::new(),
             next_gen: 1,
+            clock: 0,
             tally: Tally::default(),
         }
     }
@@ -205,6 +229,7 @@ impl Rendezvous {
             (Msg::Publish { key, edge_id, slots }, true, _) => self.tx_publish(link, key, edge_id, slots),
             (Msg::Credit { edge_id, slot, gen }, true, _) => self.tx_credit(link, edge_id, slot, gen),
             (Msg::NoSpace { key, need }, true, _) => self.tx_nospace(link, key, need),
+            (Msg::Revoke { edge_id }, true, _) => self.tx_revoke(link, edge_id),
             (Msg::Announce { key, step, need, returned }, _, true) => self.rx_announce(link, key, step, need, returned),
             (Msg::ReturnSlot { slot, gen }, _, true) => self.rx_return(link, slot, gen),
             (Msg::Inline { key, step, meta, total, offset, bytes }, _, true) => {

@@ -36,6 +36,10 @@ struct RxSlot {
 struct RxEdge {
     key: String,
     set: Vec<u32>,
+    /// Logical time of the last arrival (for choosing cold edges).
+    last_used: u64,
+    /// A Revoke is out for this edge's slots.
+    revoking: bool,
 }
 
 pub(super) struct Assembly {
@@ -208,7 +212,14 @@ impl Rendezvous {
             return vec![Action::Close { link, why }];
         }
         s.token = Token::AtReceiver;
-        let key = r.edge_info.get(&s.edge_id).map(|e| e.key.clone()).unwrap_or_default();
+        self.clock += 1;
+        let key = match r.edge_info.get_mut(&s.edge_id) {
+            Some(e) => {
+                e.last_used = self.clock;
+                e.key.clone()
+            }
+            None => String::new(),
+        };
         let data = Data::Slot { link, slot: imm, gen: s.gen, offset: s.offset + HEADER_BYTES as u64, len: h.len };
         self.arrive(key, h.step, Received { meta: h.meta, data })
     }
@@ -243,12 +254,11 @@ impl Rendezvous {
         &mut self,
         link: LinkId,
         key: String,
-        _step: u64,
+        step: u64,
         need: u64,
         returned: Vec<(u32, u32)>,
     ) -> Result<Vec<Action>> {
         let n = self.params.slots_per_edge;
-        self.tally.negotiation_messages += 1;
         let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("announce on unknown link".into()))?;
         for (id, gen) in returned {
             if r.slots.get(&id).is_some_and(|s| s.gen == gen && s.token == Token::AtSender) {
@@ -262,11 +272,15 @@ impl Rendezvous {
                 *id
             }
             None => {
-                self.tally.edges_traced += 1;
+                if step == super::STEP_AHEAD {
+                    self.tally.edges_static += 1;
+                } else {
+                    self.tally.edges_traced += 1;
+                }
                 let id = r.next_edge;
                 r.next_edge += 1;
                 r.edges.insert(key.clone(), id);
-                r.edge_info.insert(id, RxEdge { key: key.clone(), set: Vec::new() });
+                r.edge_info.insert(id, RxEdge { key: key.clone(), set: Vec::new(), last_used: self.clock, revoking: false });
                 id
             }
         };
@@ -287,7 +301,14 @@ impl Rendezvous {
             }
         }
         if placed.is_empty() {
-            return Ok(vec![Action::Send { link, msg: Msg::NoSpace { key, need } }]);
+            let mut acts = self.reclaim_cold(link, edge_id, reserved);
+            log::warn!(
+                "receive arena full ({} of {} bytes placed): {key} ({need} bytes) takes the slower chunked path; raise RDMA_DEVICE_ARENA_BYTES to avoid this",
+                self.alloc.in_use(),
+                self.alloc.total()
+            );
+            acts.push(Action::Send { link, msg: Msg::NoSpace { key, need } });
+            return Ok(acts);
         }
         let mut descs = Vec::new();
         for off in placed {
@@ -312,10 +333,49 @@ impl Rendezvous {
             let s = r.slots.remove(&slot).expect("present");
             if let Some(e) = r.edge_info.get_mut(&s.edge_id) {
                 e.set.retain(|id| *id != slot);
+                if e.revoking {
+                    self.tally.slots_reclaimed += 1;
+                    if e.set.is_empty() {
+                        e.revoking = false;
+                    }
+                }
             }
             self.alloc.free(s.offset, s.reserved);
         }
         Ok(Vec::new())
+    }
+
+    /// The arena is full: ask senders to give back the slots of the
+    /// least recently used idle edges (all slots with the sender), enough
+    /// to hold `want` bytes, never `except` on `except_link`.
+    fn reclaim_cold(&mut self, except_link: LinkId, except: u32, want: u64) -> Vec<Action> {
+        let mut cands: Vec<(u64, LinkId, u32, u64)> = Vec::new();
+        for (l, r) in &self.rx {
+            for (id, e) in &r.edge_info {
+                if (*l == except_link && *id == except) || e.revoking || e.set.is_empty() {
+                    continue;
+                }
+                let idle = e.set.iter().all(|s| r.slots.get(s).is_some_and(|s| s.token == Token::AtSender && !s.retired));
+                if idle {
+                    let bytes = e.set.iter().filter_map(|s| r.slots.get(s)).map(|s| s.reserved).sum();
+                    cands.push((e.last_used, *l, *id, bytes));
+                }
+            }
+        }
+        cands.sort();
+        let mut acts = Vec::new();
+        let mut got = 0;
+        for (_, l, id, bytes) in cands {
+            if got >= want {
+                break;
+            }
+            if let Some(e) = self.rx.get_mut(&l).and_then(|r| r.edge_info.get_mut(&id)) {
+                e.revoking = true;
+            }
+            got += bytes;
+            acts.push(Action::Send { link: l, msg: Msg::Revoke { edge_id: id } });
+        }
+        acts
     }
 
     #[allow(clippy::too_many_arguments)]

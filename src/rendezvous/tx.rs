@@ -8,6 +8,18 @@ use crate::constants::{HEADER_BYTES, MAX_DIMS};
 use crate::error::{Error, Result};
 use crate::rendezvous::wire::{Msg, SlotDesc, SlotHeader, TensorMeta};
 
+/// State of an edge's placement, seen from the sender.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    None,
+    Pending,
+    /// Placed; the largest slot holds this many bytes.
+    Placed(u64),
+    /// The receiver had no room: the edge goes inline.
+    NoSpace,
+    LinkLost,
+}
+
 pub(super) struct Pending {
     step: u64,
     meta: TensorMeta,
@@ -225,6 +237,47 @@ impl Rendezvous {
             e.inline_from = Some(need);
         }
         Ok(self.pump(link, &key))
+    }
+
+    /// Sender side, ahead of the first step: ask the receiver to place `key`
+    /// for `need` bytes now (static placement). Nothing is sent when the
+    /// edge already has a slot that fits or a placement is in flight.
+    pub fn place_ahead(&mut self, link: LinkId, key: &str, need: u64) -> Vec<Action> {
+        let Some(t) = self.tx.get_mut(&link) else { return Vec::new() };
+        let e = t.edges.entry(key.to_string()).or_default();
+        if e.awaiting_publish || e.slots.iter().any(|(s, _)| s.capacity >= need) {
+            return Vec::new();
+        }
+        let returned: Vec<(u32, u32)> = e.slots.iter().filter(|(_, free)| *free).map(|(s, _)| (s.id, s.gen)).collect();
+        e.slots.clear();
+        e.awaiting_publish = true;
+        self.tally.negotiation_messages += 1;
+        vec![Action::Send { link, msg: Msg::Announce { key: key.to_string(), step: super::STEP_AHEAD, need, returned } }]
+    }
+
+    /// Where the placement of `key` on `link` stands.
+    pub fn placement(&self, link: LinkId, key: &str) -> Placement {
+        let Some(t) = self.tx.get(&link) else { return Placement::LinkLost };
+        match t.edges.get(key) {
+            None => Placement::None,
+            Some(e) if e.awaiting_publish => Placement::Pending,
+            Some(e) if e.inline_from.is_some() && e.slots.is_empty() => Placement::NoSpace,
+            Some(e) => Placement::Placed(e.slots.iter().map(|(s, _)| s.capacity).max().unwrap_or(0)),
+        }
+    }
+
+    /// The receiver wants an idle edge's slots back (its arena is full).
+    /// Hand them back if the edge is idle here too; the next send of the
+    /// edge places it again.
+    pub(super) fn tx_revoke(&mut self, link: LinkId, edge_id: u32) -> Result<Vec<Action>> {
+        let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("revoke on unknown link".into()))?;
+        let Some(key) = t.by_id.get(&edge_id).cloned() else { return Ok(Vec::new()) };
+        let Some(e) = t.edges.get_mut(&key) else { return Ok(Vec::new()) };
+        if !e.pending.is_empty() || e.awaiting_publish || e.slots.iter().any(|(_, free)| !*free) {
+            return Ok(Vec::new());
+        }
+        let acts = e.slots.drain(..).map(|(s, _)| Action::Send { link, msg: Msg::ReturnSlot { slot: s.id, gen: s.gen } }).collect();
+        Ok(acts)
     }
 
     /// A write on `link` completed (either way): frees budget for queued sends.

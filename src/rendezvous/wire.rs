@@ -43,6 +43,8 @@ pub enum Msg {
     ReturnSlot { slot: u32, gen: u32 },
     /// Receiver → sender: no room to place `need` bytes; send inline.
     NoSpace { key: String, need: u64 },
+    /// Receiver → sender: give back the slots of an idle edge (arena full).
+    Revoke { edge_id: u32 },
     /// Sender → receiver: a piece of a tensor sent through messages.
     Inline { key: String, step: u64, meta: TensorMeta, total: u64, offset: u64, bytes: Vec<u8> },
 }
@@ -53,6 +55,12 @@ const T_CREDIT: u8 = 3;
 const T_RETURN: u8 = 4;
 const T_NOSPACE: u8 = 5;
 const T_INLINE: u8 = 6;
+const T_REVOKE: u8 = 7;
+
+/// `Announce.step` of a placement made ahead of time (from a static shape,
+/// before the first step). TensorFlow's step ids use 56 bits, so this value
+/// never names a real step.
+pub const STEP_AHEAD: u64 = u64::MAX;
 
 /// Longest rendezvous key accepted (TF keys are a few hundred bytes).
 pub const MAX_KEY: usize = 4096;
@@ -132,6 +140,7 @@ impl Msg {
             Msg::Credit { edge_id, slot, gen } => { w.u8(T_CREDIT); w.u32(*edge_id); w.u32(*slot); w.u32(*gen) }
             Msg::ReturnSlot { slot, gen } => { w.u8(T_RETURN); w.u32(*slot); w.u32(*gen) }
             Msg::NoSpace { key, need } => { w.u8(T_NOSPACE); w.bytes(key.as_bytes()); w.u64(*need) }
+            Msg::Revoke { edge_id } => { w.u8(T_REVOKE); w.u32(*edge_id) }
             Msg::Inline { key, step, meta, total, offset, bytes } => {
                 w.u8(T_INLINE); w.bytes(key.as_bytes()); w.u64(*step); w.meta(meta);
                 w.u64(*total); w.u64(*offset); w.bytes(bytes)
@@ -163,6 +172,7 @@ impl Msg {
             T_CREDIT => Msg::Credit { edge_id: r.u32()?, slot: r.u32()?, gen: r.u32()? },
             T_RETURN => Msg::ReturnSlot { slot: r.u32()?, gen: r.u32()? },
             T_NOSPACE => Msg::NoSpace { key: r.string()?, need: r.u64()? },
+            T_REVOKE => Msg::Revoke { edge_id: r.u32()? },
             T_INLINE => {
                 let key = r.string()?; let step = r.u64()?; let meta = r.meta()?;
                 let total = r.u64()?; let offset = r.u64()?;
@@ -285,6 +295,7 @@ mod tests {
             Msg::Credit { edge_id: 1, slot: 2, gen: 3 },
             Msg::ReturnSlot { slot: 5, gen: 6 },
             Msg::NoSpace { key: "k".into(), need: 99 },
+            Msg::Revoke { edge_id: 3 },
             Msg::Inline { key: "k".into(), step: 1, meta: TensorMeta { dtype: 1, flags: 2, dims: vec![2, 3] }, total: 6, offset: 0, bytes: vec![1, 2, 3] },
         ]
     }

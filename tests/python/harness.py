@@ -84,7 +84,8 @@ class Task:
             self._lines.put(line.rstrip("\n"))
         self._lines.put(None)
 
-    def _expect(self, prefix, timeout):
+    def expect(self, prefix, timeout):
+        """Waits for a stdout line starting with prefix; returns its JSON."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -102,15 +103,15 @@ class Task:
                 return json.loads(rest) if rest else None
 
     def wait_ready(self, timeout=START_TIMEOUT):
-        return self._expect("READY", timeout)
+        return self.expect("READY", timeout)
 
     def result(self, timeout):
-        return self._expect("RESULT", timeout)
+        return self.expect("RESULT", timeout)
 
     def command(self, cmd, timeout=60, **kw):
         self.proc.stdin.write(json.dumps(dict(cmd=cmd, **kw)) + "\n")
         self.proc.stdin.flush()
-        return self._expect("REPLY", timeout)
+        return self.expect("REPLY", timeout)
 
     def stats(self):
         return self.command("stats")

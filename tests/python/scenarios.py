@@ -61,10 +61,7 @@ def _stats(spec):
         return None
     import rdma_device
 
-    try:
-        return rdma_device.stats()
-    except FileNotFoundError:  # TEMPORARY: phase-1 shim has no transport
-        return None
+    return rdma_device.stats()
 
 
 def tf1_train(spec, ready):
@@ -131,3 +128,223 @@ def tf1_train(spec, ready):
             digest.add(v)
     return {"digest": digest.hexdigest(), "items": digest.items,
             "losses": losses, "seen": int(sv), "stats": _stats(spec)}
+
+
+def _connect_eager(spec, tf):
+    tf.config.experimental_connect_to_cluster(
+        tf.train.ClusterSpec(spec["cluster"]), job_name="chief", task_index=0,
+        protocol=spec["protocol"])
+
+
+def _eager_model(tf):
+    w0, b0 = initial_values()
+    with tf.device(PS):
+        w = tf.Variable(w0, name="w")
+        b16 = tf.Variable(b0, name="b16")
+        seen = tf.Variable(np.int64(0), name="seen")
+    return w, b16, seen
+
+
+def _eager_step(tf, w, b16, seen, x, pred):
+    """One training step; device scopes put every dtype across tasks."""
+    with tf.GradientTape() as tape:
+        with tf.device(WORKER):
+            h = tf.matmul(x, w)
+            h16 = tf.cast(h, tf.float16) + b16
+            mask = h16 > 0
+            ids = tf.argmax(h, axis=1, output_type=tf.int64)
+            names = tf.strings.as_string(ids)
+
+            def taken():
+                return tf.reduce_sum(h) * 2.0
+
+            def untaken():
+                return tf.reduce_sum(h) - 1.0
+
+        with tf.device(CHIEF):
+            branch = tf.cond(pred, taken, untaken)
+            mask_f = tf.reduce_mean(tf.cast(mask, tf.float32))
+            joined = tf.strings.reduce_join(names, separator=",")
+            ids_sum = tf.reduce_sum(ids)
+            loss = (tf.reduce_mean(tf.square(tf.cast(h16, tf.float32)))
+                    + 1e-3 * branch)
+    gw, gb = tape.gradient(loss, [w, b16])
+    with tf.device(PS):
+        w.assign_sub(0.05 * gw)
+        b16.assign_sub(tf.cast(0.05, tf.float16) * gb)
+        seen.assign_add(tf.cast(tf.shape(x)[0], tf.int64))
+    return loss, mask_f, joined, ids_sum, branch
+
+
+def _train_loop(tf, step_fn, steps, w, b16, seen, remote_input):
+    digest = Digest()
+    losses = []
+    for step in range(steps):
+        if remote_input:
+            with tf.device(WORKER):  # produced on the worker: no client->remote copy
+                x = tf.constant(batch(step))
+        else:
+            x = tf.constant(batch(step))
+        out = step_fn(x, tf.constant(step % 3 != 0))
+        values = [t.numpy() for t in out]
+        for v in values:
+            digest.add(v)
+        losses.append(float(values[0]))
+    for v in (w, b16, seen):
+        digest.add(v.numpy())
+    return {"digest": digest.hexdigest(), "items": digest.items,
+            "losses": losses, "seen": int(seen.numpy())}
+
+
+def eager_train(spec, ready):
+    """Op-by-op eager execution over connect_to_cluster(protocol=...)."""
+    import tensorflow as tf
+
+    _connect_eager(spec, tf)
+    ready()
+    w, b16, seen = _eager_model(tf)
+
+    def step_fn(x, pred):
+        return _eager_step(tf, w, b16, seen, x, pred)
+
+    result = _train_loop(tf, step_fn, spec.get("steps", 50), w, b16, seen, False)
+    result["stats"] = _stats(spec)
+    return result
+
+
+def function_train(spec, ready):
+    """A tf.function whose ops span chief, worker and ps."""
+    import tensorflow as tf
+
+    _connect_eager(spec, tf)
+    ready()
+    w, b16, seen = _eager_model(tf)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 16], tf.float32),
+                                  tf.TensorSpec([], tf.bool)])
+    def step_fn(x, pred):
+        return _eager_step(tf, w, b16, seen, x, pred)
+
+    result = _train_loop(tf, step_fn, spec.get("steps", 50), w, b16, seen, False)
+    result["stats"] = _stats(spec)
+    return result
+
+
+def pss_train(spec, ready):
+    """ParameterServerStrategy + ClusterCoordinator (rpc_layer = protocol)."""
+    import tensorflow as tf
+
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec["cluster"]), task_type="chief", task_id=0,
+        rpc_layer=spec["protocol"])
+    strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    ready()
+    w0, b0 = initial_values()
+    with strategy.scope():
+        w = tf.Variable(w0, name="w")
+        b16 = tf.Variable(b0, name="b16")
+        seen = tf.Variable(np.int64(0), name="seen")
+
+    @tf.function
+    def step_fn(step):
+        rows = 1 + (step * 5) % 9
+        x = tf.random.stateless_normal(tf.stack([rows, 16]), seed=tf.stack([step, 7]))
+        pred = step % 3 != 0
+        with tf.GradientTape() as tape:
+            h = tf.matmul(x, w)
+            h16 = tf.cast(h, tf.float16) + b16
+            mask = h16 > 0
+            ids = tf.argmax(h, axis=1, output_type=tf.int64)
+            names = tf.strings.as_string(ids)
+            branch = tf.cond(pred, lambda: tf.reduce_sum(h) * 2.0,
+                             lambda: tf.reduce_sum(h) - 1.0)
+            loss = (tf.reduce_mean(tf.square(tf.cast(h16, tf.float32)))
+                    + 1e-3 * branch)
+        gw, gb = tape.gradient(loss, [w, b16])
+        w.assign_sub(0.05 * gw)
+        b16.assign_sub(tf.cast(0.05, tf.float16) * gb)
+        seen.assign_add(tf.cast(rows, tf.int64))
+        return (loss, tf.reduce_mean(tf.cast(mask, tf.float32)),
+                tf.strings.reduce_join(names, separator=","), tf.reduce_sum(ids),
+                branch)
+
+    digest = Digest()
+    losses = []
+    for step in range(spec.get("steps", 50)):
+        remote = coordinator.schedule(step_fn, args=(tf.constant(step, tf.int64),))
+        values = [np.asarray(v) for v in remote.fetch()]
+        for v in values:
+            digest.add(v)
+        losses.append(float(values[0]))
+    coordinator.join()
+    for v in (w, b16, seen):
+        digest.add(v.numpy())
+    return {"digest": digest.hexdigest(), "items": digest.items, "losses": losses,
+            "seen": int(seen.numpy()), "stats": _stats(spec)}
+
+
+def tf1_until_killed(spec, ready):
+    """Trains until a peer dies, reports the error, then recovers.
+
+    Prints ``STEP n`` after each good step and ``FAILED {...}`` when a step
+    fails. Then it keeps opening fresh sessions (polling: the killed task is
+    being restarted by the test) until one trains `recover_steps` steps.
+    """
+    import json
+    import sys
+    import time
+
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+    server = _start_chief_server(spec, tf)
+    ready()
+
+    def build():
+        graph = tf.Graph()
+        with graph.as_default():
+            with tf.device(PS):
+                w = tf.compat.v1.get_variable(
+                    "w", initializer=np.full((256, 256), 0.01, np.float32))
+            with tf.device(WORKER):
+                h = tf.matmul(w, w)
+            with tf.device(CHIEF):
+                loss = tf.reduce_mean(h)
+            with tf.device(PS):
+                train = w.assign_sub(1e-3 * tf.fill(tf.shape(w), loss))
+            init = tf.compat.v1.global_variables_initializer()
+        return graph, init, loss, train
+
+    def emit(prefix, payload):
+        sys.stdout.write(f"{prefix} {json.dumps(payload)}\n")
+        sys.stdout.flush()
+
+    graph, init, loss, train = build()
+    options = tf.compat.v1.RunOptions(timeout_in_ms=60000)
+    step = 0
+    with tf.compat.v1.Session(server.target, graph=graph) as sess:
+        sess.run(init)
+        try:
+            while True:
+                sess.run([loss, train], options=options)
+                step += 1
+                emit("STEP", step)
+        except tf.errors.OpError as e:
+            emit("FAILED", {"type": type(e).__name__, "message": str(e)[:2000],
+                            "time": time.time()})
+
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            graph, init, loss, train = build()
+            with tf.compat.v1.Session(server.target, graph=graph) as sess:
+                sess.run(init, options=options)
+                for _ in range(spec.get("recover_steps", 20)):
+                    value = sess.run([loss, train], options=options)[0]
+            return {"attempts": attempts, "loss": float(value), "stats": _stats(spec)}
+        except tf.errors.OpError as e:
+            if attempts >= 200:
+                return {"error": f"{type(e).__name__}: {e}", "attempts": attempts}
+            time.sleep(0.25)  # polling for the restarted task

@@ -1,0 +1,41 @@
+"""A task killed with SIGKILL fails its peers' running step with a TF error
+within seconds, and after it restarts a new session trains again."""
+
+import signal
+import time
+
+import pytest
+
+import harness
+
+FAIL_WITHIN_S = 5.0
+
+
+@pytest.mark.parametrize("victim", ["ps", "worker"])
+def test_sigkill_fails_step_then_restart_trains(victim, log_dir, plugin_built):
+    env = {"RDMA_DEVICE_STRICT": "1"}
+    cluster = harness.make_cluster({"chief": 1, "worker": 1, "ps": 1})
+    specs = {job: dict(role="server", cluster=cluster, job=job, task=0,
+                       protocol=harness.PROTOCOL_RDMA) for job in ("worker", "ps")}
+    servers = dict(zip(specs, harness.start_tasks(list(specs.values()), log_dir, env)))
+    client = harness.Task(dict(role="tf1_until_killed", cluster=cluster, job="chief",
+                               task=0, protocol=harness.PROTOCOL_RDMA),
+                          log_dir, env)
+    restarted = None
+    try:
+        client.wait_ready()
+        while client.expect("STEP", 120) < 10:
+            pass
+        killed_at = time.time()
+        servers[victim].kill(signal.SIGKILL)
+        failed = client.expect("FAILED", 60)
+        assert failed["time"] - killed_at < FAIL_WITHIN_S, failed
+        restarted = harness.Task(specs[victim], log_dir, env, name=f"{victim}-restarted")
+        restarted.wait_ready()
+        result = client.result(180)
+        assert "error" not in result, (result, client.log_tail())
+        assert result["stats"]["counters"]["fallback_tensors"] == 0, result["stats"]
+    finally:
+        for t in [client, restarted, *servers.values()]:
+            if t is not None:
+                t.close()
