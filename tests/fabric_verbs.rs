@@ -160,6 +160,56 @@ fn write_sync(ep: &dyn Endpoint, off: u64, segs: Vec<Segment>, imm: u32) -> Resu
     rx.recv_timeout(Duration::from_secs(60)).expect("write completion")
 }
 
+// ---- The backend-agnostic conformance suite, on verbs -----------------
+
+/// A conformance harness on the device, or `None` when not selected.
+/// `pair` connects to the address it listened on, so each gets a fresh
+/// fixed port (rdma_cm's port space, not TCP's).
+fn conformance_harness() -> Option<rdma_device::fabric::conformance::Harness> {
+    let f = fabric()?;
+    let ip = local_ip(&f);
+    static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+    let base = 20_000 + (std::process::id() % 2000) as u16 * 16;
+    Some(rdma_device::fabric::conformance::Harness {
+        fabric: f,
+        addr: Box::new(move || {
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            format!("{ip}:{}", base + n % 16 + 1)
+        }),
+    })
+}
+
+/// Each case of `fabric::conformance`, guarded by the device selection
+/// (the crate's `fabric_conformance_tests!` cannot skip on a host without
+/// a device; keep this list in step with it).
+macro_rules! verbs_conformance {
+    ($($case:ident),* $(,)?) => {
+        mod conformance {
+            $(
+                #[test]
+                fn $case() {
+                    if let Some(h) = super::conformance_harness() {
+                        rdma_device::fabric::conformance::$case(&h);
+                    }
+                }
+            )*
+        }
+    };
+}
+
+verbs_conformance!(
+    handshake,
+    refused_connect,
+    writes_land_before_completion,
+    gather_segments,
+    immediates_in_order,
+    reads,
+    out_of_range_write_fails,
+    messages_both_ways,
+    disconnects,
+    two_senders,
+);
+
 #[test]
 fn not_viable_without_device_names_the_reason() {
     let f = VerbsFabric::new(VerbsOptions::default());
