@@ -35,6 +35,9 @@ pub struct Config {
     pub verbs_gid_index: i32,
     /// Verbs: offset added to the task's port for rdma_cm (iWARP needs != 0).
     pub verbs_cm_port_offset: u16,
+    /// Verbs: writes of at least this many bytes register their source
+    /// memory (zero-copy) instead of copying into staging buffers.
+    pub verbs_register_bytes: usize,
 }
 
 /// One row of the table.
@@ -72,6 +75,8 @@ pub const VARS: &[Var] = &[
           help: "Verbs: GID index (-1: prefer a RoCE v2 IPv4 GID of the task's interface)." },
     Var { name: "RDMA_DEVICE_VERBS_CM_PORT_OFFSET", default: "0",
           help: "Verbs: rdma_cm listens on the task's port plus this offset (IB/RoCE have their own port space; iWARP needs a non-zero offset)." },
+    Var { name: "RDMA_DEVICE_VERBS_REGISTER_BYTES", default: "1M",
+          help: "Verbs: writes of at least this size register the tensor's memory per write (zero-copy); smaller ones are copied into pre-registered staging buffers (suffix K/M/G)." },
 ];
 
 impl Default for Config {
@@ -116,6 +121,7 @@ impl Config {
             verbs_port: int("RDMA_DEVICE_VERBS_PORT", &val("RDMA_DEVICE_VERBS_PORT"), 0, 255)? as u8,
             verbs_gid_index: int("RDMA_DEVICE_VERBS_GID_INDEX", &val("RDMA_DEVICE_VERBS_GID_INDEX"), -1, 65535)? as i32,
             verbs_cm_port_offset: int("RDMA_DEVICE_VERBS_CM_PORT_OFFSET", &val("RDMA_DEVICE_VERBS_CM_PORT_OFFSET"), 0, 65535)? as u16,
+            verbs_register_bytes: bytes("RDMA_DEVICE_VERBS_REGISTER_BYTES", &val("RDMA_DEVICE_VERBS_REGISTER_BYTES"), 0, 1 << 40)?,
         })
     }
 
@@ -141,6 +147,7 @@ impl Config {
                     "RDMA_DEVICE_VERBS_PORT" => self.verbs_port.to_string(),
                     "RDMA_DEVICE_VERBS_GID_INDEX" => self.verbs_gid_index.to_string(),
                     "RDMA_DEVICE_VERBS_CM_PORT_OFFSET" => self.verbs_cm_port_offset.to_string(),
+                    "RDMA_DEVICE_VERBS_REGISTER_BYTES" => self.verbs_register_bytes.to_string(),
                     _ => String::new(),
                 };
                 (v, s)

@@ -378,7 +378,7 @@ mod tests {
         assert_eq!(AcceptData::decode(&a.encode()).unwrap(), a);
         assert!(ConnectData::decode(&[0u8; 16]).is_err());
         assert!(AcceptData::decode(&a.encode()[..20]).is_err());
-        assert!(ConnectData::LEN <= 56 && AcceptData::LEN <= 196);
+        const { assert!(ConnectData::LEN <= 56 && AcceptData::LEN <= 196) };
     }
 
     #[test]

@@ -253,7 +253,7 @@ impl Conn {
         }
         let total: usize = segs.iter().map(|s| (**s).as_ref().len()).sum();
         let arena_len = inner.remote.map(|r| r.arena_len).unwrap_or(0);
-        if remote_off.checked_add(total as u64).is_none_or(|end| end > arena_len) {
+        if remote_off.checked_add(total as u64).map_or(true, |end| end > arena_len) {
             drop(inner);
             drop(segs);
             return vec![Action::WriteDone(done, Err(Error::InvalidArgument(format!(
@@ -309,7 +309,7 @@ impl Conn {
             return vec![Action::ReadDone(done, Err(Error::PeerLost(format!("connection {} is closed", self.id))))];
         }
         let arena_len = inner.remote.map(|r| r.arena_len).unwrap_or(0);
-        if len > super::MAX_WR_BYTES || remote_off.checked_add(len as u64).is_none_or(|e| e > arena_len) {
+        if len > super::MAX_WR_BYTES || remote_off.checked_add(len as u64).map_or(true, |e| e > arena_len) {
             return vec![Action::ReadDone(done, Err(Error::InvalidArgument(format!(
                 "read of {len} bytes at {remote_off} is outside the peer's arena of {arena_len} bytes (or too long)"
             ))))];

@@ -228,7 +228,7 @@ pub fn check_viable(devs: &[DeviceInfo], want_dev: Option<&str>, want_port: Opti
         )));
     }
     let active = cands.iter().any(|d| {
-        d.ports.iter().any(|p| p.active && want_port.is_none_or(|w| w == p.num))
+        d.ports.iter().any(|p| p.active && want_port.map_or(true, |w| w == p.num))
     });
     if !active {
         return Err(Error::NotViable(format!(
@@ -292,8 +292,32 @@ unsafe impl Send for Context {}
 unsafe impl Sync for Context {}
 
 impl Context {
+    /// The first device librdmacm knows (for measurements).
+    pub fn first() -> Result<Arc<Context>> {
+        let mut n: libc::c_int = 0;
+        // SAFETY: n is a valid out-pointer; the list is freed at once (the
+        // contexts it names stay open inside librdmacm).
+        let list = unsafe { rdma_get_devices(&mut n) };
+        if list.is_null() || n < 1 {
+            if !list.is_null() {
+                // SAFETY: from rdma_get_devices, freed once.
+                unsafe { rdma_free_devices(list) };
+            }
+            return Err(Error::NotViable("no RDMA device found (rdma_get_devices returned 0)".into()));
+        }
+        // SAFETY: n >= 1 valid entries.
+        let raw = unsafe { *list };
+        // SAFETY: from rdma_get_devices, freed once.
+        unsafe { rdma_free_devices(list) };
+        // SAFETY: raw is one of librdmacm's open contexts.
+        unsafe { Context::for_cm(raw) }
+    }
+
     /// The librdmacm context at `raw` (from an `rdma_cm_id`).
-    pub fn for_cm(raw: *mut ibv_context) -> Result<Arc<Context>> {
+    ///
+    /// # Safety
+    /// `raw` must be a live context owned by librdmacm.
+    pub unsafe fn for_cm(raw: *mut ibv_context) -> Result<Arc<Context>> {
         let mut n: libc::c_int = 0;
         // SAFETY: n is a valid out-pointer; freed in Drop.
         let list = unsafe { rdma_get_devices(&mut n) };

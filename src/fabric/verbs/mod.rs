@@ -142,6 +142,7 @@ impl VerbsOptions {
             gid_index: u32::try_from(cfg.verbs_gid_index).ok(),
             cm_port_offset: cfg.verbs_cm_port_offset,
             spin: Duration::from_micros(cfg.spin_us),
+            register_threshold: cfg.verbs_register_bytes,
             ..VerbsOptions::default()
         }
     }
@@ -187,6 +188,30 @@ impl VerbsFabric {
     /// What was found at start (for diagnostics and the bench).
     pub fn devices(&self) -> &[device::DeviceInfo] {
         &self.devices
+    }
+
+    /// The send-side strategies' primitive costs for one `len`-byte buffer
+    /// on the first device, averaged over `iters`: (register + deregister,
+    /// copy into a staging buffer). For the bench and the measurement test.
+    pub fn measure_primitives(&self, len: usize, iters: u32) -> Result<(Duration, Duration)> {
+        self.viable.clone()?;
+        let ctx = device::Context::first()?;
+        let pd = device::Pd::new(ctx)?;
+        let src = vec![0x5au8; len.max(1)];
+        let mut dst = vec![0u8; len.max(1)];
+        let iters = iters.max(1);
+        let t = std::time::Instant::now();
+        for _ in 0..iters {
+            // SAFETY: `src` outlives the MR, which is dropped at once.
+            drop(unsafe { mr::Mr::register(&pd, src.as_ptr(), src.len(), mr::ACCESS_LOCAL_READ)? });
+        }
+        let reg = t.elapsed() / iters;
+        let t = std::time::Instant::now();
+        for _ in 0..iters {
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+        }
+        Ok((reg, t.elapsed() / iters))
     }
 
     pub fn options(&self) -> &VerbsOptions {

@@ -140,7 +140,8 @@ impl Shared {
             match devs.iter().find(|d| d.ctx.raw == ctx) {
                 Some(d) => d.clone(),
                 None => {
-                    let d = Device::open(Context::for_cm(ctx)?)?;
+                    // SAFETY: ctx comes from a bound rdma_cm id (librdmacm's context).
+                    let d = Device::open(unsafe { Context::for_cm(ctx) }?)?;
                     log::info!("verbs: using {}", d.ctx.info.describe());
                     devs.push(d.clone());
                     self.wake();
