@@ -1,8 +1,15 @@
 #include "rendezvous.h"
 
+#include <atomic>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/common_runtime/device.h"
+#include "tensorflow/core/common_runtime/device_mgr.h"
 #include "tensorflow/core/distributed_runtime/worker_session.h"
+#include "tensorflow/core/framework/device_base.h"
+#include "tensorflow/core/platform/logging.h"
+#include "transport.h"
 
 namespace rdma_device {
 
@@ -10,12 +17,62 @@ namespace tf = ::tensorflow;
 
 namespace {
 
-// One per step on this task. Tensors whose peer our transport serves go
-// through it; all others are handed to `stock_`, the gRPC rendezvous kept
-// inside (RpcRemoteRendezvous is private to TF, so we hold one instead of
-// deriving from it). Sends that stay on gRPC use our own base Send: the
-// peer's RecvTensor RPC is routed by the RendezvousMgr to *this* rendezvous
-// (BaseRendezvousMgr::RecvLocalAsync), so the tensor must sit in our table.
+std::string TaskOf(const tsl::DeviceNameUtils::ParsedName& device) {
+  return TaskName(device.job, device.replica, device.task);
+}
+
+// Tensors on a device other than host memory are staged through host
+// memory: the transport only ever sees host bytes.
+bool OnHost(const tsl::DeviceNameUtils::ParsedName& device,
+            const tf::Rendezvous::Args& args) {
+  return args.alloc_attrs.on_host() || device.type == "CPU" || args.device_context == nullptr;
+}
+
+class RdmaRemoteRendezvous;
+
+// A receive in flight through the transport, registered with the base
+// rendezvous so that step aborts and cancellation reach it.
+//
+// TF calls StartAbort() while holding the rendezvous' call lock, and our
+// completion path takes that lock (DeregisterCall); the transport may run
+// completions on the calling thread. So StartAbort() never calls into the
+// transport directly: it records the status and hands the abort to a pool
+// thread.
+class RecvCall : public tf::BaseRecvTensorCall {
+ public:
+  RecvCall(std::function<void(const absl::Status&)> abort_async)
+      : abort_async_(std::move(abort_async)) {}
+
+  void Start(std::function<void()> recv_done) override {}  // driven by the transport
+
+  void StartAbort(const absl::Status& s) override {
+    {
+      tf::mutex_lock l(mu_);
+      if (!status_.ok()) return;
+      status_ = s;
+    }
+    abort_async_(s);
+  }
+
+  absl::Status status() const override {
+    tf::mutex_lock l(mu_);
+    return status_;
+  }
+
+ private:
+  mutable tf::mutex mu_;
+  absl::Status status_ TF_GUARDED_BY(mu_);
+  const std::function<void(const absl::Status&)> abort_async_;
+};
+
+// One per step on this task. Tensors whose peer our transport serves are
+// pushed by the sender (Send override) and claimed by the receiver
+// (RecvFromRemoteAsync); all others go through `stock_`, the gRPC
+// rendezvous kept inside (RpcRemoteRendezvous is private to TF, so we hold
+// one instead of deriving from it). Sends that stay on gRPC use our own
+// base Send: the peer's RecvTensor RPC is routed by the RendezvousMgr to
+// *this* rendezvous (BaseRendezvousMgr::RecvLocalAsync), so the tensor must
+// sit in our table.
 class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
  public:
   RdmaRemoteRendezvous(const tf::WorkerEnv* env, int64_t step_id,
@@ -35,26 +92,196 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     stock_->SetRemoteEagerContextDefault();
   }
 
+  absl::Status Send(const ParsedKey& parsed, const Args& args, const tf::Tensor& val,
+                    bool is_dead) override {
+    if (transport_ == nullptr || tsl::DeviceNameUtils::IsSameAddressSpace(parsed.src, parsed.dst)) {
+      return BaseRemoteRendezvous::Send(parsed, args, val, is_dead);
+    }
+    const std::string peer = TaskOf(parsed.dst);
+    Route route;
+    TF_RETURN_IF_ERROR(transport_->RouteTo(peer, &route));
+    if (route.kind == Route::kGrpc) {
+      // The receiver pulls it over gRPC (and counts it as a fallback).
+      return BaseRemoteRendezvous::Send(parsed, args, val, is_dead);
+    }
+    TF_RETURN_IF_ERROR(abort_status());
+    VLOG(2) << "push step " << step_id_ << " " << parsed.FullKey() << (is_dead ? " (dead)" : "");
+    if (is_dead || OnHost(parsed.src, args)) {
+      return Push(peer, std::string(parsed.FullKey()), val, is_dead);
+    }
+    return StageAndPush(parsed, args, peer, val);
+  }
+
   void StartAbort(const absl::Status& status) override {
-    // TF only ever aborts with a non-OK status; guard anyway, the base
-    // CHECKs it and the shim must never abort the process.
+    // TF only aborts with an error; the base CHECKs it, and the shim must
+    // never take the process down.
     if (status.ok()) return;
+    VLOG(2) << "abort step " << step_id_ << ": " << status;
+    {
+      tf::mutex_lock l(mu_);
+      if (abort_status_.ok()) abort_status_ = status;
+    }
     BaseRemoteRendezvous::StartAbort(status);
     stock_->StartAbort(status);
+    // Not under any TF lock here: completions may run on this thread.
+    if (transport_ != nullptr) transport_->AbortStep(step_id_, status);
   }
 
  protected:
-  void RecvFromRemoteAsync(const tf::Rendezvous::ParsedKey& parsed,
-                           const tf::Rendezvous::Args& recv_args,
+  void RecvFromRemoteAsync(const ParsedKey& parsed, const Args& recv_args,
                            DoneCallback done) override {
-    stock_->RecvAsync(parsed, recv_args, std::move(done));
+    const std::string peer = TaskOf(parsed.src);
+    Route route;
+    if (transport_ != nullptr) {
+      absl::Status s = transport_->RouteTo(peer, &route);
+      if (!s.ok()) {
+        done(s, Args(), recv_args, tf::Tensor(), false);
+        return;
+      }
+    } else {
+      route.reason = "transport disabled";
+    }
+    if (route.kind == Route::kGrpc) {
+      RecvOverGrpc(parsed, recv_args, std::move(route.reason), std::move(done));
+      return;
+    }
+
+    std::shared_ptr<Transport> transport = transport_;
+    const int64_t step_id = step_id_;
+    tf::WorkerEnv const* env = env_;
+    auto* call = new RecvCall([transport, step_id, env](const absl::Status& s) {
+      // A cancelled receive fails the whole step in the transport: TF
+      // cancels per step (or per function call), so nothing of it survives.
+      auto abort = [transport, step_id, s] { transport->AbortStep(step_id, s); };
+      if (env->compute_pool != nullptr) {
+        env->compute_pool->Schedule(std::move(abort));
+      } else {
+        tsl::Env::Default()->SchedClosure(std::move(abort));
+      }
+    });
+    RegisterCall(call, recv_args);
+    if (!call->status().ok()) {  // the step was aborted already
+      absl::Status s = call->status();
+      DeregisterCall(call, recv_args);
+      delete call;
+      done(s, Args(), recv_args, tf::Tensor(), false);
+      return;
+    }
+    // BaseRemoteRendezvous::RecvAsync holds a reference on `this` until
+    // `done` has run.
+    VLOG(2) << "recv step " << step_id_ << " " << parsed.FullKey();
+    absl::Status s = transport_->Recv(
+        peer, parsed.FullKey(), step_id_,
+        [this, call, parsed, recv_args, done](const absl::Status& status,
+                                              const tf::Tensor& tensor, bool is_dead) {
+          VLOG(2) << "recv done step " << step_id_ << " " << parsed.FullKey() << ": " << status;
+          DeregisterCall(call, recv_args);
+          // An abort that raced with completion wins, as in TF's RPC path.
+          absl::Status s = status.ok() ? call->status() : status;
+          delete call;
+          if (!s.ok()) {
+            done(s, Args(), recv_args, tf::Tensor(), false);
+          } else if (is_dead || OnHost(parsed.dst, recv_args)) {
+            done(s, Args(), recv_args, tensor, is_dead);
+          } else {
+            CopyToDevice(parsed, recv_args, tensor, done);
+          }
+        });
+    if (!s.ok()) {
+      DeregisterCall(call, recv_args);
+      delete call;
+      done(s, Args(), recv_args, tf::Tensor(), false);
+    }
   }
 
  private:
-  ~RdmaRemoteRendezvous() override = default;
+  ~RdmaRemoteRendezvous() override {
+    VLOG(2) << "end of step " << step_id_;
+    if (transport_ != nullptr) transport_->StepDone(step_id_);
+  }
+
+  absl::Status abort_status() {
+    tf::mutex_lock l(mu_);
+    return abort_status_;
+  }
+
+  absl::Status Push(const std::string& peer, const std::string& key, const tf::Tensor& val,
+                    bool is_dead) {
+    // The rendezvous (hence the step) stays alive until the transport is
+    // done with the tensor. A failed push fails the step here too, so the
+    // sender learns of a lost peer without waiting for the receiver.
+    this->Ref();
+    absl::Status s = transport_->Send(peer, key, step_id_, val, is_dead,
+                                      [this](const absl::Status& sent) {
+                                        if (!sent.ok() && !absl::IsAborted(sent) &&
+                                            !absl::IsCancelled(sent)) {
+                                          StartAbort(sent);
+                                        }
+                                        Unref();  // may destroy the rendezvous
+                                      });
+    if (!s.ok()) Unref();  // the callback will not run
+    return s;
+  }
+
+  // Device tensor -> host copy -> push. Send() must return at once, so the
+  // push starts from the copy's completion; failures abort the step.
+  absl::Status StageAndPush(const ParsedKey& parsed, const Args& args, const std::string& peer,
+                            const tf::Tensor& val) {
+    tf::Device* device = nullptr;
+    TF_RETURN_IF_ERROR(session()->device_mgr()->LookupDevice(parsed.src_device, &device));
+    tf::AllocatorAttributes host_attrs;
+    host_attrs.set_on_host(true);
+    auto* host = new tf::Tensor(device->GetAllocator(host_attrs), val.dtype(), val.shape());
+    this->Ref();
+    args.device_context->CopyDeviceTensorToCPU(
+        &val, parsed.edge_name, device, host,
+        [this, host, peer, key = std::string(parsed.FullKey())](const absl::Status& copied) {
+          absl::Status s = copied.ok() ? Push(peer, key, *host, false) : copied;
+          delete host;  // Push holds its own reference to the buffer
+          if (!s.ok()) StartAbort(s);
+          Unref();
+        });
+    return absl::OkStatus();
+  }
+
+  // Host tensor from the transport -> the receiving device's memory.
+  void CopyToDevice(const ParsedKey& parsed, const Args& recv_args, const tf::Tensor& host,
+                    const DoneCallback& done) {
+    tf::Device* device = nullptr;
+    absl::Status s = session()->device_mgr()->LookupDevice(parsed.dst_device, &device);
+    if (!s.ok()) {
+      done(s, Args(), recv_args, tf::Tensor(), false);
+      return;
+    }
+    auto* out = new tf::Tensor(device->GetAllocator(recv_args.alloc_attrs), host.dtype(),
+                               host.shape());
+    recv_args.device_context->CopyCPUTensorToDevice(
+        &host, device, out, [out, host, recv_args, done](const absl::Status& copied) {
+          done(copied, Args(), recv_args, copied.ok() ? *out : tf::Tensor(), false);
+          delete out;
+        });
+  }
+
+  // Stock pull over gRPC, counted as a fallback with its reason.
+  void RecvOverGrpc(const ParsedKey& parsed, const Args& recv_args, std::string reason,
+                    DoneCallback done) {
+    std::shared_ptr<Transport> transport = transport_;
+    stock_->RecvAsync(
+        parsed, recv_args,
+        [transport, reason = std::move(reason), done = std::move(done)](
+            const absl::Status& s, const Args& send_args, const Args& recv_args,
+            const tf::Tensor& val, bool is_dead) {
+          if (s.ok() && transport != nullptr) {
+            transport->RecordFallback(is_dead ? 0 : val.TotalBytes(), reason);
+          }
+          done(s, send_args, recv_args, val, is_dead);
+        });
+  }
 
   const tsl::core::RefCountPtr<tf::BaseRemoteRendezvous> stock_;
   const std::shared_ptr<Transport> transport_;
+  tf::mutex mu_;
+  absl::Status abort_status_ TF_GUARDED_BY(mu_);
 };
 
 }  // namespace
@@ -67,8 +294,7 @@ tsl::core::RefCountPtr<tf::BaseRemoteRendezvous> RdmaRendezvousMgr::Create(
     int64_t step_id, const tf::WorkerEnv* worker_env) {
   return tsl::core::RefCountPtr<tf::BaseRemoteRendezvous>(
       new RdmaRemoteRendezvous(worker_env, step_id,
-                               RpcRendezvousMgr::Create(step_id, worker_env),
-                               transport_));
+                               RpcRendezvousMgr::Create(step_id, worker_env), transport_));
 }
 
 }  // namespace rdma_device

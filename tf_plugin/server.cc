@@ -9,6 +9,9 @@
 #include <string>
 
 #include "rendezvous.h"
+#include "transport.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "tensorflow/c/c_api.h"
 #include "tensorflow/core/distributed_runtime/rpc/grpc_server_lib.h"
 #include "tensorflow/core/distributed_runtime/server_lib.h"
@@ -56,19 +59,49 @@ class RdmaServer : public tf::GrpcServer {
     return absl::OkStatus();
   }
 
+ protected:
+  // Every worker cache TF builds (the server's own, each session's, each
+  // eager context's) sees the cluster of that session: the peers' addresses
+  // come from here, so clients that join later (eager) are known too.
+  absl::Status WorkerCacheFactory(const tf::WorkerCacheFactoryOptions& options,
+                                  tf::WorkerCacheInterface** worker_cache) override {
+    transport_->AddPeers(options.cluster_def);
+    return GrpcServer::WorkerCacheFactory(options, worker_cache);
+  }
+
  private:
   RdmaServer(const tf::ServerDef& server_def, tsl::Env* env)
-      : GrpcServer(server_def, env) {}
+      : GrpcServer(server_def, env), transport_(std::make_shared<Transport>()) {}
 
   absl::Status Init(tf::DeviceMgr* local_device_mgr) {
     tf::GrpcServerOptions opts;
     // The eager context passes its device manager in; reuse it.
     opts.local_device_mgr = local_device_mgr;
-    opts.rendezvous_mgr_func = [](const tf::WorkerEnv* env) {
-      return new RdmaRendezvousMgr(env, nullptr);
+    opts.rendezvous_mgr_func = [transport = transport_](const tf::WorkerEnv* env) {
+      return new RdmaRendezvousMgr(env, transport);
     };
-    return GrpcServer::Init(opts);
+    TF_RETURN_IF_ERROR(GrpcServer::Init(opts));
+    const tf::ServerDef& def = server_def();
+    transport_->AddPeers(def.cluster());
+    return transport_->Start(TaskName(def.job_name(), def.replica(), def.task_index()),
+                             SelfAddress());
   }
+
+  // This task's address as its peers know it (the cluster spec's spelling:
+  // the shm backend keys its socket by it); the bound port if the spec
+  // left the port to the OS.
+  std::string SelfAddress() const {
+    const tf::ServerDef& def = server_def();
+    const std::string bound = absl::StrCat(":", bound_port());
+    for (const auto& job : def.cluster().job()) {
+      if (job.name() != def.job_name()) continue;
+      auto it = job.tasks().find(def.task_index());
+      if (it != job.tasks().end() && absl::EndsWith(it->second, bound)) return it->second;
+    }
+    return absl::StrCat(host_name(), bound);
+  }
+
+  const std::shared_ptr<Transport> transport_;
 };
 
 class RdmaServerFactory : public tf::ServerFactory {

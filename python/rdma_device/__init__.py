@@ -13,6 +13,6 @@ server (workers, PS, chief, eager client)::
 settings are in effect (``RDMA_DEVICE_*`` environment variables).
 """
 
-from rdma_device._loader import PROTOCOL, config, lib_dir, load, stats
+from rdma_device._loader import PROTOCOL, config, lib_dir, load, reset_stats, stats
 
-__all__ = ["PROTOCOL", "config", "lib_dir", "load", "stats"]
+__all__ = ["PROTOCOL", "config", "lib_dir", "load", "reset_stats", "stats"]

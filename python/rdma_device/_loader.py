@@ -71,34 +71,63 @@ def _core_lib():
         return _core
 
 
-def _json_call(name, *args):
-    """Calls an rdev_*_json(..., char *buf, size_t cap, size_t *out_len)."""
-    fn = getattr(_core_lib(), name)
+_RDEV_OK = 0
+_RDEV_RESOURCE_EXHAUSTED = 6
+
+
+def _json_call(name):
+    """Calls rdev_<x>_json(char *buf, size_t cap, size_t *out_len)."""
+    lib = _core_lib()
+    fn = getattr(lib, name)
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+    fn.restype = ctypes.c_int
     cap = 1 << 14
     while True:
         buf = ctypes.create_string_buffer(cap)
         out_len = ctypes.c_size_t(0)
-        rc = fn(*args, buf, ctypes.c_size_t(cap), ctypes.byref(out_len))
-        if out_len.value > cap:  # truncated: retry with the size it asked for
-            cap = out_len.value + 1
+        rc = fn(buf, cap, ctypes.byref(out_len))
+        if rc == _RDEV_RESOURCE_EXHAUSTED and out_len.value + 1 > cap:
+            cap = out_len.value + 1  # the JSON grew: retry with its size
             continue
-        if rc != 0:
-            raise RuntimeError(f"rdma_device: {name} failed: {_last_error()}")
+        if rc != _RDEV_OK:
+            raise RuntimeError(f"rdma_device: {name} failed ({_status_str(rc)}): {_last_error()}")
         return json.loads(buf.raw[: out_len.value].decode("utf-8"))
+
+
+def _status_str(status):
+    fn = _core_lib().rdev_status_str
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_char_p
+    return fn(status).decode("utf-8", "replace")
 
 
 def _last_error():
     fn = _core_lib().rdev_last_error
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_size_t
     buf = ctypes.create_string_buffer(4096)
-    fn(buf, ctypes.c_size_t(len(buf)))
+    fn(buf, len(buf))
     return buf.value.decode("utf-8", "replace")
 
 
 def stats():
-    """Process-wide transport counters, as a dict."""
-    return _json_call("rdev_stats_json", ctypes.c_void_p(None))
+    """Process-wide transport counters.
+
+    ``{"counters": {...}, "peers": {task: transport}, "fallback_reasons":
+    {reason: count}}``. Counters include tensors_pushed, tensors_received,
+    fallback_tensors (tensors that went over stock gRPC) and their bytes.
+    """
+    return _json_call("rdev_stats_json")
+
+
+def reset_stats():
+    """Zeroes the process-wide counters (to measure one phase)."""
+    fn = _core_lib().rdev_stats_reset
+    fn.argtypes = []
+    fn.restype = None
+    fn()
 
 
 def config():
-    """Effective settings (RDMA_DEVICE_* variables) with their help lines."""
+    """Effective settings (RDMA_DEVICE_* variables) with defaults and help."""
     return _json_call("rdev_config_json")

@@ -1,0 +1,348 @@
+#include "transport.h"
+
+#include <climits>
+#include <cstring>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/allocation_description.pb.h"
+#include "tensorflow/core/framework/tensor.pb.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/framework/types.h"
+#include "tensorflow/core/platform/logging.h"
+
+// Last: the generated header defines short unprefixed macros (MAGIC,
+// MAX_DIMS, ...) that must not leak into TensorFlow's headers.
+#include "rdma_device.h"
+
+namespace rdma_device {
+
+namespace tf = ::tensorflow;
+
+namespace {
+
+// The one mapping from the transport's status codes to TensorFlow's.
+absl::Status FromRdev(rdev_status status, absl::string_view msg) {
+  if (status == RDEV_OK) return absl::OkStatus();
+  std::string text = absl::StrCat("rdma_device: ", msg.empty() ? rdev_status_str(status) : msg);
+  switch (status) {
+    case RDEV_INVALID_ARGUMENT:
+      return absl::InvalidArgumentError(text);
+    case RDEV_NOT_VIABLE:
+      return absl::FailedPreconditionError(text);
+    case RDEV_PEER_LOST:
+    case RDEV_IO:
+      return absl::UnavailableError(text);
+    case RDEV_ABORTED:
+      return absl::AbortedError(text);
+    case RDEV_RESOURCE_EXHAUSTED:
+      return absl::ResourceExhaustedError(text);
+    case RDEV_CONFIG:
+      return absl::InvalidArgumentError(text);
+    case RDEV_TIMEOUT:
+      return absl::DeadlineExceededError(text);
+    case RDEV_PROTOCOL:
+      return absl::DataLossError(text);
+    case RDEV_INTERNAL:
+    case RDEV_PANIC:
+    default:
+      return absl::InternalError(text);
+  }
+}
+
+std::string LastError() {
+  char buf[1024];
+  size_t n = rdev_last_error(buf, sizeof(buf));
+  return std::string(buf, n < sizeof(buf) ? n : sizeof(buf) - 1);
+}
+
+// Status of a synchronous call that just returned `status`.
+absl::Status CallStatus(rdev_status status) {
+  return status == RDEV_OK ? absl::OkStatus() : FromRdev(status, LastError());
+}
+
+struct BufferRelease {
+  void operator()(rdev_buffer* buf) const { rdev_buffer_release(buf); }
+};
+using BufferPtr = std::unique_ptr<rdev_buffer, BufferRelease>;
+
+// A Tensor's memory that *is* a receive slot: zero-copy receive. The slot
+// goes back to the sender when TF drops the last reference.
+class SlotBuffer : public tf::TensorBuffer {
+ public:
+  SlotBuffer(BufferPtr buf, const uint8_t* data, size_t len)
+      : TensorBuffer(const_cast<uint8_t*>(data)), buf_(std::move(buf)), len_(len) {}
+
+  size_t size() const override { return len_; }
+  TensorBuffer* root_buffer() override { return this; }
+  void FillAllocationDescription(tf::AllocationDescription* proto) const override {
+    proto->set_requested_bytes(static_cast<int64_t>(len_));
+    proto->set_allocated_bytes(static_cast<int64_t>(len_));
+    proto->set_allocator_name("rdma_device");
+  }
+  // The transport hands the slot out read-only: never let a kernel forward
+  // it as its output and write in place.
+  bool OwnsMemory() const override { return false; }
+
+ private:
+  ~SlotBuffer() override = default;  // buf_ releases the slot
+
+  BufferPtr buf_;
+  const size_t len_;
+};
+
+// Takes ownership of `raw`.
+absl::Status TensorFromBuffer(rdev_buffer* raw, tf::Tensor* out, bool* is_dead) {
+  BufferPtr buf(raw);
+  if (buf == nullptr) return absl::InternalError("rdma_device: receive completed without a buffer");
+  const uint32_t flags = rdev_buffer_flags(buf.get());
+  *is_dead = (flags & RDEV_FLAG_DEAD) != 0;
+  if (*is_dead) {
+    *out = tf::Tensor();
+    return absl::OkStatus();
+  }
+  const uint8_t* data = rdev_buffer_data(buf.get());
+  const size_t len = rdev_buffer_len(buf.get());
+
+  if (flags & RDEV_FLAG_SERIALIZED) {
+    tf::TensorProto proto;
+    if (len > static_cast<size_t>(INT_MAX) ||
+        !proto.ParseFromArray(data, static_cast<int>(len))) {
+      return absl::DataLossError("rdma_device: received an unparsable serialized tensor");
+    }
+    tf::Tensor t;
+    if (!t.FromProto(tsl::cpu_allocator(), proto)) {
+      return absl::DataLossError("rdma_device: received an invalid serialized tensor");
+    }
+    *out = std::move(t);
+    return absl::OkStatus();
+  }
+
+  const uint32_t raw_dtype = rdev_buffer_dtype(buf.get());
+  if (!tf::DataType_IsValid(static_cast<int>(raw_dtype)) || raw_dtype == tf::DT_INVALID ||
+      !tf::DataTypeCanUseMemcpy(static_cast<tf::DataType>(raw_dtype))) {
+    return absl::DataLossError(absl::StrCat("rdma_device: received raw bytes for dtype ", raw_dtype));
+  }
+  const tf::DataType dtype = static_cast<tf::DataType>(raw_dtype);
+  const uint32_t ndims = rdev_buffer_ndims(buf.get());
+  const int64_t* dims = rdev_buffer_dims(buf.get());
+  tf::TensorShape shape;
+  TF_RETURN_IF_ERROR(tf::TensorShape::BuildTensorShape(
+      absl::Span<const int64_t>(dims, ndims == 0 ? 0 : ndims), &shape));
+  const uint64_t want = static_cast<uint64_t>(shape.num_elements()) * tf::DataTypeSize(dtype);
+  if (want != len) {
+    return absl::DataLossError(absl::StrCat("rdma_device: received ", len, " bytes for a ",
+                                            tf::DataTypeString(dtype), shape.DebugString(),
+                                            " tensor of ", want, " bytes"));
+  }
+  if (len == 0) {
+    *out = tf::Tensor(dtype, shape);
+    return absl::OkStatus();
+  }
+  if (reinterpret_cast<uintptr_t>(data) % EIGEN_MAX_ALIGN_BYTES != 0) {
+    // The ABI promises 64-byte alignment and TF kernels rely on it; copy
+    // rather than hand TF a misaligned buffer should that ever break.
+    tf::Tensor copy(tsl::cpu_allocator(), dtype, shape);
+    std::memcpy(const_cast<char*>(copy.tensor_data().data()), data, len);
+    *out = std::move(copy);
+    return absl::OkStatus();
+  }
+  auto* slot = new SlotBuffer(std::move(buf), data, len);
+  *out = tf::Tensor(dtype, shape, slot);  // takes its own reference
+  slot->Unref();
+  return absl::OkStatus();
+}
+
+// Keeps a sent tensor's bytes alive until the transport is done with them.
+struct SendState {
+  tf::Tensor tensor;       // memcpy-able dtypes: the bytes are the tensor's
+  std::string serialized;  // strings, variants, resources: a TensorProto
+  Transport::SendDone done;
+};
+
+void OnSendDone(void* userdata, rdev_status status, const char* msg, size_t msg_len) {
+  std::unique_ptr<SendState> state(static_cast<SendState*>(userdata));
+  state->done(FromRdev(status, absl::string_view(msg, msg ? msg_len : 0)));
+}
+
+struct RecvState {
+  Transport::RecvDone done;
+};
+
+void OnRecvDone(void* userdata, rdev_status status, const char* msg, size_t msg_len,
+                rdev_buffer* buf) {
+  std::unique_ptr<RecvState> state(static_cast<RecvState*>(userdata));
+  if (status != RDEV_OK) {
+    rdev_buffer_release(buf);
+    state->done(FromRdev(status, absl::string_view(msg, msg ? msg_len : 0)), tf::Tensor(), false);
+    return;
+  }
+  tf::Tensor tensor;
+  bool is_dead = false;
+  absl::Status s = TensorFromBuffer(buf, &tensor, &is_dead);
+  state->done(s, tensor, is_dead);
+}
+
+}  // namespace
+
+std::string TaskName(absl::string_view job, int replica, int task) {
+  return absl::StrCat("/job:", job, "/replica:", replica, "/task:", task);
+}
+
+Transport::~Transport() { rdev_context_free(ctx_.exchange(nullptr)); }
+
+absl::Status Transport::Start(const std::string& self_task, const std::string& addr) {
+  rdev_context* ctx = nullptr;
+  TF_RETURN_IF_ERROR(CallStatus(
+      rdev_context_new(self_task.data(), self_task.size(), addr.data(), addr.size(), &ctx)));
+  tf::mutex_lock l(mu_);
+  self_task_ = self_task;
+  strict_ = rdev_context_strict(ctx);
+  ctx_.store(ctx);
+  addrs_.erase(self_task);
+  for (const auto& [task, peer_addr] : addrs_) AddPeerLocked(task, peer_addr);
+  LOG(INFO) << "rdma_device: " << self_task << " transport at " << addr
+            << (strict_ ? " (strict)" : "");
+  return absl::OkStatus();
+}
+
+void Transport::AddPeers(const tf::ClusterDef& cluster) {
+  tf::mutex_lock l(mu_);
+  for (const auto& job : cluster.job()) {
+    for (const auto& [index, addr] : job.tasks()) {
+      std::string task = TaskName(job.name(), 0, index);
+      if (task == self_task_ || addr.empty()) continue;
+      auto it = addrs_.find(task);
+      if (it != addrs_.end() && it->second == addr && routes_.count(task)) continue;
+      addrs_[task] = addr;
+      if (ctx_.load() != nullptr) AddPeerLocked(task, addr);
+    }
+  }
+}
+
+void Transport::AddPeerLocked(const std::string& task, const std::string& addr) {
+  rdev_transport kind = RDEV_TRANSPORT_NONE;
+  Route route;
+  rdev_status st = rdev_context_add_peer(ctx_.load(), task.data(), task.size(), addr.data(),
+                                         addr.size(), &kind);
+  if (st != RDEV_OK) {
+    route.reason = absl::StrCat("adding the peer failed: ", FromRdev(st, LastError()).message());
+  } else if (kind == RDEV_TRANSPORT_NONE) {
+    route.reason = LastError();
+  } else {
+    route.kind = Route::kDevice;
+  }
+  if (route.kind == Route::kGrpc) {
+    LOG(WARNING) << "rdma_device: " << self_task_ << " -> " << task << " (" << addr
+                 << ") uses stock gRPC: " << route.reason;
+  } else {
+    VLOG(1) << "rdma_device: " << self_task_ << " -> " << task << " (" << addr << ") over "
+            << (kind == RDEV_TRANSPORT_SHM ? "shm" : "verbs");
+  }
+  routes_[task] = std::move(route);
+}
+
+absl::Status Transport::RouteTo(const std::string& peer_task, Route* route) {
+  {
+    tf::tf_shared_lock l(mu_);
+    auto it = routes_.find(peer_task);
+    if (it != routes_.end()) {
+      *route = it->second;
+    } else {
+      route->kind = Route::kGrpc;
+      route->reason = ctx_.load() == nullptr ? "transport not started"
+                                             : "task not in any cluster spec seen here";
+    }
+    if (route->kind == Route::kDevice || !strict_) return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat("rdma_device: RDMA_DEVICE_STRICT is set but tensors with ", peer_task,
+                   " would use stock gRPC: ", route->reason));
+}
+
+absl::Status Transport::Send(const std::string& peer_task, absl::string_view key,
+                             int64_t step_id, const tf::Tensor& val, bool is_dead,
+                             SendDone done) {
+  rdev_context* ctx = ctx_.load();
+  if (ctx == nullptr) return absl::FailedPreconditionError("rdma_device: transport not started");
+  auto state = std::make_unique<SendState>();
+  state->done = std::move(done);
+  std::vector<int64_t> dims;
+  rdev_tensor_meta meta{};
+  meta.dtype = static_cast<uint32_t>(val.dtype());
+  const uint8_t* data = nullptr;
+  size_t len = 0;
+  if (is_dead) {
+    meta.flags = RDEV_FLAG_DEAD;
+  } else if (tf::DataTypeCanUseMemcpy(val.dtype())) {
+    dims.reserve(val.dims());
+    for (int i = 0; i < val.dims(); ++i) dims.push_back(val.dim_size(i));
+    meta.ndims = static_cast<uint32_t>(dims.size());
+    meta.dims = dims.data();
+    state->tensor = val;  // a reference, not a copy
+    absl::string_view bytes = state->tensor.tensor_data();
+    data = reinterpret_cast<const uint8_t*>(bytes.data());
+    len = bytes.size();
+  } else {
+    // Strings, variants, resource handles: no flat bytes. The receiver
+    // parses the proto back (the same encoding stock gRPC uses).
+    tf::TensorProto proto;
+    val.AsProtoTensorContent(&proto);
+    if (!proto.SerializeToString(&state->serialized)) {
+      return absl::InternalError(absl::StrCat("rdma_device: cannot serialize ",
+                                              tf::DataTypeString(val.dtype()), " tensor ", key));
+    }
+    meta.flags = RDEV_FLAG_SERIALIZED;
+    data = reinterpret_cast<const uint8_t*>(state->serialized.data());
+    len = state->serialized.size();
+  }
+  // On RDEV_OK the callback owns `state` (and may already have run).
+  SendState* raw = state.release();
+  rdev_status st = rdev_send(ctx, peer_task.data(), peer_task.size(), key.data(), key.size(),
+                             static_cast<uint64_t>(step_id), &meta, data, len, OnSendDone, raw);
+  if (st != RDEV_OK) {
+    absl::Status s = CallStatus(st);
+    delete raw;
+    return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Transport::Recv(const std::string& peer_task, absl::string_view key,
+                             int64_t step_id, RecvDone done) {
+  rdev_context* ctx = ctx_.load();
+  if (ctx == nullptr) return absl::FailedPreconditionError("rdma_device: transport not started");
+  auto* state = new RecvState{std::move(done)};
+  rdev_status st = rdev_recv(ctx, peer_task.data(), peer_task.size(), key.data(), key.size(),
+                             static_cast<uint64_t>(step_id), OnRecvDone, state);
+  if (st != RDEV_OK) {
+    absl::Status s = CallStatus(st);
+    delete state;
+    return s;
+  }
+  return absl::OkStatus();
+}
+
+void Transport::AbortStep(int64_t step_id, const absl::Status& status) {
+  rdev_context* ctx = ctx_.load();
+  if (ctx == nullptr) return;
+  std::string msg = status.ToString();
+  rdev_status st = rdev_abort_step(ctx, static_cast<uint64_t>(step_id), msg.data(), msg.size());
+  if (st != RDEV_OK) LOG(WARNING) << "rdma_device: abort of step " << step_id << ": " << LastError();
+}
+
+void Transport::StepDone(int64_t step_id) {
+  rdev_context* ctx = ctx_.load();
+  if (ctx == nullptr) return;
+  rdev_status st = rdev_step_done(ctx, static_cast<uint64_t>(step_id));
+  if (st != RDEV_OK) LOG(WARNING) << "rdma_device: end of step " << step_id << ": " << LastError();
+}
+
+void Transport::RecordFallback(uint64_t bytes, const std::string& reason) {
+  rdev_record_fallback(bytes, reason.data(), reason.size());
+}
+
+}  // namespace rdma_device

@@ -1,0 +1,100 @@
+// The C++ face of the Rust transport (include/rdma_device.h).
+//
+// Owns one rdev_context per TensorFlow server and translates between TF
+// types (Tensor, Status, task names) and the C ABI. This is the only file
+// pair that includes rdma_device.h; protocol decisions (slots, credits,
+// routes) stay in Rust.
+#ifndef RDMA_DEVICE_TF_PLUGIN_TRANSPORT_H_
+#define RDMA_DEVICE_TF_PLUGIN_TRANSPORT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/mutex.h"
+#include "tensorflow/core/protobuf/cluster.pb.h"
+
+struct rdev_context;
+
+namespace rdma_device {
+
+// "/job:<job>/replica:<replica>/task:<task>": the name both the transport and
+// the cluster spec use for a task.
+std::string TaskName(absl::string_view job, int replica, int task);
+
+// How tensors to or from one peer travel.
+struct Route {
+  enum Kind { kDevice, kGrpc };
+  Kind kind = kGrpc;
+  // Why kGrpc (for stats and logs); empty for kDevice.
+  std::string reason;
+};
+
+class Transport {
+ public:
+  using SendDone = std::function<void(const absl::Status&)>;
+  using RecvDone = std::function<void(const absl::Status&,
+                                      const tensorflow::Tensor&, bool is_dead)>;
+
+  Transport() = default;
+  ~Transport();
+  Transport(const Transport&) = delete;
+  Transport& operator=(const Transport&) = delete;
+
+  // Creates the rdev_context for `self_task` listening at `addr` (this
+  // task's host:port as the cluster spec spells it) and registers the peers
+  // recorded so far. Until then every route is gRPC.
+  absl::Status Start(const std::string& self_task, const std::string& addr);
+
+  // Records every task of `cluster` (but this one) as a peer; idempotent.
+  // Called for each worker cache TF builds, so clusters that grow (eager
+  // clients joining) are seen too.
+  void AddPeers(const tensorflow::ClusterDef& cluster);
+
+  // The route for tensors exchanged with `peer_task`. In strict mode a
+  // gRPC route is an error instead.
+  absl::Status RouteTo(const std::string& peer_task, Route* route);
+
+  // Pushes `val` for (key, step) to `peer_task`. On OK, `done` runs exactly
+  // once (any thread, possibly before this returns) when the transport no
+  // longer needs the tensor's memory; on error it never runs.
+  absl::Status Send(const std::string& peer_task, absl::string_view key,
+                    int64_t step_id, const tensorflow::Tensor& val,
+                    bool is_dead, SendDone done);
+
+  // Receives (key, step) from `peer_task`. On OK, `done` runs exactly once
+  // (any thread, possibly before this returns); on error it never runs.
+  // The tensor wraps the receive slot without a copy when it can.
+  absl::Status Recv(const std::string& peer_task, absl::string_view key,
+                    int64_t step_id, RecvDone done);
+
+  // Fails the step's pending receives and queued sends with `status`.
+  void AbortStep(int64_t step_id, const absl::Status& status);
+  // The step is over on this task: unclaimed arrivals are released.
+  void StepDone(int64_t step_id);
+  // Counts a tensor that went over stock gRPC.
+  void RecordFallback(uint64_t bytes, const std::string& reason);
+
+ private:
+  void AddPeerLocked(const std::string& task, const std::string& addr)
+      TF_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  std::atomic<rdev_context*> ctx_{nullptr};
+  tensorflow::mutex mu_;
+  std::string self_task_ TF_GUARDED_BY(mu_);
+  bool strict_ TF_GUARDED_BY(mu_) = false;
+  // Peer task -> address, as last seen in a cluster spec.
+  std::map<std::string, std::string> addrs_ TF_GUARDED_BY(mu_);
+  // Peer task -> route chosen by the transport.
+  std::map<std::string, Route> routes_ TF_GUARDED_BY(mu_);
+};
+
+}  // namespace rdma_device
+
+#endif  // RDMA_DEVICE_TF_PLUGIN_TRANSPORT_H_
