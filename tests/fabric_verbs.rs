@@ -8,6 +8,8 @@
 //! RoCE GID found) is the local address to listen on.
 #![cfg(feature = "verbs")]
 
+mod common;
+
 use std::io::{BufRead, BufReader, Write};
 
 use std::process::{Command, Stdio};
@@ -394,6 +396,67 @@ fn listener_shutdown_fails_pending_and_disconnects() {
     });
     rx.wait("receiver disconnect", Duration::from_secs(5), |e| e.iter().any(|x| matches!(x, Ev::Disc(..))).then_some(()));
     assert!(write_sync(&*ep, 0, vec![Box::new(vec![0u8; 10])], 0).is_err());
+}
+
+// ---- Transport choice and the whole protocol over verbs (node level) --
+
+/// A peer on another host gets verbs when the device is viable; without a
+/// device the choice is gRPC and the reason names what is missing.
+#[test]
+fn node_chooses_verbs_for_a_remote_peer() {
+    use rdma_device::node::Node;
+    let mut cfg = common::small_config();
+    cfg.arena_bytes = 8 << 20;
+    let (ip, viable) = match fabric() {
+        Some(f) => (local_ip(&f), true),
+        None => ("127.0.0.1".to_string(), VerbsFabric::new(VerbsOptions::default()).is_viable().is_ok()),
+    };
+    let me = format!("{ip}:{}", common::free_port());
+    let n = Node::new(cfg, &common::task(0), &me).unwrap();
+    // TEST-NET-1 (RFC 5737): never an address of this host; nothing is sent
+    // there (the choice is made without connecting).
+    let c = n.add_peer(&common::task(1), "192.0.2.1:2222");
+    println!("transport for a remote peer: {:?} ({})", c.transport.map(|k| k.name()), c.reason);
+    if viable {
+        assert_eq!(c.transport.map(|k| k.name()), Some("verbs"), "{}", c.reason);
+    } else {
+        assert_eq!(c.transport, None);
+        assert!(c.reason.contains("verbs: "), "the reason must say why not verbs: {}", c.reason);
+    }
+    // A peer on this host still gets shm.
+    let local = n.add_peer(&common::task(2), &format!("{ip}:{}", common::free_port()));
+    assert_eq!(local.transport.map(|k| k.name()), Some("shm"), "{}", local.reason);
+}
+
+/// Two nodes exchange tensors with only verbs allowed: the rendezvous
+/// protocol end to end over real RDMA writes.
+#[test]
+fn node_pair_over_verbs_only() {
+    use rdma_device::node::Node;
+    use rdma_device::rendezvous::TensorMeta;
+    let Some(f) = fabric() else { return };
+    let ip = local_ip(&f);
+    let mut cfg = common::small_config();
+    cfg.arena_bytes = 64 << 20;
+    cfg.transports = vec!["verbs".into()];
+    let (pa, pb) = (common::free_port(), common::free_port());
+    let (ta, tb) = (common::task(0), common::task(1));
+    let a = Node::new(cfg.clone(), &ta, &format!("{ip}:{pa}")).unwrap();
+    let b = Node::new(cfg, &tb, &format!("{ip}:{pb}")).unwrap();
+    let ca = a.add_peer(&tb, &format!("{ip}:{pb}"));
+    let cb = b.add_peer(&ta, &format!("{ip}:{pa}"));
+    assert_eq!(ca.transport.map(|k| k.name()), Some("verbs"), "{}", ca.reason);
+    assert_eq!(cb.transport.map(|k| k.name()), Some("verbs"), "{}", cb.reason);
+    for step in 1..=40u64 {
+        let len = [4usize, 4096, 100_000, 3 << 20][step as usize % 4];
+        let data = common::pattern(step, len);
+        let r = common::recv_async(&b, &ta, "edge;v", step);
+        common::send_wait(&a, &tb, "edge;v", step, TensorMeta { dtype: 1, flags: 0, dims: vec![len as i64] }, data.clone()).unwrap();
+        let lease = r.recv_timeout(Duration::from_secs(30)).unwrap().unwrap();
+        assert_eq!(common::checksum(lease.bytes()), common::checksum(&data), "step {step}");
+        assert!(lease.in_place(), "received in place (one-sided write into the slot)");
+    }
+    println!("node over verbs: {}", a.describe().lines().next().unwrap_or(""));
 }
 
 // ---- Two processes: checksummed exchange, then SIGKILL ----------------

@@ -231,6 +231,20 @@ impl Conn {
         Ok(())
     }
 
+    /// Receiver: `on_accept` said yes. Ready and the reply queued in one
+    /// critical section, so no message sent by another thread as soon as
+    /// `on_accept` returned can overtake the reply.
+    pub fn accept_ok(&self, reply: Vec<u8>) -> Result<Vec<Action>> {
+        let mut inner = self.inner.lock();
+        if inner.phase != Phase::Handshake {
+            return Err(Error::PeerLost(format!("connection {} closed during the handshake", self.id)));
+        }
+        inner.phase = Phase::Ready;
+        inner.owes_disconnect = true;
+        inner.queue.push_back(Work::Msg { kind: MSG_HELLO_OK, data: reply, sent: 0, started: false });
+        Ok(self.pump(&mut inner))
+    }
+
     /// Queue a control message (fragmented to buffer size) and post what fits.
     pub fn send_msg(&self, kind: u8, data: Vec<u8>) -> Result<Vec<Action>> {
         let mut inner = self.inner.lock();

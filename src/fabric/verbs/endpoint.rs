@@ -40,18 +40,25 @@ pub(crate) fn connect(
     let id = crate::fabric::next_conn_id();
     let conn = Arc::new(Conn::new(id, Role::Active, events, 0, sh.sizing(Role::Active)));
     let cmid = CmId::new(&sh.channel, id)?;
+    let raw_id = cmid.raw;
     {
+        // Registered (and the id stored) before address resolution starts:
+        // its ADDR_RESOLVED may arrive at once and must find the connection.
+        // The progress thread's handler waits for this lock.
         let mut inner = conn.inner.lock();
         inner.hello = hello.to_vec();
+        inner.cm = Some(cmid);
+        sh.conns.lock().insert(id, conn.clone());
         let mut raw = RawAddr::new(&addr);
         let ms = (timeout.as_millis() as i32).clamp(1, super::RESOLVE_TIMEOUT_MS);
-        // SAFETY: the id is fresh; raw outlives the call (rdma_cm copies it).
-        if unsafe { rdma_resolve_addr(cmid.raw, std::ptr::null_mut(), raw.as_mut_ptr(), ms) } != 0 {
-            return Err(Error::last_os(&format!("rdma_resolve_addr({addr})")).context("verbs connect"));
+        // SAFETY: the id is alive (held by inner.cm, under the lock); raw
+        // outlives the call (rdma_cm copies it).
+        if unsafe { rdma_resolve_addr(raw_id, std::ptr::null_mut(), raw.as_mut_ptr(), ms) } != 0 {
+            let e = Error::last_os(&format!("rdma_resolve_addr({addr})")).context("verbs connect");
+            drop(inner);
+            sh.request(Request::Kill(id, e.clone()));
+            return Err(e);
         }
-        inner.cm = Some(cmid);
-        // Registered under the lock: the ADDR_RESOLVED handler takes it.
-        sh.conns.lock().insert(id, conn.clone());
     }
     let mut inner = conn.inner.lock();
     while inner.result.is_none() {

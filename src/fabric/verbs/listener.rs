@@ -88,13 +88,16 @@ pub(crate) fn listen(sh: &Arc<Shared>, local: &str, arena: Arc<Arena>, events: A
         let dev = sh.device_for(&cmid, &format!("listener {}", lst.addr))?;
         lst.arena_mr(&dev)?;
     }
-    // SAFETY: the id is bound.
-    if unsafe { rdma_listen(cmid.raw, super::LISTEN_BACKLOG) } != 0 {
-        let e = Error::last_os(&format!("rdma_listen({addr})"));
-        return Err(e);
-    }
+    // In the table before rdma_listen: a request may arrive at once.
+    let raw_id = cmid.raw;
     *lst.cm.lock() = Some(cmid);
     sh.listeners.lock().insert(token, lst.clone());
+    // SAFETY: the id is bound and alive (held by lst.cm).
+    if unsafe { rdma_listen(raw_id, super::LISTEN_BACKLOG) } != 0 {
+        let e = Error::last_os(&format!("rdma_listen({addr})"));
+        sh.request(Request::CloseListener(token));
+        return Err(e);
+    }
     log::info!("verbs: listening on {} (rdma_cm port {})", lst.addr, port as u32 + offset as u32);
     Ok(VerbsListener { shared: sh.clone(), lst, closed: AtomicBool::new(false) })
 }

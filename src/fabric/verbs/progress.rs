@@ -92,6 +92,12 @@ impl Drop for Runtime {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.wake();
         if let Some(t) = self.thread.take() {
+            // The last owner may drop us from a callback on the progress
+            // thread itself: it cannot join itself; it sees `stop` and ends
+            // after the callback returns.
+            if self.shared.on_progress_thread() {
+                return;
+            }
             if t.join().is_err() {
                 log::warn!("verbs: progress thread ended with a panic");
             }
@@ -219,22 +225,15 @@ pub(crate) fn run_actions(sh: &Arc<Shared>, c: &Arc<Conn>, acts: Vec<Action>) {
 
 /// The receiver's `on_accept` decides; its answer is the first message back.
 fn accept_hello(sh: &Arc<Shared>, c: &Arc<Conn>, hello: Vec<u8>) {
-    let (kind, body) = match c.events.on_accept(c.id, &hello) {
-        Ok(reply) => {
-            let mut inner = c.inner.lock();
-            if inner.phase != Phase::Handshake {
-                return;
-            }
-            inner.phase = Phase::Ready;
-            inner.owes_disconnect = true;
-            (conn::MSG_HELLO_OK, reply)
-        }
+    let r = match c.events.on_accept(c.id, &hello) {
+        Ok(reply) => c.accept_ok(reply),
         Err(e) => {
             log::info!("verbs: conn {} refused by the receiver: {e}", c.id);
-            (conn::MSG_HELLO_ERR, conn::encode_refusal(&e))
+            // The sender closes on receipt; we stay in Handshake until then.
+            c.send_msg(conn::MSG_HELLO_ERR, conn::encode_refusal(&e))
         }
     };
-    match c.send_msg(kind, body) {
+    match r {
         Ok(acts) => run_actions(sh, c, acts),
         Err(e) => kill(sh, c, e),
     }
