@@ -47,7 +47,7 @@ class BuildNative(build_py):
               f"-DRDMA_DEVICE_LIB_DIR={lib_dir}",
               "-DCMAKE_BUILD_TYPE=Release"])
         _run(["cmake", "--build", build_dir, "-j", jobs])
-        dest = os.path.join(self.build_lib, "rdma_device", "lib")
+        dest = os.path.join(os.path.abspath(self.build_lib), "rdma_device", "lib")
         if os.path.isdir(dest):
             shutil.rmtree(dest)
         _run(["cmake", "--install", build_dir, "--prefix", dest])
@@ -60,4 +60,9 @@ class BinaryDistribution(Distribution):
         return True
 
 
-setup(cmdclass={"build_py": BuildNative}, distclass=BinaryDistribution)
+setup(
+    cmdclass={"build_py": BuildNative},
+    distclass=BinaryDistribution,
+    # Build products go under the repository's (ignored) build/ directory.
+    options={"build": {"build_base": os.path.join(REPO, "build", "python-setuptools")}},
+)

@@ -6,11 +6,11 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
-try:
-    import rdma_device  # noqa: F401  (an installed package wins)
-except ImportError:
+# The in-tree package when its libraries were built in place (cmake
+# --install ... --prefix python/rdma_device/lib), else the installed one.
+if os.path.exists(os.path.join(REPO, "python", "rdma_device", "lib", "librdma_device_tf.so")):
     sys.path.insert(0, os.path.join(REPO, "python"))
-    import rdma_device  # noqa: F401
+import rdma_device  # noqa: E402
 
 sys.path.insert(0, HERE)
 
@@ -25,7 +25,7 @@ def pytest_report_header(config):
 def plugin_built():
     shim = os.path.join(rdma_device.lib_dir(), "librdma_device_tf.so")
     if not os.path.exists(shim):
-        pytest.fail(f"{shim} missing: build it first (see tests/python/README.md)")
+        pytest.fail(f"{shim} missing: pip install ./python, or build in place (python/README.md)")
     return shim
 
 
@@ -46,7 +46,7 @@ class ServerSet:
             [dict(role="server", cluster=self.cluster, job=job, task=0, protocol=protocol)
              for job in ("worker", "ps")], log_dir, env)
 
-    def run_client(self, role, timeout=300, **kw):
+    def run_client(self, role, timeout=120, **kw):
         client = harness.Task(dict(role=role, cluster=self.cluster, job="chief", task=0,
                                    protocol=self.protocol, **kw), self.log_dir, self.env)
         try:
@@ -58,3 +58,23 @@ class ServerSet:
     def close(self):
         for t in self.servers:
             t.close()
+
+
+@pytest.fixture(scope="session")
+def grpc_reference(log_dir):
+    """reference(role, steps) -> that scenario's result under stock "grpc"
+    (computed once per session on one long-lived gRPC cluster)."""
+    servers = None
+    cache = {}
+
+    def reference(role, steps):
+        nonlocal servers
+        if (role, steps) not in cache:
+            if servers is None:
+                servers = ServerSet(harness.PROTOCOL_GRPC, log_dir)
+            cache[(role, steps)] = servers.run_client(role, steps=steps)
+        return cache[(role, steps)]
+
+    yield reference
+    if servers is not None:
+        servers.close()

@@ -29,6 +29,8 @@ def test_sigkill_fails_step_then_restart_trains(victim, log_dir, plugin_built):
         killed_at = time.time()
         servers[victim].kill(signal.SIGKILL)
         failed = client.expect("FAILED", 60)
+        print(f"{victim} killed: step failed after {failed['time'] - killed_at:.2f}s: "
+              f"{failed['type']}: {failed['message'][:300]}")
         assert failed["time"] - killed_at < FAIL_WITHIN_S, failed
         restarted = harness.Task(specs[victim], log_dir, env, name=f"{victim}-restarted")
         restarted.wait_ready()

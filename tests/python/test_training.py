@@ -15,13 +15,6 @@ STRICT = {"RDMA_DEVICE_STRICT": "1"}
 
 
 @pytest.fixture(scope="module")
-def grpc_set(log_dir):
-    s = ServerSet(harness.PROTOCOL_GRPC, log_dir)
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
 def rdma_set(log_dir, plugin_built):
     s = ServerSet(harness.PROTOCOL_RDMA, log_dir, env=STRICT)
     yield s
@@ -33,8 +26,8 @@ def counters(stats):
 
 
 @pytest.mark.parametrize("role", ["tf1_train", "eager_train", "function_train", "pss_train"])
-def test_matches_grpc_bit_for_bit(role, grpc_set, rdma_set):
-    want = grpc_set.run_client(role, steps=STEPS)
+def test_matches_grpc_bit_for_bit(role, grpc_reference, rdma_set):
+    want = grpc_reference(role, STEPS)
     before = [counters(t.stats()) for t in rdma_set.servers]
     got = rdma_set.run_client(role, steps=STEPS)
     after = [counters(t.stats()) for t in rdma_set.servers]
