@@ -114,14 +114,13 @@ enum rdev_status rdev_context_add_peer(const struct rdev_context *ctx,
 // 1 when RDMA_DEVICE_STRICT is on (any fallback to gRPC must fail).
 bool rdev_context_strict(const struct rdev_context *ctx);
 
-// Tensors smaller than this many bytes should use stock gRPC
-// (RDMA_DEVICE_SMALL_TENSOR_BYTES; 0 = none).
-uint64_t rdev_context_small_tensor_bytes(const struct rdev_context *ctx);
-
 // Push the tensor `(key, step_id)` to `peer`. `data`/`len` must stay valid
 // and unmodified until `cb` runs. If this returns RDEV_OK, `cb` runs
 // exactly once (possibly before this returns); on any other status `cb`
-// is never called.
+// is never called and nothing was sent: e.g. RDEV_NOT_VIABLE when the peer
+// refuses pushes because it routes this task over gRPC, or RDEV_TIMEOUT /
+// RDEV_PEER_LOST when it cannot be reached; the caller may then send the
+// tensor another way.
 enum rdev_status rdev_send(const struct rdev_context *ctx,
                            const char *peer,
                            size_t peer_len,

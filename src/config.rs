@@ -23,8 +23,6 @@ pub struct Config {
     pub connect_timeout_ms: u64,
     /// How long a progress thread spins before it blocks.
     pub spin_us: u64,
-    /// Tensors smaller than this many bytes use stock gRPC (0 = never).
-    pub small_tensor_bytes: usize,
     /// Log filter (env_logger syntax).
     pub log: String,
     /// Verbs: device name (empty = automatic).
@@ -63,8 +61,6 @@ pub const VARS: &[Var] = &[
           help: "How long a sender waits for a receiver to accept a connection (ms)." },
     Var { name: "RDMA_DEVICE_SPIN_US", default: "50",
           help: "How long a progress thread polls before it sleeps (microseconds); lower saves CPU, higher cuts latency." },
-    Var { name: "RDMA_DEVICE_SMALL_TENSOR_BYTES", default: "0",
-          help: "Tensors below this size go over stock gRPC (0: all tensors use the transport)." },
     Var { name: "RDMA_DEVICE_LOG", default: "warn",
           help: "Log filter for the library (error, warn, info, debug, trace), env_logger syntax." },
     Var { name: "RDMA_DEVICE_VERBS_DEVICE", default: "",
@@ -115,7 +111,6 @@ impl Config {
             transports,
             connect_timeout_ms: int("RDMA_DEVICE_CONNECT_TIMEOUT_MS", &val("RDMA_DEVICE_CONNECT_TIMEOUT_MS"), 1, 3_600_000)? as u64,
             spin_us: int("RDMA_DEVICE_SPIN_US", &val("RDMA_DEVICE_SPIN_US"), 0, 1_000_000)? as u64,
-            small_tensor_bytes: bytes("RDMA_DEVICE_SMALL_TENSOR_BYTES", &val("RDMA_DEVICE_SMALL_TENSOR_BYTES"), 0, 1 << 40)?,
             log: val("RDMA_DEVICE_LOG"),
             verbs_device: val("RDMA_DEVICE_VERBS_DEVICE"),
             verbs_port: int("RDMA_DEVICE_VERBS_PORT", &val("RDMA_DEVICE_VERBS_PORT"), 0, 255)? as u8,
@@ -141,7 +136,6 @@ impl Config {
                     "RDMA_DEVICE_TRANSPORTS" => self.transports.join(","),
                     "RDMA_DEVICE_CONNECT_TIMEOUT_MS" => self.connect_timeout_ms.to_string(),
                     "RDMA_DEVICE_SPIN_US" => self.spin_us.to_string(),
-                    "RDMA_DEVICE_SMALL_TENSOR_BYTES" => self.small_tensor_bytes.to_string(),
                     "RDMA_DEVICE_LOG" => self.log.clone(),
                     "RDMA_DEVICE_VERBS_DEVICE" => self.verbs_device.clone(),
                     "RDMA_DEVICE_VERBS_PORT" => self.verbs_port.to_string(),

@@ -50,3 +50,10 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// the gap, and polling would only burn a core the application may need.
 /// An idle receiver stops polling within this bound of the last write.
 pub const MAX_ADAPTIVE_SPIN_US: u64 = 200;
+
+/// Most slots one edge may hold. An edge starts with RDMA_DEVICE_SLOTS_PER_EDGE
+/// slots and grows by one whenever all are busy (arrived, or lent to an
+/// application that keeps received tensors alive); past this bound the
+/// sender takes the inline path instead of waiting for a credit that may
+/// never come.
+pub const MAX_SLOTS_PER_EDGE: usize = 64;

@@ -166,3 +166,49 @@ fn full_arena_reclaims_idle_edges() {
     assert!(c.slots_reclaimed > 0, "idle edges must be reclaimed when the arena is full: {c:?}");
     assert!(a.counters().inline_tensors > 0 && a.counters().tensors_pushed > 0, "{:?}", a.counters());
 }
+
+#[test]
+fn receiver_keeping_tensors_never_blocks_the_sender() {
+    // An application that holds on to every received tensor (as eager
+    // mirrors or ClusterCoordinator results do): the edge grows slots, and
+    // past the per-edge limit the tensors take the inline path.
+    let (a, b, ta, tb) = pair(small_config());
+    let mut kept = Vec::new();
+    for step in 1..=80u64 {
+        let data = pattern(step, 4096);
+        send_wait(&a, &tb, "kept", step, meta(&[4096]), data.clone()).unwrap();
+        let l = recv_wait(&b, &ta, "kept", step).unwrap();
+        assert_eq!(l.bytes(), &data[..]);
+        kept.push(l);
+    }
+    let (ca, cb) = (a.counters(), b.counters());
+    assert!(ca.tensors_pushed >= 60, "{ca:?}");
+    assert!(ca.inline_tensors > 0, "past {} slots the edge goes inline: {ca:?}", rdma_device::constants::MAX_SLOTS_PER_EDGE);
+    assert_eq!(cb.tensors_received, 80);
+    drop(kept);
+    // Once released (credits travel asynchronously), slots carry pushes again.
+    let before = a.counters().tensors_pushed;
+    for step in 81..=90u64 {
+        send_wait(&a, &tb, "kept", step, meta(&[4096]), pattern(step, 4096)).unwrap();
+        assert_eq!(recv_wait(&b, &ta, "kept", step).unwrap().bytes(), &pattern(step, 4096)[..]);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(a.counters().tensors_pushed > before, "{:?}", a.counters());
+}
+
+#[test]
+fn disagreeing_routes_fail_the_send_synchronously() {
+    let (pa, pb) = (free_port(), free_port());
+    let a = Node::new(small_config(), &task(0), &format!("localhost:{pa}")).unwrap();
+    let b = Node::new(small_config(), &task(1), &format!("localhost:{pb}")).unwrap();
+    assert!(a.add_peer(&task(1), &format!("localhost:{pb}")).transport.is_some());
+    // B believes A is on another host: it routes A over gRPC.
+    assert!(b.add_peer(&task(0), "192.0.2.1:5").transport.is_none());
+    let done_called = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let d = done_called.clone();
+    let r = a.send(&task(1), "k", 1, meta(&[1]), Box::new(vec![1u8]), Box::new(move |_| d.store(true, std::sync::atomic::Ordering::SeqCst)));
+    let e = r.unwrap_err();
+    assert!(matches!(e, Error::NotViable(_)), "{e}");
+    assert!(e.message().contains("RDMA_DEVICE_TRANSPORTS"), "{e}");
+    assert!(!done_called.load(std::sync::atomic::Ordering::SeqCst), "done must not run when send fails synchronously");
+}

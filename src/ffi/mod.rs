@@ -253,18 +253,13 @@ pub unsafe extern "C" fn rdev_context_strict(ctx: *const rdev_context) -> bool {
     unsafe { ctx.as_ref() }.is_some_and(|c| c.node.config().strict)
 }
 
-/// Tensors smaller than this many bytes should use stock gRPC
-/// (RDMA_DEVICE_SMALL_TENSOR_BYTES; 0 = none).
-#[no_mangle]
-pub unsafe extern "C" fn rdev_context_small_tensor_bytes(ctx: *const rdev_context) -> u64 {
-    // SAFETY: ctx per contract.
-    unsafe { ctx.as_ref() }.map_or(0, |c| c.node.config().small_tensor_bytes as u64)
-}
-
 /// Push the tensor `(key, step_id)` to `peer`. `data`/`len` must stay valid
 /// and unmodified until `cb` runs. If this returns RDEV_OK, `cb` runs
 /// exactly once (possibly before this returns); on any other status `cb`
-/// is never called.
+/// is never called and nothing was sent: e.g. RDEV_NOT_VIABLE when the peer
+/// refuses pushes because it routes this task over gRPC, or RDEV_TIMEOUT /
+/// RDEV_PEER_LOST when it cannot be reached; the caller may then send the
+/// tensor another way.
 #[no_mangle]
 pub unsafe extern "C" fn rdev_send(
     ctx: *const rdev_context,
@@ -296,8 +291,7 @@ pub unsafe extern "C" fn rdev_send(
             meta,
             Box::new(RawPayload { ptr: data, len }),
             Box::new(move |r| call_send_cb(cb, ud, r)),
-        );
-        Ok(())
+        )
     })
 }
 

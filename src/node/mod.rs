@@ -203,9 +203,12 @@ impl Node {
         self.inner.add_peer(peer, addr)
     }
 
-    /// Push `payload` for `(key, step)` to `peer`. `done` runs once the
-    /// payload may be reused (any thread, possibly before this returns).
-    pub fn send(&self, peer: &str, key: &str, step: u64, meta: TensorMeta, payload: Box<dyn Payload>, done: rendezvous::SendDone) {
+    /// Push `payload` for `(key, step)` to `peer`. On `Ok`, `done` runs
+    /// exactly once, when the payload may be reused (any thread, possibly
+    /// before this returns). On `Err` (no connection to the peer could be
+    /// made, e.g. it routes us over gRPC) `done` is dropped uncalled, so the
+    /// caller can send the tensor another way.
+    pub fn send(&self, peer: &str, key: &str, step: u64, meta: TensorMeta, payload: Box<dyn Payload>, done: rendezvous::SendDone) -> Result<()> {
         self.inner.send(peer, key, step, meta, payload, done)
     }
 
@@ -303,6 +306,14 @@ impl FabricEvents for Events {
         let h = Hello::decode(hello)?;
         if !h.target.is_empty() && h.target != n.task {
             return Err(Error::InvalidArgument(format!("this is {}, not {}", n.task, h.target)));
+        }
+        if n.routes_over_grpc(&h.task) {
+            // Both ends must agree, or pushes would go to a task that pulls.
+            return Err(Error::NotViable(format!(
+                "{} routes {} over stock gRPC, so it does not accept pushes from it; \
+                 give every task the same RDMA_DEVICE_TRANSPORTS (see rdma_device.stats()[\"peers\"] for the reason)",
+                n.task, h.task
+            )));
         }
         n.links.lock().insert(conn, LinkRef::Rx(self.kind));
         n.locked(|r| r.add_rx_link(conn, &h.task, h.incarnation));

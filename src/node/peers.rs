@@ -133,14 +133,16 @@ impl Inner {
         self.ensure_tx(peer).map(|_| ())
     }
 
-    pub(super) fn send(&self, peer: &str, key: &str, step: u64, meta: TensorMeta, payload: Box<dyn Payload>, done: SendDone) {
-        match self.ensure_tx(peer) {
-            Ok(link) => {
-                let acts = self.locked(|r| r.send(link, key, step, meta, payload, done));
-                self.exec(acts);
-            }
-            Err(e) => done(Err(e)),
-        }
+    pub(super) fn send(&self, peer: &str, key: &str, step: u64, meta: TensorMeta, payload: Box<dyn Payload>, done: SendDone) -> Result<()> {
+        let link = self.ensure_tx(peer)?;
+        let acts = self.locked(|r| r.send(link, key, step, meta, payload, done));
+        self.exec(acts);
+        Ok(())
+    }
+
+    /// Does this task route `peer` over stock gRPC (known, no transport)?
+    pub(super) fn routes_over_grpc(&self, peer: &str) -> bool {
+        self.peers.table.lock().get(peer).is_some_and(|e| e.choice.is_none())
     }
 
     pub(super) fn recv(&self, peer: &str, key: &str, step: u64, done: LeaseDone) {

@@ -230,6 +230,8 @@ impl Rendezvous {
             (Msg::Credit { edge_id, slot, gen }, true, _) => self.tx_credit(link, edge_id, slot, gen),
             (Msg::NoSpace { key, need }, true, _) => self.tx_nospace(link, key, need),
             (Msg::Revoke { edge_id }, true, _) => self.tx_revoke(link, edge_id),
+            (Msg::NoMore { edge_id }, true, _) => self.tx_nomore(link, edge_id),
+            (Msg::More { edge_id, need }, _, true) => self.rx_more(link, edge_id, need),
             (Msg::Announce { key, step, need, returned }, _, true) => self.rx_announce(link, key, step, need, returned),
             (Msg::ReturnSlot { slot, gen }, _, true) => self.rx_return(link, slot, gen),
             (Msg::Inline { key, step, meta, total, offset, bytes }, _, true) => {

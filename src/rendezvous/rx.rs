@@ -327,6 +327,39 @@ impl Rendezvous {
         Ok(vec![Action::Send { link, msg: Msg::Publish { key, edge_id, slots: descs } }])
     }
 
+    /// Every slot of `edge_id` is busy at our end: add one for `need`
+    /// bytes and publish the whole set (the sender keeps the state of the
+    /// slots it knows).
+    pub(super) fn rx_more(&mut self, link: LinkId, edge_id: u32, need: u64) -> Result<Vec<Action>> {
+        let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("more on unknown link".into()))?;
+        let Some(e) = r.edge_info.get(&edge_id) else {
+            return Err(Error::Protocol(format!("More for unknown edge {edge_id}")));
+        };
+        let cap = e.set.iter().filter_map(|id| r.slots.get(id)).map(|s| s.capacity).max().unwrap_or(0).max(need);
+        let reserved = ArenaAlloc::round(HEADER_BYTES as u64 + cap);
+        let off = if e.set.len() < crate::constants::MAX_SLOTS_PER_EDGE { self.alloc.alloc(reserved) } else { None };
+        let Some(off) = off else {
+            let mut acts = self.reclaim_cold(link, edge_id, reserved);
+            acts.push(Action::Send { link, msg: Msg::NoMore { edge_id } });
+            return Ok(acts);
+        };
+        let id = r.next_slot;
+        r.next_slot = r.next_slot.wrapping_add(1).max(1);
+        let gen = self.next_gen;
+        self.next_gen = self.next_gen.wrapping_add(1).max(1);
+        r.slots.insert(id, RxSlot { edge_id, gen, offset: off, reserved, capacity: reserved - HEADER_BYTES as u64, token: Token::AtSender, retired: false });
+        let e = r.edge_info.get_mut(&edge_id).expect("edge exists");
+        e.set.push(id);
+        let key = e.key.clone();
+        let slots = e
+            .set
+            .iter()
+            .filter_map(|id| r.slots.get(id).map(|s| SlotDesc { id: *id, gen: s.gen, offset: s.offset, capacity: s.capacity }))
+            .collect();
+        self.tally.negotiation_messages += 1;
+        Ok(vec![Action::Send { link, msg: Msg::Publish { key, edge_id, slots } }])
+    }
+
     pub(super) fn rx_return(&mut self, link: LinkId, slot: u32, gen: u32) -> Result<Vec<Action>> {
         let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("return on unknown link".into()))?;
         if r.slots.get(&slot).is_some_and(|s| s.gen == gen && s.token == Token::AtSender) {

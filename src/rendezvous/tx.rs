@@ -35,6 +35,10 @@ pub(super) struct TxEdge {
     awaiting_publish: bool,
     /// Sizes at or above this go inline (the receiver had no room).
     inline_from: Option<u64>,
+    /// A `More` request is out.
+    more_pending: bool,
+    /// The receiver cannot add slots: while none is free, go inline.
+    no_more: bool,
     pending: VecDeque<Pending>,
 }
 
@@ -172,7 +176,25 @@ impl Rendezvous {
                 continue;
             }
             if e.slots.iter().any(|(s, _)| s.capacity >= len) {
-                break; // a slot that fits is busy: wait for its credit
+                // Every slot that fits is busy: with the receiver, maybe lent
+                // to an application that keeps the tensor. Ask for one more
+                // slot rather than count on a credit; if none can be added,
+                // this tensor takes the inline path.
+                if e.no_more {
+                    let p = e.pending.pop_front().expect("front exists");
+                    self.tally.inline_tensors += 1;
+                    self.tally.inline_bytes += len;
+                    acts.push(Action::Inline { link, key: key.to_string(), step: p.step, meta: p.meta, payload: p.payload, done: p.done });
+                    continue;
+                }
+                if !e.more_pending {
+                    if let Some(edge_id) = e.edge_id {
+                        e.more_pending = true;
+                        self.tally.negotiation_messages += 1;
+                        acts.push(Action::Send { link, msg: Msg::More { edge_id, need: len } });
+                    }
+                }
+                break;
             }
             // Nothing fits (first use or growth): hand back what we hold and
             // ask the receiver to place the edge for this size.
@@ -190,9 +212,11 @@ impl Rendezvous {
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("publish on unknown link".into()))?;
         let e = t.edges.entry(key.clone()).or_default();
         let mut acts = Vec::new();
-        // Free slots of the old set that the new set drops go back.
-        for (s, free) in e.slots.drain(..) {
-            if free && !slots.iter().any(|n| n.id == s.id && n.gen == s.gen) {
+        // Slots the new set keeps keep their state (a busy slot is still
+        // with the receiver); free slots it drops go back.
+        let old: Vec<(SlotDesc, bool)> = e.slots.drain(..).collect();
+        for (s, free) in &old {
+            if *free && !slots.iter().any(|n| n.id == s.id && n.gen == s.gen) {
                 acts.push(Action::Send { link, msg: Msg::ReturnSlot { slot: s.id, gen: s.gen } });
             }
         }
@@ -202,8 +226,15 @@ impl Rendezvous {
             }
         }
         t.by_id.insert(edge_id, key.clone());
-        e.slots = slots.into_iter().map(|s| (s, true)).collect();
+        e.slots = slots
+            .into_iter()
+            .map(|s| {
+                let free = old.iter().find(|(o, _)| o.id == s.id && o.gen == s.gen).map_or(true, |(_, f)| *f);
+                (s, free)
+            })
+            .collect();
         e.awaiting_publish = false;
+        e.more_pending = false;
         e.inline_from = None;
         acts.extend(self.pump(link, &key));
         Ok(acts)
@@ -221,6 +252,9 @@ impl Rendezvous {
         match (hit, key) {
             (Some(entry), Some(key)) => {
                 entry.1 = true;
+                if let Some(e) = self.tx.get_mut(&link).and_then(|t| t.edges.get_mut(&key)) {
+                    e.no_more = false;
+                }
                 Ok(self.pump(link, &key))
             }
             // A credit for a slot we no longer use (the edge was re-placed
@@ -264,6 +298,16 @@ impl Rendezvous {
             Some(e) if e.inline_from.is_some() && e.slots.is_empty() => Placement::NoSpace,
             Some(e) => Placement::Placed(e.slots.iter().map(|(s, _)| s.capacity).max().unwrap_or(0)),
         }
+    }
+
+    pub(super) fn tx_nomore(&mut self, link: LinkId, edge_id: u32) -> Result<Vec<Action>> {
+        let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("nomore on unknown link".into()))?;
+        let Some(key) = t.by_id.get(&edge_id).cloned() else { return Ok(Vec::new()) };
+        if let Some(e) = t.edges.get_mut(&key) {
+            e.more_pending = false;
+            e.no_more = true;
+        }
+        Ok(self.pump(link, &key))
     }
 
     /// The receiver wants an idle edge's slots back (its arena is full).

@@ -43,6 +43,11 @@ pub enum Msg {
     ReturnSlot { slot: u32, gen: u32 },
     /// Receiver → sender: no room to place `need` bytes; send inline.
     NoSpace { key: String, need: u64 },
+    /// Sender → receiver: every slot of the edge is busy (arrived or lent
+    /// to the application): add one that holds `need` bytes.
+    More { edge_id: u32, need: u64 },
+    /// Receiver → sender: no slot can be added (limit or arena full).
+    NoMore { edge_id: u32 },
     /// Receiver → sender: give back the slots of an idle edge (arena full).
     Revoke { edge_id: u32 },
     /// Sender → receiver: a piece of a tensor sent through messages.
@@ -56,6 +61,8 @@ const T_RETURN: u8 = 4;
 const T_NOSPACE: u8 = 5;
 const T_INLINE: u8 = 6;
 const T_REVOKE: u8 = 7;
+const T_MORE: u8 = 8;
+const T_NOMORE: u8 = 9;
 
 /// `Announce.step` of a placement made ahead of time (from a static shape,
 /// before the first step). TensorFlow's step ids use 56 bits, so this value
@@ -141,6 +148,8 @@ impl Msg {
             Msg::ReturnSlot { slot, gen } => { w.u8(T_RETURN); w.u32(*slot); w.u32(*gen) }
             Msg::NoSpace { key, need } => { w.u8(T_NOSPACE); w.bytes(key.as_bytes()); w.u64(*need) }
             Msg::Revoke { edge_id } => { w.u8(T_REVOKE); w.u32(*edge_id) }
+            Msg::More { edge_id, need } => { w.u8(T_MORE); w.u32(*edge_id); w.u64(*need) }
+            Msg::NoMore { edge_id } => { w.u8(T_NOMORE); w.u32(*edge_id) }
             Msg::Inline { key, step, meta, total, offset, bytes } => {
                 w.u8(T_INLINE); w.bytes(key.as_bytes()); w.u64(*step); w.meta(meta);
                 w.u64(*total); w.u64(*offset); w.bytes(bytes)
@@ -173,6 +182,8 @@ impl Msg {
             T_RETURN => Msg::ReturnSlot { slot: r.u32()?, gen: r.u32()? },
             T_NOSPACE => Msg::NoSpace { key: r.string()?, need: r.u64()? },
             T_REVOKE => Msg::Revoke { edge_id: r.u32()? },
+            T_MORE => Msg::More { edge_id: r.u32()?, need: r.u64()? },
+            T_NOMORE => Msg::NoMore { edge_id: r.u32()? },
             T_INLINE => {
                 let key = r.string()?; let step = r.u64()?; let meta = r.meta()?;
                 let total = r.u64()?; let offset = r.u64()?;
@@ -296,6 +307,8 @@ mod tests {
             Msg::ReturnSlot { slot: 5, gen: 6 },
             Msg::NoSpace { key: "k".into(), need: 99 },
             Msg::Revoke { edge_id: 3 },
+            Msg::More { edge_id: 3, need: 4 },
+            Msg::NoMore { edge_id: 5 },
             Msg::Inline { key: "k".into(), step: 1, meta: TensorMeta { dtype: 1, flags: 2, dims: vec![2, 3] }, total: 6, offset: 0, bytes: vec![1, 2, 3] },
         ]
     }

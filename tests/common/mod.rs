@@ -54,7 +54,7 @@ pub fn checksum(b: &[u8]) -> u64 {
 /// Blocking send (waits for the completion).
 pub fn send_wait(n: &Node, peer: &str, key: &str, step: u64, meta: TensorMeta, data: Vec<u8>) -> Result<()> {
     let (tx, rx) = mpsc::channel();
-    n.send(peer, key, step, meta, Box::new(data), Box::new(move |r| tx.send(r).unwrap()));
+    n.send(peer, key, step, meta, Box::new(data), Box::new(move |r| tx.send(r).unwrap()))?;
     match rx.recv_timeout(Duration::from_secs(30)) {
         Ok(r) => r,
         Err(_) => panic!("send of {key} step {step} did not complete; state:\n{}", n.describe()),

@@ -267,7 +267,11 @@ pub fn memlock_limit() -> Option<u64> {
 
 /// Fail with a message naming the fix when `need` bytes cannot be pinned.
 pub fn memlock_check(need: u64, what: &str) -> Result<()> {
-    match memlock_limit() {
+    memlock_verdict(memlock_limit(), need, what)
+}
+
+fn memlock_verdict(limit: Option<u64>, need: u64, what: &str) -> Result<()> {
+    match limit {
         Some(lim) if lim < need => Err(Error::ResourceExhausted(format!(
             "RLIMIT_MEMLOCK is {lim} bytes but the RDMA verbs backend must pin {need} bytes \
              ({what}); raise it: `ulimit -l unlimited` in the shell that starts the job, \
@@ -503,4 +507,51 @@ pub fn set_nonblocking(fd: i32) -> Result<()> {
         return Err(Error::last_os("fcntl(O_NONBLOCK)"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memlock_message_names_the_fix() {
+        assert!(memlock_verdict(None, u64::MAX, "x").is_ok());
+        assert!(memlock_verdict(Some(1 << 30), 1 << 20, "x").is_ok());
+        let e = memlock_verdict(Some(65536), 16 << 20, "connection buffers").unwrap_err();
+        assert!(matches!(e, Error::ResourceExhausted(_)));
+        for part in ["65536", "ulimit -l unlimited", "limits.conf", "connection buffers"] {
+            assert!(e.message().contains(part), "{e}");
+        }
+    }
+
+    #[test]
+    fn viability_reasons() {
+        let e = check_viable(&[], None, None).unwrap_err();
+        assert_eq!(e, Error::NotViable("no RDMA device found (ibv_get_device_list returned 0)".into()));
+        let dev = DeviceInfo {
+            name: "rxe0".into(),
+            max_mr_size: u64::MAX,
+            max_mr: 1,
+            max_qp_wr: 1,
+            max_cqe: 1,
+            max_qp_rd_atom: 1,
+            max_qp_init_rd_atom: 1,
+            ports: vec![PortInfo { num: 1, active: false, state: "DOWN".into(), mtu: 1024, link_layer: "Ethernet", gids: vec![] }],
+        };
+        let e = check_viable(std::slice::from_ref(&dev), Some("mlx5_0"), None).unwrap_err();
+        assert!(e.message().contains("mlx5_0") && e.message().contains("rxe0"), "{e}");
+        let e = check_viable(std::slice::from_ref(&dev), None, None).unwrap_err();
+        assert!(e.message().contains("no active RDMA port"), "{e}");
+    }
+
+    #[test]
+    fn ipv4_mapped_gid() {
+        let mut g = [0u8; 16];
+        g[10] = 0xff;
+        g[11] = 0xff;
+        g[12..].copy_from_slice(&[10, 0, 2, 15]);
+        let gi = GidInfo { index: 1, gid: g, kind: "RoCE v2".into(), netdev: "eth0".into() };
+        assert_eq!(gi.ipv4(), Some(std::net::Ipv4Addr::new(10, 0, 2, 15)));
+        assert_eq!(gid_str(&g), "::ffff:10.0.2.15");
+    }
 }
