@@ -21,6 +21,8 @@ mod tx;
 pub use rx::SlotMemory;
 pub use tx::{inline_messages, Placement};
 pub mod wire;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
