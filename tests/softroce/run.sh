@@ -6,6 +6,7 @@
 #   SOFTROCE_TESTS="fabric_verbs other" tests/softroce/run.sh
 #   SOFTROCE_MEASURE=1 tests/softroce/run.sh   # also print the staging vs
 #                                               # registration measurements
+#   SOFTROCE_HOST_CHECKS=0 ...                  # skip the host-side checks
 #
 # Steps: install missing Debian packages; fetch (never install) the kernel
 # package into a cache outside the repo; build the test binaries with the
@@ -82,6 +83,23 @@ for t in $tests; do
     bins+=("$b")
 done
 
+bench=""
+if [ "${SOFTROCE_BENCH:-0}" = 1 ]; then
+    (cd "$root" && timeout "$(left)" cargo build --features verbs --bin rdma-device-bench --message-format=json >"$cache/bench.json")
+    bench="$(grep '"reason":"compiler-artifact"' "$cache/bench.json" | grep '"name":"rdma-device-bench"' \
+        | grep -o '"executable":"[^"]*"' | sed 's/"executable":"\(.*\)"/\1/' | tail -n1)"
+    [ -x "$bench" ] || { say "no rdma-device-bench executable"; exit 1; }
+fi
+
+# Host-side checks first (cheap, already built): the backend's unit tests,
+# and on this device-less host "not viable" with its reason, never an abort.
+if [ "${SOFTROCE_HOST_CHECKS:-1}" = 1 ]; then
+    say "host: verbs unit tests and the no-device check"
+    (cd "$root" && timeout "$(left)" cargo test -q --features verbs --lib fabric::verbs)
+    (cd "$root" && env -u RDMA_DEVICE_TEST_VERBS timeout "$(left)" cargo test -q --features verbs \
+        --test fabric_verbs -- not_viable_without_device node_chooses_verbs --nocapture)
+fi
+
 # ---- 4. initramfs --------------------------------------------------------
 stage="$(mktemp -d "${TMPDIR:-/tmp}/softroce.XXXXXX")"
 trap 'rm -rf "$stage"' EXIT
@@ -104,6 +122,7 @@ for b in "${bins[@]}"; do
     i=$((i + 1))
     copy_with_libs "$b" "/tests/$(printf '%02d' $i)-$(basename "$b")"
 done
+[ -n "$bench" ] && copy_with_libs "$bench" /bin/rdma-device-bench
 for tool in ibv_devices ibv_devinfo rdma; do
     copy_with_libs "$(command -v $tool)" "/bin/$tool"
 done
@@ -160,6 +179,10 @@ for t in /tests/*; do
     echo "=== SOFTROCE-RUN \$t"
     \$t --test-threads=1 --nocapture || rc=\$?
 done
+if [ -x /bin/rdma-device-bench ]; then
+    echo "=== SOFTROCE-BENCH"
+    rdma-device-bench fabric --transport verbs --addr 10.0.2.15:18515 --quick || rc=\$?
+fi
 echo "=== SOFTROCE-EXIT-CODE \$rc"
 poweroff -f
 EOF
@@ -181,6 +204,7 @@ set -e
 rc="$(sed -n 's/^=== SOFTROCE-EXIT-CODE \([0-9]*\).*/\1/p' "$log" | tail -n1)"
 echo "---- softroce summary (device, test results) ----"
 grep -E '^(hca_id|[[:space:]]+device|[[:space:]]+rxe0|link rxe0)|hca_id:|test result:|verbs-measure:|two-process:' "$log" || true
+if [ -n "$bench" ]; then sed -n '/^=== SOFTROCE-BENCH/,/^=== SOFTROCE-EXIT-CODE/p' "$log"; fi
 if [ -z "$rc" ]; then
     say "no exit marker from the VM (qemu exit $qemu_rc): timeout or crash"
     exit 1
