@@ -255,20 +255,31 @@ impl Conn {
         if !ok {
             return Err(Error::PeerLost(format!("connection {} is closed", self.id)));
         }
+        if inner.queue.len() >= super::MAX_QUEUED_WORK {
+            return Err(Error::ResourceExhausted(format!(
+                "connection {}: {} control messages and writes already wait for the peer",
+                self.id,
+                inner.queue.len()
+            )));
+        }
         inner.queue.push_back(Work::Msg { kind, data, sent: 0, started: false });
         Ok(self.pump(&mut inner))
     }
 
     /// Start a write (see [`crate::fabric::Endpoint::write_imm`]).
     pub fn write_imm(&self, remote_off: u64, segs: Vec<Segment>, imm: u32, done: WriteDone) -> Vec<Action> {
-        let mut inner = self.inner.lock();
-        if inner.phase != Phase::Ready {
-            return vec![Action::WriteDone(done, Err(Error::PeerLost(format!("connection {} is closed", self.id))))];
-        }
+        let closed = || Error::PeerLost(format!("connection {} is closed", self.id));
         let total: usize = segs.iter().map(|s| (**s).as_ref().len()).sum();
-        let arena_len = inner.remote.map(|r| r.arena_len).unwrap_or(0);
+        let (dev, arena_len) = {
+            let inner = self.inner.lock();
+            if inner.phase != Phase::Ready {
+                drop(inner);
+                drop(segs);
+                return vec![Action::WriteDone(done, Err(closed()))];
+            }
+            (inner.dev.clone(), inner.remote.map(|r| r.arena_len).unwrap_or(0))
+        };
         if remote_off.checked_add(total as u64).map_or(true, |end| end > arena_len) {
-            drop(inner);
             drop(segs);
             return vec![Action::WriteDone(done, Err(Error::InvalidArgument(format!(
                 "write of {total} bytes at {remote_off} is outside the peer's arena of {arena_len} bytes"
@@ -277,7 +288,9 @@ impl Conn {
         let register = total >= self.sizing.register_threshold || self.sizing.n_chunks == 0;
         let mut mrs = Vec::new();
         if register {
-            let Some(dev) = inner.dev.clone() else {
+            // Outside the lock: pinning can take a while and must not stall
+            // this connection's completions.
+            let Some(dev) = dev else {
                 return vec![Action::WriteDone(done, Err(Error::Internal("no device".into())))];
             };
             for s in &segs {
@@ -291,13 +304,19 @@ impl Conn {
                 match unsafe { Mr::register(&dev.pd, b.as_ptr(), b.len(), super::mr::ACCESS_LOCAL_READ) } {
                     Ok(mr) => mrs.push(Some(mr)),
                     Err(e) => {
-                        drop(inner);
                         drop(mrs);
                         drop(segs);
                         return vec![Action::WriteDone(done, Err(e))];
                     }
                 }
             }
+        }
+        let mut inner = self.inner.lock();
+        if inner.phase != Phase::Ready {
+            drop(inner);
+            drop(mrs);
+            drop(segs);
+            return vec![Action::WriteDone(done, Err(closed()))];
         }
         let op = Op::Write(WriteOp {
             mrs,

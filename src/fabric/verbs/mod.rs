@@ -68,6 +68,10 @@ pub const RECV_BUFFERS: u32 = 64;
 /// Control-message fragments in flight per connection (the bound on
 /// outstanding sends; the rest wait in order).
 pub const SEND_BUFFERS: u32 = 16;
+/// Work items (messages, writes) that may wait in one connection's queue
+/// for send slots; past that `send_msg` fails instead of growing without
+/// bound behind a peer that stopped consuming.
+pub const MAX_QUEUED_WORK: usize = 16384;
 /// Send-queue depth per QP (writes are signalled per work request).
 pub const SQ_DEPTH: u32 = 128;
 /// Entries of each device's shared CQ; each connection reserves
