@@ -189,8 +189,10 @@ pub fn probe() -> Result<Vec<DeviceInfo>> {
         // SAFETY: dev comes from the live list.
         let ctx = unsafe { ibv_open_device(dev) };
         if ctx.is_null() {
-            log::warn!("verbs: cannot open {}: {}", cstr(unsafe { ibv_get_device_name(dev) }),
-                std::io::Error::last_os_error());
+            let err = std::io::Error::last_os_error();
+            // SAFETY: dev comes from the live list.
+            let name = cstr(unsafe { ibv_get_device_name(dev) });
+            log::warn!("verbs: cannot open {name}: {err}");
             continue;
         }
         // SAFETY: ctx was just opened.

@@ -1,0 +1,221 @@
+//! rdma_cm events: connection bring-up on both sides (address and route
+//! resolution, QP creation, connect/accept with the private data, the
+//! handshake's first message) and the CM's ways of saying "gone".
+
+use std::sync::Arc;
+
+use rdma_sys::*;
+
+use super::{kill, run_actions, Shared, LISTENER_BIT};
+use crate::error::{Error, Result};
+use crate::fabric::verbs::cm::{self, AcceptData, CmId, ConnectData};
+use crate::fabric::verbs::conn::{self, Conn, Phase, Role};
+use crate::fabric::verbs::device::{self, Device};
+
+pub(super) fn on_cm_event(sh: &Arc<Shared>, ev: cm::Event) {
+    use rdma_cm_event_type::*;
+    if ev.kind == RDMA_CM_EVENT_CONNECT_REQUEST {
+        on_connect_request(sh, ev);
+        return;
+    }
+    let Some(c) = sh.conns.lock().get(&ev.token).cloned() else {
+        if ev.token & LISTENER_BIT == 0 || ev.kind == RDMA_CM_EVENT_DEVICE_REMOVAL {
+            log::debug!("verbs: {} for unknown id {:#x}", ev.name(), ev.token);
+        }
+        return;
+    };
+    let r = match ev.kind {
+        RDMA_CM_EVENT_ADDR_RESOLVED => {
+            let inner = c.inner.lock();
+            match &inner.cm {
+                // SAFETY: the id is alive while inner.cm holds it.
+                Some(cm) if unsafe { rdma_resolve_route(cm.raw, crate::fabric::verbs::RESOLVE_TIMEOUT_MS) } != 0 => {
+                    Err(Error::last_os("rdma_resolve_route"))
+                }
+                _ => Ok(()),
+            }
+        }
+        RDMA_CM_EVENT_ROUTE_RESOLVED => active_connect(sh, &c),
+        RDMA_CM_EVENT_ESTABLISHED => established(sh, &c, &ev),
+        RDMA_CM_EVENT_DISCONNECTED => Err(Error::PeerLost(format!("peer of connection {} disconnected", c.id))),
+        RDMA_CM_EVENT_REJECTED => Err(rejected(&ev)),
+        RDMA_CM_EVENT_DEVICE_REMOVAL => Err(Error::PeerLost("RDMA device removed".into())),
+        RDMA_CM_EVENT_ADDR_ERROR | RDMA_CM_EVENT_ROUTE_ERROR | RDMA_CM_EVENT_UNREACHABLE | RDMA_CM_EVENT_CONNECT_ERROR => {
+            Err(Error::PeerLost(format!("rdma_cm {} (status {})", ev.name(), ev.status)))
+        }
+        _ => Ok(()),
+    };
+    if let Err(e) = r {
+        kill(sh, &c, e);
+    }
+}
+
+fn rejected(ev: &cm::Event) -> Error {
+    if ev.private.len() > 5 && ev.private[..4] == cm::MAGIC.to_le_bytes() {
+        let len = ev.private[4] as usize;
+        if let Some(b) = ev.private.get(5..5 + len) {
+            return conn::decode_refusal(b);
+        }
+    }
+    Error::PeerLost(format!(
+        "connection rejected (status {}): no rdma_device verbs listener at that address?",
+        ev.status
+    ))
+}
+
+fn conn_param(dev: &Device, private: &[u8], peer_rr: Option<(u8, u8)>) -> rdma_conn_param {
+    let (mut rr, mut depth) = (dev.ctx.info.max_qp_rd_atom.clamp(1, 16) as u8, dev.ctx.info.max_qp_init_rd_atom.clamp(1, 16) as u8);
+    if let Some((prr, pdepth)) = peer_rr {
+        // The passive side may not exceed what the requester offered.
+        rr = rr.min(pdepth.max(1));
+        depth = depth.min(prr.max(1));
+    }
+    rdma_conn_param {
+        private_data: private.as_ptr().cast(),
+        private_data_len: private.len() as u8,
+        responder_resources: rr,
+        initiator_depth: depth,
+        flow_control: 1,
+        retry_count: 7,
+        // 7 = retry forever on receiver-not-ready: flow control, not failure.
+        rnr_retry_count: 7,
+        srq: 0,
+        qp_num: 0,
+    }
+}
+
+fn active_connect(sh: &Arc<Shared>, c: &Arc<Conn>) -> Result<()> {
+    let mut inner = c.inner.lock();
+    let Some(cm) = inner.cm.take() else { return Ok(()) };
+    let what = format!("connection {}", c.id);
+    let dev = sh.device_for(&cm, &what)?;
+    let gid = sh.check_gid(&dev, &cm, &what)?;
+    log::debug!("verbs: conn {} via {gid}", c.id);
+    c.setup(&mut inner, cm, dev.clone())?;
+    sh.register_qp(&dev, inner.qpn, c);
+    let port_mtu = mtu_of(&dev, &inner);
+    let pd = ConnectData { mtu: port_mtu, recv_depth: c.sizing.n_recv, slot: c.sizing.slot as u32 }.encode();
+    let mut p = conn_param(&dev, &pd, None);
+    let raw = inner.cm.as_ref().map(|m| m.raw).ok_or_else(|| Error::Internal("no id".into()))?;
+    // SAFETY: the id and its QP are alive; p and pd outlive the call.
+    if unsafe { rdma_connect(raw, &mut p) } != 0 {
+        return Err(Error::last_os("rdma_connect"));
+    }
+    Ok(())
+}
+
+fn mtu_of(dev: &Device, inner: &conn::Inner) -> u32 {
+    let port = inner.cm.as_ref().map(|m| m.port_num()).unwrap_or(1);
+    dev.ctx.info.ports.iter().find(|p| p.num == port).map(|p| p.mtu).unwrap_or(0)
+}
+
+fn path_mtu(inner: &conn::Inner) -> u32 {
+    let Some(cm) = inner.cm.as_ref() else { return 0 };
+    // SAFETY: zeroed POD out-structs.
+    let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: the QP is alive under the connection lock.
+    let rc = unsafe { ibv_query_qp(cm.qp(), &mut attr, ibv_qp_attr_mask::IBV_QP_PATH_MTU.0 as i32, &mut init) };
+    if rc != 0 {
+        return 0;
+    }
+    device::mtu_bytes(attr.path_mtu)
+}
+
+fn established(sh: &Arc<Shared>, c: &Arc<Conn>, ev: &cm::Event) -> Result<()> {
+    if c.role == Role::Passive {
+        return Ok(());
+    }
+    let hello = {
+        let mut inner = c.inner.lock();
+        if inner.phase != Phase::Connecting {
+            return Ok(());
+        }
+        let acc = AcceptData::decode(&ev.private)?;
+        let path = path_mtu(&inner);
+        log::info!(
+            "verbs: conn {} established: path MTU {path} (ours {}, peer's {}), peer arena {} bytes",
+            c.id,
+            inner.dev.as_ref().map(|d| mtu_of(d, &inner)).unwrap_or(0),
+            acc.mtu,
+            acc.arena_len
+        );
+        inner.remote = Some(acc);
+        inner.phase = Phase::Handshake;
+        std::mem::take(&mut inner.hello)
+    };
+    let acts = c.send_msg(conn::MSG_HELLO, hello)?;
+    run_actions(sh, c, acts);
+    Ok(())
+}
+
+fn reject(raw: *mut rdma_cm_id, why: &Error) {
+    let mut body = conn::encode_refusal(why);
+    body.truncate(140);
+    let mut pd = cm::MAGIC.to_le_bytes().to_vec();
+    pd.push(body.len() as u8);
+    pd.extend_from_slice(&body);
+    // SAFETY: raw is the live request id; pd outlives the call.
+    unsafe { rdma_reject(raw, pd.as_ptr().cast(), pd.len() as u8) };
+}
+
+fn on_connect_request(sh: &Arc<Shared>, ev: cm::Event) {
+    let id = crate::fabric::next_conn_id();
+    // SAFETY: ev.id is the new id of this CONNECT_REQUEST, owned by nobody.
+    let cmid = unsafe { CmId::adopt(&sh.channel, ev.id, id) };
+    let lst = sh.listeners.lock().get(&ev.token).cloned();
+    let Some(lst) = lst else {
+        reject(cmid.raw, &Error::NotViable("listener is closed".into()));
+        return;
+    };
+    let c = Arc::new(Conn::new(id, Role::Passive, lst.events.clone(), lst.token, sh.sizing(Role::Passive)));
+    let raw = cmid.raw;
+    // The id moves into the conn first, so every failure below leaves it
+    // there for `kill` to destroy after `reject` used it.
+    c.inner.lock().cm = Some(cmid);
+    let r = (|| -> Result<()> {
+        let peer = ConnectData::decode(&ev.private)?;
+        let what = format!("listener {}", lst.addr);
+        let mut inner = c.inner.lock();
+        let (dev, gid) = {
+            let cmid = inner.cm.as_ref().ok_or_else(|| Error::Internal("no id".into()))?;
+            let dev = sh.device_for(cmid, &what)?;
+            let gid = sh.check_gid(&dev, cmid, &what)?;
+            (dev, gid)
+        };
+        let mr = lst.arena_mr(&dev)?;
+        let cmid = inner.cm.take().ok_or_else(|| Error::Internal("no id".into()))?;
+        c.setup(&mut inner, cmid, dev.clone())?;
+        inner.arena_mr = Some(mr.clone());
+        sh.register_qp(&dev, inner.qpn, &c);
+        sh.conns.lock().insert(id, c.clone());
+        lst.conns.lock().insert(id);
+        let ours = mtu_of(&dev, &inner);
+        log::debug!("verbs: conn {id} accepted on {gid}, MTU ours {ours} peer's {}", peer.mtu);
+        let acc = AcceptData {
+            arena_addr: mr.addr,
+            arena_rkey: mr.rkey,
+            arena_len: mr.len as u64,
+            mtu: ours,
+            recv_depth: c.sizing.n_recv,
+            slot: c.sizing.slot as u32,
+        }
+        .encode();
+        let mut p = conn_param(&dev, &acc, Some((ev.responder_resources, ev.initiator_depth)));
+        // The sender's hello may arrive before our ESTABLISHED event.
+        inner.phase = Phase::Handshake;
+        // SAFETY: the id and its QP are alive; p/acc outlive the call.
+        if unsafe { rdma_accept(raw, &mut p) } != 0 {
+            return Err(Error::last_os("rdma_accept"));
+        }
+        Ok(())
+    })();
+    if let Err(e) = r {
+        log::warn!("verbs: refusing a connection at {}: {e}", lst.addr);
+        reject(raw, &e);
+        // The id (and QP, if made) is owned by the conn now, or was dropped
+        // with `cmid`; kill cleans up whichever applies.
+        kill(sh, &c, e);
+    }
+}
