@@ -189,6 +189,7 @@ macro_rules! verbs_conformance {
         mod conformance {
             $(
                 #[test]
+                #[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
                 fn $case() {
                     if let Some(h) = super::conformance_harness() {
                         rdma_device::fabric::conformance::$case(&h);
@@ -240,6 +241,7 @@ fn not_viable_without_device_names_the_reason() {
 }
 
 #[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
 fn bad_override_is_not_viable() {
     if !selected() {
         return;
@@ -250,6 +252,7 @@ fn bad_override_is_not_viable() {
 }
 
 #[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
 fn handshake_messages_and_writes() {
     let Some(f) = fabric() else { return };
     let (l, ep, rx, tx, arena) = pair(&f, 32 << 20);
@@ -335,6 +338,7 @@ fn handshake_messages_and_writes() {
 }
 
 #[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
 fn many_writes_in_flight_complete_once_each() {
     let Some(f) = fabric_with(VerbsOptions { staging_chunks: 2, staging_chunk: 8192, register_threshold: 64 << 10, ..Default::default() }) else { return };
     let (l, ep, rx, _tx, arena) = pair(&f, 8 << 20);
@@ -366,6 +370,7 @@ fn many_writes_in_flight_complete_once_each() {
 }
 
 #[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
 fn refusal_reaches_the_sender() {
     let Some(f) = fabric() else { return };
     let arena = Arc::new(Arena::new("verbs-refuse", 1 << 20).unwrap());
@@ -386,6 +391,7 @@ fn refusal_reaches_the_sender() {
 }
 
 #[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
 fn listener_shutdown_fails_pending_and_disconnects() {
     let Some(f) = fabric() else { return };
     let (l, ep, rx, tx, _arena) = pair(&f, 4 << 20);
@@ -431,6 +437,7 @@ fn node_chooses_verbs_for_a_remote_peer() {
 /// Two nodes exchange tensors with only verbs allowed: the rendezvous
 /// protocol end to end over real RDMA writes.
 #[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
 fn node_pair_over_verbs_only() {
     use rdma_device::node::Node;
     use rdma_device::rendezvous::TensorMeta;
@@ -464,6 +471,7 @@ fn node_pair_over_verbs_only() {
 /// Child role: listen, print the address, answer "sum OFF LEN" with the
 /// arena checksum, run until killed.
 #[test]
+#[ignore = "a child process role of the two-process tests, run by them"]
 fn child_receiver() {
     if std::env::var("RDMA_DEVICE_TEST_CHILD").as_deref() != Ok("receiver") {
         return;
@@ -500,6 +508,7 @@ fn child_receiver() {
 /// Child role: connect to RDMA_DEVICE_TEST_PEER, print "CONNECTED", keep
 /// writing until killed.
 #[test]
+#[ignore = "a child process role of the two-process tests, run by them"]
 fn child_sender() {
     if std::env::var("RDMA_DEVICE_TEST_CHILD").as_deref() != Ok("sender") {
         return;
@@ -529,7 +538,7 @@ impl Drop for ChildProc {
 
 fn spawn_child(role: &str, test: &str, peer: Option<&str>) -> (ChildProc, std::sync::mpsc::Receiver<String>) {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
+    cmd.args(["--exact", test, "--ignored", "--nocapture", "--test-threads=1"])
         .env("RDMA_DEVICE_TEST_CHILD", role)
         .stdout(Stdio::piped());
     if let Some(p) = peer {
@@ -566,6 +575,7 @@ fn read_until(out: &std::sync::mpsc::Receiver<String>, marker: &str) -> String {
 }
 
 #[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
 fn two_process_checksums_then_sigkill_receiver() {
     let Some(f) = fabric() else { return };
     let (mut child, out) = spawn_child("receiver", "child_receiver", None);
@@ -599,6 +609,7 @@ fn two_process_checksums_then_sigkill_receiver() {
 }
 
 #[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
 fn two_process_sigkill_sender() {
     let Some(f) = fabric() else { return };
     let arena = Arc::new(Arena::new("verbs-kill-sender", 1 << 20).unwrap());
@@ -632,6 +643,7 @@ impl AsRef<[u8]> for SharedBuf {
 }
 
 #[test]
+#[ignore = "a measurement, not a test: SOFTROCE_MEASURE=1 tests/softroce/run.sh"]
 fn measure_send_strategies() {
     if std::env::var("RDMA_DEVICE_TEST_VERBS_MEASURE").as_deref() != Ok("1") {
         return;

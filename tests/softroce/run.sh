@@ -70,11 +70,11 @@ vmlinuz="$kdir/root/boot/vmlinuz-$kver"
 [ -f "$vmlinuz" ] || { say "no kernel image in $kpkg"; exit 1; }
 
 # ---- 3. test binaries ----------------------------------------------------
-say "building test binaries ($tests) with --features verbs"
+say "building test binaries ($tests) with --features verbs,verbs-device-tests"
 cargo_args=()
 for t in $tests; do cargo_args+=(--test "$t"); done
 json="$cache/build.json"
-(cd "$root" && timeout "$(left)" cargo test --features verbs --no-run --message-format=json "${cargo_args[@]}" >"$json")
+(cd "$root" && timeout "$(left)" cargo test --features verbs,verbs-device-tests --no-run --message-format=json "${cargo_args[@]}" >"$json")
 bins=()
 for t in $tests; do
     b="$(grep '"reason":"compiler-artifact"' "$json" | grep "\"name\":\"$t\"" \
@@ -179,6 +179,9 @@ for t in /tests/*; do
     echo "=== SOFTROCE-RUN \$t"
     \$t --test-threads=1 --nocapture || rc=\$?
 done
+if [ -n "$measure" ]; then
+    for t in /tests/fabric_verbs*; do \$t --ignored --exact measure_send_strategies --nocapture || rc=\$?; done
+fi
 if [ -x /bin/rdma-device-bench ]; then
     echo "=== SOFTROCE-BENCH"
     rdma-device-bench fabric --transport verbs --addr 10.0.2.15:18515 --quick || rc=\$?
