@@ -286,7 +286,8 @@ fn main() {
         child_main(&role);
     }
     let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
-    let cases: &[(&str, fn() -> Result<(), String>)] = &[
+    type Case = fn() -> Result<(), String>;
+    let cases: &[(&str, Case)] = &[
         ("two_processes_exchange_thousands", two_processes_exchange_thousands),
         ("three_processes_exchange_thousands", three_processes_exchange_thousands),
         ("sender_killed_mid_transfer", sender_killed_mid_transfer),

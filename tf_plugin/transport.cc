@@ -198,32 +198,42 @@ absl::Status Transport::Start(const std::string& self_task, const std::string& a
   rdev_context* ctx = nullptr;
   TF_RETURN_IF_ERROR(CallStatus(
       rdev_context_new(self_task.data(), self_task.size(), addr.data(), addr.size(), &ctx)));
-  tf::mutex_lock l(mu_);
-  self_task_ = self_task;
-  strict_ = rdev_context_strict(ctx);
-  ctx_.store(ctx);
-  addrs_.erase(self_task);
-  for (const auto& [task, peer_addr] : addrs_) AddPeerLocked(task, peer_addr);
+  std::map<std::string, std::string> peers;
+  {
+    tf::mutex_lock l(mu_);
+    self_task_ = self_task;
+    strict_ = rdev_context_strict(ctx);
+    ctx_.store(ctx);
+    addrs_.erase(self_task);
+    peers = addrs_;
+  }
   LOG(INFO) << "rdma_device: " << self_task << " transport at " << addr
-            << (strict_ ? " (strict)" : "");
+            << (rdev_context_strict(ctx) ? " (strict)" : "");
+  for (const auto& [task, peer_addr] : peers) AddPeer(task, peer_addr);
   return absl::OkStatus();
 }
 
 void Transport::AddPeers(const tf::ClusterDef& cluster) {
-  tf::mutex_lock l(mu_);
-  for (const auto& job : cluster.job()) {
-    for (const auto& [index, addr] : job.tasks()) {
-      std::string task = TaskName(job.name(), 0, index);
-      if (task == self_task_ || addr.empty()) continue;
-      auto it = addrs_.find(task);
-      if (it != addrs_.end() && it->second == addr && routes_.count(task)) continue;
-      addrs_[task] = addr;
-      if (ctx_.load() != nullptr) AddPeerLocked(task, addr);
+  std::vector<std::pair<std::string, std::string>> changed;
+  {
+    tf::mutex_lock l(mu_);
+    for (const auto& job : cluster.job()) {
+      for (const auto& [index, addr] : job.tasks()) {
+        std::string task = TaskName(job.name(), 0, index);
+        if (task == self_task_ || addr.empty()) continue;
+        auto it = addrs_.find(task);
+        if (it != addrs_.end() && it->second == addr) continue;
+        addrs_[task] = addr;
+        changed.emplace_back(std::move(task), addr);
+      }
     }
+    if (ctx_.load() == nullptr) return;  // Start() adds them
   }
+  // Outside the lock: choosing a transport may probe the network.
+  for (const auto& [task, addr] : changed) AddPeer(task, addr);
 }
 
-void Transport::AddPeerLocked(const std::string& task, const std::string& addr) {
+void Transport::AddPeer(const std::string& task, const std::string& addr) {
   rdev_transport kind = RDEV_TRANSPORT_NONE;
   Route route;
   rdev_status st = rdev_context_add_peer(ctx_.load(), task.data(), task.size(), addr.data(),
@@ -235,6 +245,7 @@ void Transport::AddPeerLocked(const std::string& task, const std::string& addr) 
   } else {
     route.kind = Route::kDevice;
   }
+  tf::mutex_lock l(mu_);
   if (route.kind == Route::kGrpc) {
     LOG(WARNING) << "rdma_device: " << self_task_ << " -> " << task << " (" << addr
                  << ") uses stock gRPC: " << route.reason;

@@ -82,14 +82,15 @@ class Transport {
   void RecordFallback(uint64_t bytes, const std::string& reason);
 
  private:
-  void AddPeerLocked(const std::string& task, const std::string& addr)
-      TF_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Asks the transport how to reach `task` and records the route.
+  void AddPeer(const std::string& task, const std::string& addr) TF_LOCKS_EXCLUDED(mu_);
 
   std::atomic<rdev_context*> ctx_{nullptr};
   tensorflow::mutex mu_;
   std::string self_task_ TF_GUARDED_BY(mu_);
   bool strict_ TF_GUARDED_BY(mu_) = false;
-  // Peer task -> address, as last seen in a cluster spec.
+  // Peer task -> address, as last seen in a cluster spec (routes_ may lag
+  // behind while AddPeer asks the transport).
   std::map<std::string, std::string> addrs_ TF_GUARDED_BY(mu_);
   // Peer task -> route chosen by the transport.
   std::map<std::string, Route> routes_ TF_GUARDED_BY(mu_);

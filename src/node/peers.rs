@@ -20,11 +20,14 @@ pub struct PeerChoice {
     pub reason: String,
 }
 
+/// The sender-side connection to a peer, once made.
+type TxSlot = Arc<Mutex<Option<(ConnId, Arc<dyn Endpoint>)>>>;
+
 struct PeerEntry {
     addr: String,
     choice: Option<TransportKind>,
     /// The sender-side connection; its mutex also serializes connecting.
-    tx: Arc<Mutex<Option<(ConnId, Arc<dyn Endpoint>)>>>,
+    tx: TxSlot,
     watching: bool,
 }
 

@@ -20,8 +20,7 @@ pub fn task(i: usize) -> String {
 }
 
 pub fn small_config() -> Config {
-    let mut c = Config::default();
-    c.arena_bytes = 256 << 20;
+    let mut c = Config { arena_bytes: 256 << 20, ..Config::default() };
     if let Ok(l) = std::env::var("RDMA_DEVICE_LOG") {
         c.log = l;
     }
