@@ -176,8 +176,10 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
                                               const tf::Tensor& tensor, bool is_dead) {
           VLOG(2) << "recv done step " << step_id_ << " " << parsed.FullKey() << ": " << status;
           DeregisterCall(call, recv_args);
-          // An abort that raced with completion wins, as in TF's RPC path.
-          absl::Status s = status.ok() ? call->status() : status;
+          // The call's own abort status (cancellation, step abort) wins over
+          // both a completion that raced with it and the transport's echo of
+          // it, as in TF's RPC path.
+          absl::Status s = call->status().ok() ? status : call->status();
           delete call;
           if (!s.ok()) {
             done(s, Args(), recv_args, tf::Tensor(), false);

@@ -321,7 +321,7 @@ def tf1_until_killed(spec, ready):
         sys.stdout.flush()
 
     graph, init, loss, train = build()
-    options = tf.compat.v1.RunOptions(timeout_in_ms=60000)
+    options = tf.compat.v1.RunOptions(timeout_in_ms=20000)
     step = 0
     with tf.compat.v1.Session(server.target, graph=graph) as sess:
         sess.run(init)
@@ -348,3 +348,41 @@ def tf1_until_killed(spec, ready):
             if attempts >= 200:
                 return {"error": f"{type(e).__name__}: {e}", "attempts": attempts}
             time.sleep(0.25)  # polling for the restarted task
+
+
+def tf1_timeout(spec, ready):
+    """A step whose receive never gets its tensor times out (cancellation
+    reaches the pending receive); the session keeps working afterwards."""
+    import time
+
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+    server = _start_chief_server(spec, tf)
+    ready()
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device(WORKER):
+            queue = tf.queue.FIFOQueue(10, tf.float32, shapes=[[4]], shared_name="q")
+            enqueue = queue.enqueue(tf.fill([4], 3.0))
+            dequeued = queue.dequeue() * 2.0
+            ones = tf.ones([4]) * 5.0
+        with tf.device(CHIEF):
+            blocked = dequeued + 1.0   # waits on a receive from the worker
+            fine = ones + 1.0
+    out = {}
+    with tf.compat.v1.Session(server.target, graph=graph) as sess:
+        start = time.time()
+        try:
+            sess.run(blocked, options=tf.compat.v1.RunOptions(timeout_in_ms=1500))
+            out["timeout_error"] = None
+        except tf.errors.OpError as e:
+            out["timeout_error"] = type(e).__name__
+        out["timeout_s"] = time.time() - start
+        out["after"] = sess.run(fine).tolist()
+        # The cancelled step's dequeue may still take one element.
+        sess.run(enqueue)
+        sess.run(enqueue)
+        out["unblocked"] = sess.run(blocked).tolist()
+    out["stats"] = _stats(spec)
+    return out

@@ -34,10 +34,25 @@ def test_sigkill_fails_step_then_restart_trains(victim, log_dir, plugin_built):
         assert failed["time"] - killed_at < FAIL_WITHIN_S, failed
         restarted = harness.Task(specs[victim], log_dir, env, name=f"{victim}-restarted")
         restarted.wait_ready()
-        result = client.result(180)
+        result = client.result(120)
         assert "error" not in result, (result, client.log_tail())
         assert result["stats"]["counters"]["fallback_tensors"] == 0, result["stats"]
     finally:
         for t in [client, restarted, *servers.values()]:
             if t is not None:
                 t.close()
+
+
+def test_timed_out_step_is_cancelled_and_session_goes_on(log_dir, plugin_built):
+    from conftest import ServerSet
+
+    servers = ServerSet(harness.PROTOCOL_RDMA, log_dir, env={"RDMA_DEVICE_STRICT": "1"})
+    try:
+        got = servers.run_client("tf1_timeout", timeout=60)
+    finally:
+        servers.close()
+    assert got["timeout_error"] == "DeadlineExceededError", got
+    assert got["timeout_s"] < 10, got
+    assert got["after"] == [6.0] * 4
+    assert got["unblocked"] == [7.0] * 4
+    assert got["stats"]["counters"]["fallback_tensors"] == 0
