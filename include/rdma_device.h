@@ -195,11 +195,15 @@ void rdev_buffer_release(struct rdev_buffer *buf);
 enum rdev_status rdev_step_done(const struct rdev_context *ctx, uint64_t step_id);
 
 // Abort a step: its pending receives and queued sends fail with
-// RDEV_ABORTED carrying `msg`.
+// RDEV_ABORTED carrying `msg`. With `propagate`, every connected peer is
+// told, and fails its pending and later receives of this step from this
+// task (a pushed tensor never comes once its sender aborted). Pass false
+// for TensorFlow's normal end-of-step cleanup.
 enum rdev_status rdev_abort_step(const struct rdev_context *ctx,
                                  uint64_t step_id,
                                  const char *msg,
-                                 size_t msg_len);
+                                 size_t msg_len,
+                                 bool propagate);
 
 // Abort everything pending (e.g. server shutdown).
 enum rdev_status rdev_abort_all(const struct rdev_context *ctx, const char *msg, size_t msg_len);

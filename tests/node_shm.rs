@@ -90,7 +90,7 @@ fn arena_too_small_falls_back_inline() {
 fn abort_step_fails_waiters_promptly() {
     let (_a, b, ta, _tb) = pair(small_config());
     let r = recv_async(&b, &ta, "never", 77);
-    b.abort_step(77, Error::Aborted("cancelled by test".into()));
+    b.abort_step(77, Error::Aborted("cancelled by test".into()), false);
     let e = r.recv_timeout(Duration::from_secs(5)).unwrap().unwrap_err();
     assert!(matches!(e, Error::Aborted(_)), "{e}");
 }
@@ -211,4 +211,36 @@ fn disagreeing_routes_fail_the_send_synchronously() {
     assert!(matches!(e, Error::NotViable(_)), "{e}");
     assert!(e.message().contains("RDMA_DEVICE_TRANSPORTS"), "{e}");
     assert!(!done_called.load(std::sync::atomic::Ordering::SeqCst), "done must not run when send fails synchronously");
+}
+
+#[test]
+fn aborted_step_on_the_sender_fails_the_receiver() {
+    let (a, b, ta, tb) = pair(small_config());
+    send_wait(&a, &tb, "k", 1, meta(&[1]), vec![1]).unwrap();
+    drop(recv_wait(&b, &ta, "k", 1).unwrap());
+    let r = recv_async(&b, &ta, "k", 2);
+    a.abort_step(2, Error::Aborted("sender's step failed".into()), true);
+    let e = r.recv_timeout(Duration::from_secs(5)).expect("fails promptly").unwrap_err();
+    assert!(matches!(e, Error::Aborted(_)) && e.message().contains("sender's step failed"), "{e}");
+}
+
+#[test]
+fn restarted_peer_is_reached_again() {
+    let (pa, pb) = (free_port(), free_port());
+    let (ta, tb) = (task(0), task(1));
+    let b = Node::new(small_config(), &tb, &format!("localhost:{pb}")).unwrap();
+    b.add_peer(&ta, &format!("localhost:{pa}"));
+    for life in 0..2u64 {
+        let a = Node::new(small_config(), &ta, &format!("localhost:{pa}")).unwrap();
+        a.add_peer(&tb, &format!("localhost:{pb}"));
+        // The receive is posted before the new life connects: it waits.
+        let r = recv_async(&b, &ta, "k", 10 + life);
+        std::thread::sleep(Duration::from_millis(50));
+        send_wait(&a, &tb, "k", 10 + life, meta(&[3]), vec![life as u8; 3]).unwrap();
+        let l = r.recv_timeout(Duration::from_secs(5)).unwrap().unwrap();
+        assert_eq!(l.bytes(), &[life as u8; 3]);
+        drop(l);
+        drop(a);
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

@@ -475,14 +475,23 @@ pub unsafe extern "C" fn rdev_step_done(ctx: *const rdev_context, step_id: u64) 
 }
 
 /// Abort a step: its pending receives and queued sends fail with
-/// RDEV_ABORTED carrying `msg`.
+/// RDEV_ABORTED carrying `msg`. With `propagate`, every connected peer is
+/// told, and fails its pending and later receives of this step from this
+/// task (a pushed tensor never comes once its sender aborted). Pass false
+/// for TensorFlow's normal end-of-step cleanup.
 #[no_mangle]
-pub unsafe extern "C" fn rdev_abort_step(ctx: *const rdev_context, step_id: u64, msg: *const c_char, msg_len: usize) -> rdev_status {
+pub unsafe extern "C" fn rdev_abort_step(
+    ctx: *const rdev_context,
+    step_id: u64,
+    msg: *const c_char,
+    msg_len: usize,
+    propagate: bool,
+) -> rdev_status {
     boundary(|| {
         // SAFETY: arguments per contract.
         let c = unsafe { ctx_arg(ctx) }?;
         let m = unsafe { str_arg(msg, msg_len, "msg") }?;
-        c.node.abort_step(step_id, Error::Aborted(m.to_string()));
+        c.node.abort_step(step_id, Error::Aborted(m.to_string()), propagate);
         Ok(())
     })
 }

@@ -234,8 +234,10 @@ impl Node {
         self.inner.exec(acts);
     }
 
-    pub fn abort_step(&self, step: u64, why: Error) {
-        let acts = self.inner.locked(|r| r.abort_step(step, why));
+    /// Abort `step`: its waiters and queued sends fail with `why`; with
+    /// `propagate`, peers fail what they wait on from us for it.
+    pub fn abort_step(&self, step: u64, why: Error, propagate: bool) {
+        let acts = self.inner.locked(|r| r.abort_step(step, why, propagate));
         self.inner.exec(acts);
     }
 

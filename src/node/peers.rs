@@ -20,6 +20,11 @@ pub struct PeerChoice {
     pub reason: String,
 }
 
+/// How long to try reaching a peer whose connection broke before its
+/// receives and sends fail: long enough for a restarted task that is
+/// already up, short enough that a dead one fails a step well within 5 s.
+const LOST_PEER_GRACE: Duration = Duration::from_millis(1500);
+
 /// The sender-side connection to a peer, once made.
 type TxSlot = Arc<Mutex<Option<(ConnId, Arc<dyn Endpoint>)>>>;
 
@@ -110,11 +115,11 @@ impl Inner {
             .ok_or_else(|| Error::Internal(format!("{} backend missing", kind.name())))?;
         let hello = Hello { task: self.task.clone(), incarnation: self.incarnation, target: peer.to_string() }.encode();
         let events: Arc<dyn FabricEvents> = Arc::new(Events { node: self.me.clone(), kind });
-        // A peer we were connected to and lost gets one attempt: if it has
-        // restarted we reach its new life, if it is dead we fail now rather
+        // A peer we were connected to and lost gets a short grace: if it has
+        // restarted we reach its new life; if it is dead we fail soon rather
         // than after the start-up grace period.
         let timeout = if self.locked(|r| r.is_lost(peer)) {
-            Duration::ZERO
+            Duration::from_millis(self.cfg.connect_timeout_ms).min(LOST_PEER_GRACE)
         } else {
             Duration::from_millis(self.cfg.connect_timeout_ms)
         };

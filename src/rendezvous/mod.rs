@@ -164,6 +164,9 @@ pub struct Rendezvous {
     finished_set: HashSet<u64>,
     /// Peers whose connection broke, until they connect again.
     lost: HashMap<String, Error>,
+    /// Steps a peer told us it aborted: receives of them from it fail.
+    peer_aborts: HashMap<(String, u64), String>,
+    peer_abort_order: VecDeque<(String, u64)>,
     /// Slots of dead links still lent to the application: (offset, bytes).
     orphans: HashMap<(LinkId, u32, u32), (u64, u64)>,
     next_gen: u32,
@@ -184,6 +187,8 @@ impl Rendezvous {
             finished_set: HashSet::new(),
             lost: HashMap::new(),
             orphans: HashMap::new(),
+            peer_aborts: HashMap::new(),
+            peer_abort_order: VecDeque::new(),
             next_gen: 1,
             clock: 0,
             tally: Tally::default(),
@@ -233,7 +238,9 @@ impl Rendezvous {
             (Msg::NoSpace { key, need }, true, _) => self.tx_nospace(link, key, need),
             (Msg::Revoke { edge_id }, true, _) => self.tx_revoke(link, edge_id),
             (Msg::NoMore { edge_id }, true, _) => self.tx_nomore(link, edge_id),
+            (Msg::Grow { edge_id, slot }, true, _) => self.tx_grow(link, edge_id, slot),
             (Msg::More { edge_id, need }, _, true) => self.rx_more(link, edge_id, need),
+            (Msg::Abort { step, reason }, _, _) => Ok(self.peer_aborted(link, step, reason)),
             (Msg::Announce { key, step, need, returned }, _, true) => self.rx_announce(link, key, step, need, returned),
             (Msg::ReturnSlot { slot, gen }, _, true) => self.rx_return(link, slot, gen),
             (Msg::Inline { key, step, meta, total, offset, bytes }, _, true) => {
@@ -327,9 +334,44 @@ impl Rendezvous {
         self.end_step(step, Error::Aborted(format!("step {step} finished before this tensor was received")))
     }
 
-    /// Abort one step: its waiters and queued sends fail with `why`.
-    pub fn abort_step(&mut self, step: u64, why: Error) -> Vec<Action> {
-        self.end_step(step, why)
+    /// Abort one step: its waiters and queued sends fail with `why`. With
+    /// `propagate`, every connected peer is told, so that what it waits on
+    /// from us for this step fails too (a push never comes once we abort;
+    /// with pulls, the peer's pull would have failed). TensorFlow's normal
+    /// end-of-step cleanup must not propagate.
+    pub fn abort_step(&mut self, step: u64, why: Error, propagate: bool) -> Vec<Action> {
+        let mut acts = Vec::new();
+        if propagate {
+            let reason = why.to_string();
+            for link in self.tx.keys().chain(self.rx.keys()) {
+                acts.push(Action::Send { link: *link, msg: Msg::Abort { step, reason: reason.clone() } });
+            }
+        }
+        acts.extend(self.end_step(step, why));
+        acts
+    }
+
+    /// The peer on `link` aborted `step`: fail our receives of that step
+    /// from it (now and later) and our queued sends of it to it.
+    fn peer_aborted(&mut self, link: LinkId, step: u64, reason: String) -> Vec<Action> {
+        let Some(peer) = self.tx.get(&link).map(|t| t.peer.clone()).or_else(|| self.rx.get(&link).map(|r| r.peer.clone())) else {
+            return Vec::new();
+        };
+        let why = Error::Aborted(format!("{peer} aborted step {step}: {reason}"));
+        let mut acts = self.fail_waiters(|p, s| p == peer && s == step, &why);
+        if let Some(t) = self.tx.get_mut(&link) {
+            acts.extend(t.fail_step(step, &why));
+        }
+        let k = (peer, step);
+        if self.peer_aborts.insert(k.clone(), why.message().to_string()).is_none() {
+            self.peer_abort_order.push_back(k);
+            while self.peer_abort_order.len() > FINISHED_STEPS_REMEMBERED {
+                if let Some(old) = self.peer_abort_order.pop_front() {
+                    self.peer_aborts.remove(&old);
+                }
+            }
+        }
+        acts
     }
 
     /// Abort everything (server shutdown): every waiter and queued send.

@@ -31,6 +31,8 @@ struct RxSlot {
     token: Token,
     /// No longer in the edge's current set: free it when we get the token.
     retired: bool,
+    /// With us and handed to the application (not merely arrived).
+    lent: bool,
 }
 
 struct RxEdge {
@@ -40,6 +42,9 @@ struct RxEdge {
     last_used: u64,
     /// A Revoke is out for this edge's slots.
     revoking: bool,
+    /// The sender asked for one more slot of this size while we were
+    /// merely behind (arrivals not yet taken); granted once all are lent.
+    more_wanted: Option<u64>,
 }
 
 pub(super) struct Assembly {
@@ -78,6 +83,13 @@ impl RxLink {
     }
 }
 
+/// Are all slots of the edge's current set with us and lent out?
+fn all_lent(r: &RxLink, edge_id: u32) -> bool {
+    r.edge_info.get(&edge_id).is_some_and(|e| {
+        !e.set.is_empty() && e.set.iter().all(|id| r.slots.get(id).is_some_and(|s| s.token == Token::AtReceiver && s.lent))
+    })
+}
+
 impl Rendezvous {
     /// A sender `peer` (in life `incarnation`) connected to us on `link`.
     pub fn add_rx_link(&mut self, link: LinkId, peer: &str, incarnation: u64) {
@@ -106,7 +118,11 @@ impl Rendezvous {
     pub fn recv(&mut self, peer: &str, key: &str, step: u64, done: RecvDone) -> Vec<Action> {
         let k = (key.to_string(), step);
         match self.table.remove(&k) {
-            Some(Entry::Ready(r)) => return vec![Action::Deliver { done, result: Ok(r) }],
+            Some(Entry::Ready(r)) => {
+                let mut acts = self.lend(&r);
+                acts.push(Action::Deliver { done, result: Ok(r) });
+                return acts;
+            }
             Some(w @ Entry::Waiting { .. }) => {
                 self.table.insert(k, w);
                 return vec![Action::Deliver {
@@ -119,12 +135,12 @@ impl Rendezvous {
         if self.finished_set.contains(&step) {
             return vec![Action::Deliver { done, result: Err(Error::Aborted(format!("step {step} was aborted"))) }];
         }
-        if let Some(why) = self.lost.get(peer) {
-            if !self.peer_connected(peer) {
-                self.tally.waiters_failed += 1;
-                return vec![Action::Deliver { done, result: Err(why.clone()) }];
-            }
+        if let Some(why) = self.peer_aborts.get(&(peer.to_string(), step)) {
+            self.tally.waiters_failed += 1;
+            return vec![Action::Deliver { done, result: Err(Error::Aborted(why.clone())) }];
         }
+        // A lost peer does not fail new receives here: it may have
+        // restarted; the caller reconnects (and fails them if it cannot).
         self.table.insert(k, Entry::Waiting { peer: peer.to_string(), done });
         Vec::new()
     }
@@ -158,7 +174,11 @@ impl Rendezvous {
         }
         let k = (key, step);
         match self.table.remove(&k) {
-            Some(Entry::Waiting { done, .. }) => vec![Action::Deliver { done, result: Ok(r) }],
+            Some(Entry::Waiting { done, .. }) => {
+                let mut acts = self.lend(&r);
+                acts.push(Action::Deliver { done, result: Ok(r) });
+                acts
+            }
             Some(Entry::Ready(old)) => {
                 // Two arrivals for one (edge, step): the sender is broken.
                 self.table.insert(k.clone(), Entry::Ready(old));
@@ -244,6 +264,7 @@ impl Rendezvous {
             return Vec::new();
         }
         s.token = Token::AtSender;
+        s.lent = false;
         self.tally.credits_sent += 1;
         vec![Action::Send { link, msg: Msg::Credit { edge_id: s.edge_id, slot, gen } }]
     }
@@ -280,7 +301,7 @@ impl Rendezvous {
                 let id = r.next_edge;
                 r.next_edge += 1;
                 r.edges.insert(key.clone(), id);
-                r.edge_info.insert(id, RxEdge { key: key.clone(), set: Vec::new(), last_used: self.clock, revoking: false });
+                r.edge_info.insert(id, RxEdge { key: key.clone(), set: Vec::new(), last_used: self.clock, revoking: false, more_wanted: None });
                 id
             }
         };
@@ -318,7 +339,7 @@ impl Rendezvous {
             self.next_gen = self.next_gen.wrapping_add(1).max(1);
             r.slots.insert(
                 id,
-                RxSlot { edge_id, gen, offset: off, reserved, capacity: reserved - HEADER_BYTES as u64, token: Token::AtSender, retired: false },
+                RxSlot { edge_id, gen, offset: off, reserved, capacity: reserved - HEADER_BYTES as u64, token: Token::AtSender, retired: false, lent: false },
             );
             descs.push(SlotDesc { id, gen, offset: off, capacity: reserved - HEADER_BYTES as u64 });
         }
@@ -327,14 +348,38 @@ impl Rendezvous {
         Ok(vec![Action::Send { link, msg: Msg::Publish { key, edge_id, slots: descs } }])
     }
 
-    /// Every slot of `edge_id` is busy at our end: add one for `need`
-    /// bytes and publish the whole set (the sender keeps the state of the
-    /// slots it knows).
+    /// An arrival goes to the application: its slot is lent. If the sender
+    /// wanted another slot and now every slot of the edge is lent, add it.
+    fn lend(&mut self, r: &Received) -> Vec<Action> {
+        let Data::Slot { link, slot, .. } = r.data else { return Vec::new() };
+        let Some(rx) = self.rx.get_mut(&link) else { return Vec::new() };
+        let Some(s) = rx.slots.get_mut(&slot) else { return Vec::new() };
+        s.lent = true;
+        let edge_id = s.edge_id;
+        let Some(e) = rx.edge_info.get(&edge_id) else { return Vec::new() };
+        match e.more_wanted {
+            Some(need) if all_lent(rx, edge_id) => {
+                rx.edge_info.get_mut(&edge_id).expect("edge").more_wanted = None;
+                self.rx_more(link, edge_id, need).unwrap_or_default()
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// Every slot of `edge_id` is busy at our end. If they are all lent to
+    /// the application (which may keep them indefinitely), add one for
+    /// `need` bytes; if some merely wait to be taken, we are just behind:
+    /// the sender gets a credit soon, or the slot once they are all lent.
     pub(super) fn rx_more(&mut self, link: LinkId, edge_id: u32, need: u64) -> Result<Vec<Action>> {
         let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("more on unknown link".into()))?;
-        let Some(e) = r.edge_info.get(&edge_id) else {
+        if !r.edge_info.contains_key(&edge_id) {
             return Err(Error::Protocol(format!("More for unknown edge {edge_id}")));
-        };
+        }
+        if !all_lent(r, edge_id) {
+            r.edge_info.get_mut(&edge_id).expect("edge").more_wanted = Some(need);
+            return Ok(Vec::new());
+        }
+        let e = r.edge_info.get(&edge_id).expect("edge");
         let cap = e.set.iter().filter_map(|id| r.slots.get(id)).map(|s| s.capacity).max().unwrap_or(0).max(need);
         let reserved = ArenaAlloc::round(HEADER_BYTES as u64 + cap);
         let off = if e.set.len() < crate::constants::MAX_SLOTS_PER_EDGE { self.alloc.alloc(reserved) } else { None };
@@ -347,17 +392,11 @@ impl Rendezvous {
         r.next_slot = r.next_slot.wrapping_add(1).max(1);
         let gen = self.next_gen;
         self.next_gen = self.next_gen.wrapping_add(1).max(1);
-        r.slots.insert(id, RxSlot { edge_id, gen, offset: off, reserved, capacity: reserved - HEADER_BYTES as u64, token: Token::AtSender, retired: false });
-        let e = r.edge_info.get_mut(&edge_id).expect("edge exists");
-        e.set.push(id);
-        let key = e.key.clone();
-        let slots = e
-            .set
-            .iter()
-            .filter_map(|id| r.slots.get(id).map(|s| SlotDesc { id: *id, gen: s.gen, offset: s.offset, capacity: s.capacity }))
-            .collect();
+        let capacity = reserved - HEADER_BYTES as u64;
+        r.slots.insert(id, RxSlot { edge_id, gen, offset: off, reserved, capacity, token: Token::AtSender, retired: false, lent: false });
+        r.edge_info.get_mut(&edge_id).expect("edge exists").set.push(id);
         self.tally.negotiation_messages += 1;
-        Ok(vec![Action::Send { link, msg: Msg::Publish { key, edge_id, slots } }])
+        Ok(vec![Action::Send { link, msg: Msg::Grow { edge_id, slot: SlotDesc { id, gen, offset: off, capacity } } }])
     }
 
     pub(super) fn rx_return(&mut self, link: LinkId, slot: u32, gen: u32) -> Result<Vec<Action>> {

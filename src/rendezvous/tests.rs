@@ -246,7 +246,7 @@ fn random_interleavings_deliver_everything_intact() {
 fn aborted_step_fails_waiters_and_drops_late_pushes() {
     let mut s = Sim::new(1 << 20, 2, 3);
     s.recv("k", 5);
-    let acts = s.rx.abort_step(5, Error::Aborted("cancelled".into()));
+    let acts = s.rx.abort_step(5, Error::Aborted("cancelled".into()), false);
     s.run_rx(acts);
     assert!(matches!(s.got.lock().unwrap()[0].1, Err(Error::Aborted(_))));
     s.send("k", 5, vec![1, 2, 3]);
@@ -281,4 +281,28 @@ fn stale_generation_is_rejected() {
     let acts = s.rx.on_write_imm(LINK, slot, &Mem(s.mem.clone()));
     assert!(acts.is_empty(), "a stale write is dropped quietly: {acts:?}");
     assert_eq!(s.rx.tally.rejected_writes, 1);
+}
+
+#[test]
+fn propagated_abort_fails_the_peers_waiters() {
+    let mut s = Sim::new(1 << 20, 2, 5);
+    // The receiver waits on step 7; the sender aborts step 7.
+    s.recv("k", 7);
+    let acts = s.tx.abort_step(7, Error::Aborted("worker failed".into()), true);
+    s.run_tx(acts);
+    s.settle();
+    let got = s.got.lock().unwrap();
+    match &got[0].1 {
+        Err(Error::Aborted(m)) => assert!(m.contains("worker failed") && m.contains("step 7"), "{m}"),
+        other => panic!("expected an abort, got {other:?}"),
+    }
+    drop(got);
+    // A receive posted later for the same step fails at once.
+    s.recv("other", 7);
+    assert!(matches!(s.got.lock().unwrap()[1].1, Err(Error::Aborted(_))));
+    // Other steps are unaffected.
+    s.recv("k", 8);
+    s.send("k", 8, vec![1]);
+    s.settle();
+    assert!(s.got.lock().unwrap()[2].1.is_ok());
 }

@@ -212,11 +212,9 @@ impl Rendezvous {
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("publish on unknown link".into()))?;
         let e = t.edges.entry(key.clone()).or_default();
         let mut acts = Vec::new();
-        // Slots the new set keeps keep their state (a busy slot is still
-        // with the receiver); free slots it drops go back.
-        let old: Vec<(SlotDesc, bool)> = e.slots.drain(..).collect();
-        for (s, free) in &old {
-            if *free && !slots.iter().any(|n| n.id == s.id && n.gen == s.gen) {
+        // Free slots of the old set that the new set drops go back.
+        for (s, free) in e.slots.drain(..) {
+            if free && !slots.iter().any(|n| n.id == s.id && n.gen == s.gen) {
                 acts.push(Action::Send { link, msg: Msg::ReturnSlot { slot: s.id, gen: s.gen } });
             }
         }
@@ -226,13 +224,7 @@ impl Rendezvous {
             }
         }
         t.by_id.insert(edge_id, key.clone());
-        e.slots = slots
-            .into_iter()
-            .map(|s| {
-                let free = old.iter().find(|(o, _)| o.id == s.id && o.gen == s.gen).map_or(true, |(_, f)| *f);
-                (s, free)
-            })
-            .collect();
+        e.slots = slots.into_iter().map(|s| (s, true)).collect();
         e.awaiting_publish = false;
         e.more_pending = false;
         e.inline_from = None;
@@ -254,6 +246,7 @@ impl Rendezvous {
                 entry.1 = true;
                 if let Some(e) = self.tx.get_mut(&link).and_then(|t| t.edges.get_mut(&key)) {
                     e.no_more = false;
+                    e.more_pending = false;
                 }
                 Ok(self.pump(link, &key))
             }
@@ -297,6 +290,23 @@ impl Rendezvous {
             Some(e) if e.awaiting_publish => Placement::Pending,
             Some(e) if e.inline_from.is_some() && e.slots.is_empty() => Placement::NoSpace,
             Some(e) => Placement::Placed(e.slots.iter().map(|(s, _)| s.capacity).max().unwrap_or(0)),
+        }
+    }
+
+    /// One more slot for an edge. Taken only if the edge is still the
+    /// placement it was asked for (not re-placed or revoked since);
+    /// otherwise it goes straight back.
+    pub(super) fn tx_grow(&mut self, link: LinkId, edge_id: u32, slot: SlotDesc) -> Result<Vec<Action>> {
+        let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("grow on unknown link".into()))?;
+        let key = t.by_id.get(&edge_id).cloned();
+        let e = key.as_ref().and_then(|k| t.edges.get_mut(k));
+        match (e, key) {
+            (Some(e), Some(key)) if e.more_pending && !e.awaiting_publish && !e.slots.is_empty() => {
+                e.more_pending = false;
+                e.slots.push((slot, true));
+                Ok(self.pump(link, &key))
+            }
+            _ => Ok(vec![Action::Send { link, msg: Msg::ReturnSlot { slot: slot.id, gen: slot.gen } }]),
         }
     }
 

@@ -46,10 +46,14 @@ pub enum Msg {
     /// Sender → receiver: every slot of the edge is busy (arrived or lent
     /// to the application): add one that holds `need` bytes.
     More { edge_id: u32, need: u64 },
+    /// Receiver → sender: one more slot for an edge (answer to `More`).
+    Grow { edge_id: u32, slot: SlotDesc },
     /// Receiver → sender: no slot can be added (limit or arena full).
     NoMore { edge_id: u32 },
     /// Receiver → sender: give back the slots of an idle edge (arena full).
     Revoke { edge_id: u32 },
+    /// Either way: this task aborted `step`; fail what waits on us for it.
+    Abort { step: u64, reason: String },
     /// Sender → receiver: a piece of a tensor sent through messages.
     Inline { key: String, step: u64, meta: TensorMeta, total: u64, offset: u64, bytes: Vec<u8> },
 }
@@ -63,6 +67,8 @@ const T_INLINE: u8 = 6;
 const T_REVOKE: u8 = 7;
 const T_MORE: u8 = 8;
 const T_NOMORE: u8 = 9;
+const T_ABORT: u8 = 10;
+const T_GROW: u8 = 11;
 
 /// `Announce.step` of a placement made ahead of time (from a static shape,
 /// before the first step). TensorFlow's step ids use 56 bits, so this value
@@ -150,6 +156,8 @@ impl Msg {
             Msg::Revoke { edge_id } => { w.u8(T_REVOKE); w.u32(*edge_id) }
             Msg::More { edge_id, need } => { w.u8(T_MORE); w.u32(*edge_id); w.u64(*need) }
             Msg::NoMore { edge_id } => { w.u8(T_NOMORE); w.u32(*edge_id) }
+            Msg::Grow { edge_id, slot: s } => { w.u8(T_GROW); w.u32(*edge_id); w.u32(s.id); w.u32(s.gen); w.u64(s.offset); w.u64(s.capacity) }
+            Msg::Abort { step, reason } => { w.u8(T_ABORT); w.u64(*step); w.bytes(reason.as_bytes()) }
             Msg::Inline { key, step, meta, total, offset, bytes } => {
                 w.u8(T_INLINE); w.bytes(key.as_bytes()); w.u64(*step); w.meta(meta);
                 w.u64(*total); w.u64(*offset); w.bytes(bytes)
@@ -184,6 +192,8 @@ impl Msg {
             T_REVOKE => Msg::Revoke { edge_id: r.u32()? },
             T_MORE => Msg::More { edge_id: r.u32()?, need: r.u64()? },
             T_NOMORE => Msg::NoMore { edge_id: r.u32()? },
+            T_GROW => Msg::Grow { edge_id: r.u32()?, slot: SlotDesc { id: r.u32()?, gen: r.u32()?, offset: r.u64()?, capacity: r.u64()? } },
+            T_ABORT => Msg::Abort { step: r.u64()?, reason: String::from_utf8_lossy(r.bytes(MAX_KEY)?).into_owned() },
             T_INLINE => {
                 let key = r.string()?; let step = r.u64()?; let meta = r.meta()?;
                 let total = r.u64()?; let offset = r.u64()?;
@@ -309,6 +319,8 @@ mod tests {
             Msg::Revoke { edge_id: 3 },
             Msg::More { edge_id: 3, need: 4 },
             Msg::NoMore { edge_id: 5 },
+            Msg::Abort { step: 9, reason: "why".into() },
+            Msg::Grow { edge_id: 1, slot: SlotDesc { id: 2, gen: 3, offset: 4096, capacity: 5 } },
             Msg::Inline { key: "k".into(), step: 1, meta: TensorMeta { dtype: 1, flags: 2, dims: vec![2, 3] }, total: 6, offset: 0, bytes: vec![1, 2, 3] },
         ]
     }

@@ -7,6 +7,7 @@ import time
 import pytest
 
 import harness
+from conftest import ServerSet
 
 FAIL_WITHIN_S = 5.0
 
@@ -44,8 +45,6 @@ def test_sigkill_fails_step_then_restart_trains(victim, log_dir, plugin_built):
 
 
 def test_timed_out_step_is_cancelled_and_session_goes_on(log_dir, plugin_built):
-    from conftest import ServerSet
-
     servers = ServerSet(harness.PROTOCOL_RDMA, log_dir, env={"RDMA_DEVICE_STRICT": "1"})
     try:
         got = servers.run_client("tf1_timeout", timeout=60)
@@ -56,3 +55,17 @@ def test_timed_out_step_is_cancelled_and_session_goes_on(log_dir, plugin_built):
     assert got["after"] == [6.0] * 4
     assert got["unblocked"] == [7.0] * 4
     assert got["stats"]["counters"]["fallback_tensors"] == 0
+
+
+def test_client_process_restart_against_long_lived_servers(log_dir, plugin_built):
+    """Client scripts re-run against the same worker/ps servers (same chief
+    task and address, new process each time) must keep working."""
+    servers = ServerSet(harness.PROTOCOL_RDMA, log_dir, env={"RDMA_DEVICE_STRICT": "1"})
+    try:
+        first = servers.run_client("eager_train", steps=10)
+        second = servers.run_client("function_train", steps=10)
+        third = servers.run_client("eager_train", steps=10)
+    finally:
+        servers.close()
+    assert first["digest"] == third["digest"]
+    assert second["seen"] == first["seen"] > 0

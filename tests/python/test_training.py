@@ -1,8 +1,9 @@
 """Training over real 3-task clusters (chief client, worker, ps).
 
-Each scenario runs once under protocol "grpc" and once under
-"grpc+rdma_device" (strict: any fallback to gRPC is an error) against
-long-lived worker/ps servers, and must fetch bit-identical results.
+Each scenario runs under protocol "grpc" (long-lived reference servers) and
+under "grpc+rdma_device" on a fresh cluster in strict mode (any fallback to
+gRPC is an error), and must fetch bit-identical results. Clients that come
+back to long-lived servers are test_fault.py's business.
 """
 
 import pytest
@@ -14,7 +15,7 @@ STEPS = 50
 STRICT = {"RDMA_DEVICE_STRICT": "1"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def rdma_set(log_dir, plugin_built):
     s = ServerSet(harness.PROTOCOL_RDMA, log_dir, env=STRICT)
     yield s
