@@ -17,6 +17,14 @@ namespace tf = ::tensorflow;
 
 namespace {
 
+// TF ends every step with StartAbort(Aborted("Cleanup <step>")), and server
+// teardown with Aborted("Shutdown") (common_runtime/eager/rendezvous_cache.h):
+// normal ends, not failures to tell the peers about.
+bool IsCleanup(const absl::Status& status, int64_t step_id) {
+  return absl::IsAborted(status) &&
+         (status.message() == absl::StrCat("Cleanup ", step_id) || status.message() == "Shutdown");
+}
+
 std::string TaskOf(const tsl::DeviceNameUtils::ParsedName& device) {
   return TaskName(device.job, device.replica, device.task);
 }
@@ -106,25 +114,36 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     }
     TF_RETURN_IF_ERROR(abort_status());
     VLOG(2) << "push step " << step_id_ << " " << parsed.FullKey() << (is_dead ? " (dead)" : "");
-    if (is_dead || OnHost(parsed.src, args)) {
-      return Push(peer, std::string(parsed.FullKey()), val, is_dead);
+    if (!is_dead && !OnHost(parsed.src, args)) return StageAndPush(parsed, args, peer, val);
+    bool refused = false;
+    absl::Status s = Push(peer, std::string(parsed.FullKey()), val, is_dead, &refused);
+    if (refused && !transport_->strict()) {
+      // The receiver routes us over gRPC: leave the tensor for its pull
+      // (it counts the fallback).
+      VLOG(1) << "rdma_device: " << peer << " refuses pushes, " << parsed.FullKey()
+              << " goes over gRPC: " << s;
+      return BaseRemoteRendezvous::Send(parsed, args, val, is_dead);
     }
-    return StageAndPush(parsed, args, peer, val);
+    return s;
   }
 
   void StartAbort(const absl::Status& status) override {
     // TF only aborts with an error; the base CHECKs it, and the shim must
     // never take the process down.
     if (status.ok()) return;
-    VLOG(2) << "abort step " << step_id_ << ": " << status;
+    const bool cleanup = IsCleanup(status, step_id_);
+    VLOG(2) << (cleanup ? "cleanup" : "abort") << " step " << step_id_ << ": " << status;
     {
       tf::mutex_lock l(mu_);
       if (abort_status_.ok()) abort_status_ = status;
     }
     BaseRemoteRendezvous::StartAbort(status);
     stock_->StartAbort(status);
-    // Not under any TF lock here: completions may run on this thread.
-    if (transport_ != nullptr) transport_->AbortStep(step_id_, status);
+    // Not under any TF lock here: completions may run on this thread. A
+    // failed step is failed on the peers too: their receives from us would
+    // otherwise wait for pushes that never come (TF's own cancellation does
+    // not reach remote RunGraph calls).
+    if (transport_ != nullptr) transport_->AbortStep(step_id_, status, /*propagate=*/!cleanup);
   }
 
  protected:
@@ -152,7 +171,7 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     auto* call = new RecvCall([transport, step_id, env](const absl::Status& s) {
       // A cancelled receive fails the whole step in the transport: TF
       // cancels per step (or per function call), so nothing of it survives.
-      auto abort = [transport, step_id, s] { transport->AbortStep(step_id, s); };
+      auto abort = [transport, step_id, s] { transport->AbortStep(step_id, s, true); };
       if (env->compute_pool != nullptr) {
         env->compute_pool->Schedule(std::move(abort));
       } else {
@@ -208,19 +227,20 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
   }
 
   absl::Status Push(const std::string& peer, const std::string& key, const tf::Tensor& val,
-                    bool is_dead) {
+                    bool is_dead, bool* refused) {
     // The rendezvous (hence the step) stays alive until the transport is
     // done with the tensor. A failed push fails the step here too, so the
     // sender learns of a lost peer without waiting for the receiver.
     this->Ref();
-    absl::Status s = transport_->Send(peer, key, step_id_, val, is_dead,
-                                      [this](const absl::Status& sent) {
-                                        if (!sent.ok() && !absl::IsAborted(sent) &&
-                                            !absl::IsCancelled(sent)) {
-                                          StartAbort(sent);
-                                        }
-                                        Unref();  // may destroy the rendezvous
-                                      });
+    absl::Status s = transport_->Send(
+        peer, key, step_id_, val, is_dead,
+        [this](const absl::Status& sent) {
+          if (!sent.ok() && !absl::IsAborted(sent) && !absl::IsCancelled(sent)) {
+            StartAbort(sent);
+          }
+          Unref();  // may destroy the rendezvous
+        },
+        refused);
     if (!s.ok()) Unref();  // the callback will not run
     return s;
   }
@@ -238,7 +258,10 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     args.device_context->CopyDeviceTensorToCPU(
         &val, parsed.edge_name, device, host,
         [this, host, peer, key = std::string(parsed.FullKey())](const absl::Status& copied) {
-          absl::Status s = copied.ok() ? Push(peer, key, *host, false) : copied;
+          // A refusal cannot fall back here (Send has returned and the gRPC
+          // pull would want the device tensor): it fails the step.
+          bool refused = false;
+          absl::Status s = copied.ok() ? Push(peer, key, *host, false, &refused) : copied;
           delete host;  // Push holds its own reference to the buffer
           if (!s.ok()) StartAbort(s);
           Unref();

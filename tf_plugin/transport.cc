@@ -276,7 +276,8 @@ absl::Status Transport::RouteTo(const std::string& peer_task, Route* route) {
 
 absl::Status Transport::Send(const std::string& peer_task, absl::string_view key,
                              int64_t step_id, const tf::Tensor& val, bool is_dead,
-                             SendDone done) {
+                             SendDone done, bool* refused) {
+  *refused = false;
   rdev_context* ctx = ctx_.load();
   if (ctx == nullptr) return absl::FailedPreconditionError("rdma_device: transport not started");
   auto state = std::make_unique<SendState>();
@@ -317,6 +318,7 @@ absl::Status Transport::Send(const std::string& peer_task, absl::string_view key
   if (st != RDEV_OK) {
     absl::Status s = CallStatus(st);
     delete raw;
+    *refused = st == RDEV_NOT_VIABLE;
     return s;
   }
   return absl::OkStatus();
@@ -337,11 +339,12 @@ absl::Status Transport::Recv(const std::string& peer_task, absl::string_view key
   return absl::OkStatus();
 }
 
-void Transport::AbortStep(int64_t step_id, const absl::Status& status) {
+void Transport::AbortStep(int64_t step_id, const absl::Status& status, bool propagate) {
   rdev_context* ctx = ctx_.load();
   if (ctx == nullptr) return;
   std::string msg = status.ToString();
-  rdev_status st = rdev_abort_step(ctx, static_cast<uint64_t>(step_id), msg.data(), msg.size());
+  rdev_status st =
+      rdev_abort_step(ctx, static_cast<uint64_t>(step_id), msg.data(), msg.size(), propagate);
   if (st != RDEV_OK) LOG(WARNING) << "rdma_device: abort of step " << step_id << ": " << LastError();
 }
 

@@ -57,16 +57,24 @@ class Transport {
   // clients joining) are seen too.
   void AddPeers(const tensorflow::ClusterDef& cluster);
 
+  // RDMA_DEVICE_STRICT: any fallback to gRPC is an error.
+  bool strict() {
+    tensorflow::tf_shared_lock l(mu_);
+    return strict_;
+  }
+
   // The route for tensors exchanged with `peer_task`. In strict mode a
   // gRPC route is an error instead.
   absl::Status RouteTo(const std::string& peer_task, Route* route);
 
   // Pushes `val` for (key, step) to `peer_task`. On OK, `done` runs exactly
   // once (any thread, possibly before this returns) when the transport no
-  // longer needs the tensor's memory; on error it never runs.
+  // longer needs the tensor's memory; on error it never runs and nothing
+  // was sent. `*refused` tells the one error the caller can route around:
+  // the peer routes this task over gRPC and will pull the tensor.
   absl::Status Send(const std::string& peer_task, absl::string_view key,
                     int64_t step_id, const tensorflow::Tensor& val,
-                    bool is_dead, SendDone done);
+                    bool is_dead, SendDone done, bool* refused);
 
   // Receives (key, step) from `peer_task`. On OK, `done` runs exactly once
   // (any thread, possibly before this returns); on error it never runs.
@@ -74,8 +82,10 @@ class Transport {
   absl::Status Recv(const std::string& peer_task, absl::string_view key,
                     int64_t step_id, RecvDone done);
 
-  // Fails the step's pending receives and queued sends with `status`.
-  void AbortStep(int64_t step_id, const absl::Status& status);
+  // Fails the step's pending receives and queued sends with `status`;
+  // with `propagate`, peers fail their receives of the step from this task
+  // too (false for TF's normal end-of-step cleanup).
+  void AbortStep(int64_t step_id, const absl::Status& status, bool propagate);
   // The step is over on this task: unclaimed arrivals are released.
   void StepDone(int64_t step_id);
   // Counts a tensor that went over stock gRPC.
