@@ -1,6 +1,5 @@
 #include "rendezvous.h"
 
-#include <atomic>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -171,7 +170,9 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     auto* call = new RecvCall([transport, step_id, env](const absl::Status& s) {
       // A cancelled receive fails the whole step in the transport: TF
       // cancels per step (or per function call), so nothing of it survives.
-      auto abort = [transport, step_id, s] { transport->AbortStep(step_id, s, true); };
+      auto abort = [transport, step_id, s] {
+        transport->AbortStep(step_id, s, /*propagate=*/!IsCleanup(s, step_id));
+      };
       if (env->compute_pool != nullptr) {
         env->compute_pool->Schedule(std::move(abort));
       } else {

@@ -14,8 +14,6 @@
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/platform/logging.h"
 
-// Last: the generated header defines short unprefixed macros (MAGIC,
-// MAX_DIMS, ...) that must not leak into TensorFlow's headers.
 #include "rdma_device.h"
 
 namespace rdma_device {
