@@ -165,6 +165,27 @@ enum rdev_status rdev_recv(const struct rdev_context *ctx,
                            rdev_recv_done_cb cb,
                            void *userdata);
 
+// The step is over: unclaimed arrivals for it are released and late
+// pushes for it dropped.
+enum rdev_status rdev_step_done(const struct rdev_context *ctx, uint64_t step_id);
+
+// Abort a step: its pending receives and queued sends fail with
+// RDEV_ABORTED carrying `msg`. With `propagate`, every connected peer is
+// told, and fails its pending and later receives of this step from this
+// task (a pushed tensor never comes once its sender aborted). Pass false
+// for TensorFlow's normal end-of-step cleanup.
+enum rdev_status rdev_abort_step(const struct rdev_context *ctx,
+                                 uint64_t step_id,
+                                 const char *msg,
+                                 size_t msg_len,
+                                 bool propagate);
+
+// Abort everything pending (e.g. server shutdown).
+enum rdev_status rdev_abort_all(const struct rdev_context *ctx, const char *msg, size_t msg_len);
+
+// Drop every connection with `peer`; its pending receives fail.
+enum rdev_status rdev_abort_peer(const struct rdev_context *ctx, const char *peer, size_t peer_len);
+
 // Payload bytes (64-byte aligned; NULL when empty).
 const uint8_t *rdev_buffer_data(const struct rdev_buffer *buf);
 
@@ -189,27 +210,6 @@ bool rdev_buffer_in_place(const struct rdev_buffer *buf);
 
 // Release a buffer: its slot goes back to the sender. NULL is a no-op.
 void rdev_buffer_release(struct rdev_buffer *buf);
-
-// The step is over: unclaimed arrivals for it are released and late
-// pushes for it dropped.
-enum rdev_status rdev_step_done(const struct rdev_context *ctx, uint64_t step_id);
-
-// Abort a step: its pending receives and queued sends fail with
-// RDEV_ABORTED carrying `msg`. With `propagate`, every connected peer is
-// told, and fails its pending and later receives of this step from this
-// task (a pushed tensor never comes once its sender aborted). Pass false
-// for TensorFlow's normal end-of-step cleanup.
-enum rdev_status rdev_abort_step(const struct rdev_context *ctx,
-                                 uint64_t step_id,
-                                 const char *msg,
-                                 size_t msg_len,
-                                 bool propagate);
-
-// Abort everything pending (e.g. server shutdown).
-enum rdev_status rdev_abort_all(const struct rdev_context *ctx, const char *msg, size_t msg_len);
-
-// Drop every connection with `peer`; its pending receives fail.
-enum rdev_status rdev_abort_peer(const struct rdev_context *ctx, const char *peer, size_t peer_len);
 
 // Count a tensor of `bytes` that went over stock gRPC, with its reason.
 enum rdev_status rdev_record_fallback(uint64_t bytes, const char *reason, size_t reason_len);

@@ -15,6 +15,8 @@
 #![allow(non_camel_case_types)]
 #![allow(clippy::missing_safety_doc)] // each function documents its contract in the header
 
+mod buffer;
+mod introspect;
 mod status;
 
 use std::cell::RefCell;
@@ -26,7 +28,6 @@ use crate::error::Error;
 use crate::fabric::TransportKind;
 use crate::node::{Lease, Node};
 use crate::rendezvous::{Payload, TensorMeta};
-use crate::stats::Stats;
 pub use status::rdev_status;
 
 thread_local! {
@@ -401,68 +402,6 @@ pub unsafe extern "C" fn rdev_recv(
     })
 }
 
-/// Payload bytes (64-byte aligned; NULL when empty).
-#[no_mangle]
-pub unsafe extern "C" fn rdev_buffer_data(buf: *const rdev_buffer) -> *const u8 {
-    // SAFETY: buf per contract.
-    unsafe { buf.as_ref() }.map_or(std::ptr::null(), |b| if b.lease.is_empty() { std::ptr::null() } else { b.lease.as_ptr() })
-}
-
-/// Payload length in bytes.
-#[no_mangle]
-pub unsafe extern "C" fn rdev_buffer_len(buf: *const rdev_buffer) -> usize {
-    // SAFETY: buf per contract.
-    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.len())
-}
-
-/// dtype as sent.
-#[no_mangle]
-pub unsafe extern "C" fn rdev_buffer_dtype(buf: *const rdev_buffer) -> u32 {
-    // SAFETY: buf per contract.
-    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.meta().dtype)
-}
-
-/// Flags as sent (RDEV_FLAG_*).
-#[no_mangle]
-pub unsafe extern "C" fn rdev_buffer_flags(buf: *const rdev_buffer) -> u32 {
-    // SAFETY: buf per contract.
-    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.meta().flags)
-}
-
-/// Number of dimensions.
-#[no_mangle]
-pub unsafe extern "C" fn rdev_buffer_ndims(buf: *const rdev_buffer) -> u32 {
-    // SAFETY: buf per contract.
-    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.meta().dims.len() as u32)
-}
-
-/// Pointer to `rdev_buffer_ndims` dimensions, valid until release.
-#[no_mangle]
-pub unsafe extern "C" fn rdev_buffer_dims(buf: *const rdev_buffer) -> *const i64 {
-    // SAFETY: buf per contract.
-    unsafe { buf.as_ref() }.map_or(std::ptr::null(), |b| b.lease.meta().dims.as_ptr())
-}
-
-/// true when the bytes sit in the receive arena (written there by the
-/// sender, zero-copy), false when they came through the chunked path.
-#[no_mangle]
-pub unsafe extern "C" fn rdev_buffer_in_place(buf: *const rdev_buffer) -> bool {
-    // SAFETY: buf per contract.
-    unsafe { buf.as_ref() }.is_some_and(|b| b.lease.in_place())
-}
-
-/// Release a buffer: its slot goes back to the sender. NULL is a no-op.
-#[no_mangle]
-pub unsafe extern "C" fn rdev_buffer_release(buf: *mut rdev_buffer) {
-    let _ = boundary(|| {
-        if !buf.is_null() {
-            // SAFETY: buf came from a recv callback and is released once.
-            drop(unsafe { Box::from_raw(buf) });
-        }
-        Ok(())
-    });
-}
-
 /// The step is over: unclaimed arrivals for it are released and late
 /// pushes for it dropped.
 #[no_mangle]
@@ -520,89 +459,3 @@ pub unsafe extern "C" fn rdev_abort_peer(ctx: *const rdev_context, peer: *const 
     })
 }
 
-/// Count a tensor of `bytes` that went over stock gRPC, with its reason.
-#[no_mangle]
-pub unsafe extern "C" fn rdev_record_fallback(bytes: u64, reason: *const c_char, reason_len: usize) -> rdev_status {
-    boundary(|| {
-        // SAFETY: arguments per contract.
-        let r = unsafe { str_arg(reason, reason_len, "reason") }?;
-        Stats::global().record_fallback(bytes, r);
-        Ok(())
-    })
-}
-
-unsafe fn write_out(s: &str, buf: *mut c_char, cap: usize, out_len: *mut usize) -> Result<(), Error> {
-    if !out_len.is_null() {
-        // SAFETY: out_len non-NULL per check.
-        unsafe { *out_len = s.len() };
-    }
-    if buf.is_null() || cap < s.len() + 1 {
-        return Err(Error::ResourceExhausted(format!("buffer of {cap} bytes; {} needed", s.len() + 1)));
-    }
-    // SAFETY: cap >= len + 1 bytes are writable at buf.
-    unsafe {
-        std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len());
-        *buf.add(s.len()) = 0;
-    }
-    Ok(())
-}
-
-/// Process-wide counters as JSON, NUL-terminated into `buf` (`cap` bytes).
-/// `*out_len` gets the JSON length; RDEV_RESOURCE_EXHAUSTED when `cap` is
-/// too small (call again with `*out_len + 1`).
-#[no_mangle]
-pub unsafe extern "C" fn rdev_stats_json(buf: *mut c_char, cap: usize, out_len: *mut usize) -> rdev_status {
-    // SAFETY: arguments per contract.
-    boundary(|| unsafe { write_out(&Stats::global().to_json(), buf, cap, out_len) })
-}
-
-/// Zero the process-wide counters.
-#[no_mangle]
-pub extern "C" fn rdev_stats_reset() {
-    let _ = boundary(|| {
-        Stats::global().reset();
-        Ok(())
-    });
-}
-
-/// Effective settings (from the environment now) with defaults and help,
-/// as JSON; same buffer rules as `rdev_stats_json`. A bad value yields
-/// RDEV_CONFIG with the reason in `rdev_last_error`.
-#[no_mangle]
-pub unsafe extern "C" fn rdev_config_json(buf: *mut c_char, cap: usize, out_len: *mut usize) -> rdev_status {
-    boundary(|| {
-        let cfg = Config::from_env()?;
-        // SAFETY: arguments per contract.
-        unsafe { write_out(&cfg.to_json(), buf, cap, out_len) }
-    })
-}
-
-/// A static, NUL-terminated name for `status`.
-#[no_mangle]
-pub extern "C" fn rdev_status_str(status: rdev_status) -> *const c_char {
-    status::name(status).as_ptr()
-}
-
-/// The message of the last failed call on this thread, NUL-terminated into
-/// `buf` (truncated to `cap - 1` bytes). Returns the full length.
-#[no_mangle]
-pub unsafe extern "C" fn rdev_last_error(buf: *mut c_char, cap: usize) -> usize {
-    LAST_ERROR.with(|l| {
-        let s = l.borrow();
-        if !buf.is_null() && cap > 0 {
-            let n = s.len().min(cap - 1);
-            // SAFETY: cap bytes are writable at buf.
-            unsafe {
-                std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), n);
-                *buf.add(n) = 0;
-            }
-        }
-        s.len()
-    })
-}
-
-/// The library version, NUL-terminated, static.
-#[no_mangle]
-pub extern "C" fn rdev_version() -> *const c_char {
-    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
-}

@@ -7,6 +7,7 @@
 //! after it is released, so completions may call back in. Callbacks to the
 //! application run on the calling thread or on a backend thread.
 
+mod lease;
 mod peers;
 
 use std::collections::HashMap;
@@ -21,69 +22,8 @@ use crate::fabric::{self, Arena, ConnId, Endpoint, Fabric, FabricEvents, Listene
 use crate::rendezvous::{self, Action, Data, Hello, Params, Payload, Received, Rendezvous, TensorMeta};
 use crate::stats::Stats;
 
+pub use lease::Lease;
 pub use peers::PeerChoice;
-
-/// A received tensor. Its bytes stay valid (and its slot stays with us)
-/// until it is dropped; dropping it hands the slot back to the sender.
-pub struct Lease {
-    node: Weak<Inner>,
-    meta: TensorMeta,
-    data: Data,
-    ptr: *const u8,
-    len: usize,
-}
-
-// SAFETY: `ptr` points into the node's arena (kept alive by the slot
-// ownership protocol until release) or into `data`'s own Vec.
-unsafe impl Send for Lease {}
-// SAFETY: as above; the bytes are only read.
-unsafe impl Sync for Lease {}
-
-impl std::fmt::Debug for Lease {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Lease({:?}, {} bytes, in place: {})", self.meta, self.len, self.in_place())
-    }
-}
-
-impl Lease {
-    pub fn meta(&self) -> &TensorMeta {
-        &self.meta
-    }
-
-    pub fn as_ptr(&self) -> *const u8 {
-        self.ptr
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Whether the bytes sit in the arena (zero-copy) rather than a buffer.
-    pub fn in_place(&self) -> bool {
-        matches!(self.data, Data::Slot { .. })
-    }
-
-    pub fn bytes(&self) -> &[u8] {
-        if self.len == 0 {
-            return &[];
-        }
-        // SAFETY: ptr/len describe memory kept valid until this lease drops.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        if let (Data::Slot { link, slot, gen, .. }, Some(n)) = (&self.data, self.node.upgrade()) {
-            let acts = n.locked(|r| r.release(*link, *slot, *gen));
-            n.exec(acts);
-        }
-    }
-}
 
 pub type LeaseDone = Box<dyn FnOnce(Result<Lease>) + Send>;
 
@@ -507,6 +447,6 @@ impl Inner {
             }
             Data::Owned(v) => (v.as_ptr(), v.len()),
         };
-        Lease { node: self.me.clone(), meta: r.meta, data: r.data, ptr, len }
+        Lease::new(self.me.clone(), r.meta, r.data, ptr, len)
     }
 }

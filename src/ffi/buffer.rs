@@ -1,0 +1,66 @@
+//! Accessors of a received buffer (`rdev_buffer`), and its release.
+
+use super::{boundary, rdev_buffer};
+
+/// Payload bytes (64-byte aligned; NULL when empty).
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_data(buf: *const rdev_buffer) -> *const u8 {
+    // SAFETY: buf per contract.
+    unsafe { buf.as_ref() }.map_or(std::ptr::null(), |b| if b.lease.is_empty() { std::ptr::null() } else { b.lease.as_ptr() })
+}
+
+/// Payload length in bytes.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_len(buf: *const rdev_buffer) -> usize {
+    // SAFETY: buf per contract.
+    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.len())
+}
+
+/// dtype as sent.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_dtype(buf: *const rdev_buffer) -> u32 {
+    // SAFETY: buf per contract.
+    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.meta().dtype)
+}
+
+/// Flags as sent (RDEV_FLAG_*).
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_flags(buf: *const rdev_buffer) -> u32 {
+    // SAFETY: buf per contract.
+    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.meta().flags)
+}
+
+/// Number of dimensions.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_ndims(buf: *const rdev_buffer) -> u32 {
+    // SAFETY: buf per contract.
+    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.meta().dims.len() as u32)
+}
+
+/// Pointer to `rdev_buffer_ndims` dimensions, valid until release.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_dims(buf: *const rdev_buffer) -> *const i64 {
+    // SAFETY: buf per contract.
+    unsafe { buf.as_ref() }.map_or(std::ptr::null(), |b| b.lease.meta().dims.as_ptr())
+}
+
+/// true when the bytes sit in the receive arena (written there by the
+/// sender, zero-copy), false when they came through the chunked path.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_in_place(buf: *const rdev_buffer) -> bool {
+    // SAFETY: buf per contract.
+    unsafe { buf.as_ref() }.is_some_and(|b| b.lease.in_place())
+}
+
+/// Release a buffer: its slot goes back to the sender. NULL is a no-op.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_release(buf: *mut rdev_buffer) {
+    let _ = boundary(|| {
+        if !buf.is_null() {
+            // SAFETY: buf came from a recv callback and is released once.
+            drop(unsafe { Box::from_raw(buf) });
+        }
+        Ok(())
+    });
+}
+

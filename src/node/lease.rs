@@ -1,0 +1,75 @@
+//! A received tensor handed to the application: its bytes in place in the
+//! arena (or in a buffer, for the inline path); dropping it gives the slot
+//! back to the sender.
+
+use std::sync::Weak;
+
+use super::Inner;
+use crate::rendezvous::{Data, TensorMeta};
+
+/// A received tensor. Its bytes stay valid (and its slot stays with us)
+/// until it is dropped; dropping it hands the slot back to the sender.
+pub struct Lease {
+    node: Weak<Inner>,
+    meta: TensorMeta,
+    data: Data,
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: `ptr` points into the node's arena (kept alive by the slot
+// ownership protocol until release) or into `data`'s own Vec.
+unsafe impl Send for Lease {}
+// SAFETY: as above; the bytes are only read.
+unsafe impl Sync for Lease {}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Lease({:?}, {} bytes, in place: {})", self.meta, self.len, self.in_place())
+    }
+}
+
+impl Lease {
+    pub(super) fn new(node: Weak<Inner>, meta: TensorMeta, data: Data, ptr: *const u8, len: usize) -> Lease {
+        Lease { node, meta, data, ptr, len }
+    }
+
+    pub fn meta(&self) -> &TensorMeta {
+        &self.meta
+    }
+
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the bytes sit in the arena (zero-copy) rather than a buffer.
+    pub fn in_place(&self) -> bool {
+        matches!(self.data, Data::Slot { .. })
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: ptr/len describe memory kept valid until this lease drops.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let (Data::Slot { link, slot, gen, .. }, Some(n)) = (&self.data, self.node.upgrade()) {
+            let acts = n.locked(|r| r.release(*link, *slot, *gen));
+            n.exec(acts);
+        }
+    }
+}
+
