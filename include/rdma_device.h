@@ -114,6 +114,10 @@ enum rdev_status rdev_context_add_peer(const struct rdev_context *ctx,
 // 1 when RDMA_DEVICE_STRICT is on (any fallback to gRPC must fail).
 bool rdev_context_strict(const struct rdev_context *ctx);
 
+// true when RDMA_DEVICE_STATIC_PLACEMENT is on: the shim should place
+// edges with static shapes at graph registration (`rdev_place_edge`).
+bool rdev_context_static_placement(const struct rdev_context *ctx);
+
 // Push the tensor `(key, step_id)` to `peer`. `data`/`len` must stay valid
 // and unmodified until `cb` runs. If this returns RDEV_OK, `cb` runs
 // exactly once (possibly before this returns); on any other status `cb`

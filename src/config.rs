@@ -23,6 +23,8 @@ pub struct Config {
     pub connect_timeout_ms: u64,
     /// How long a progress thread spins before it blocks.
     pub spin_us: u64,
+    /// Place edges with static shapes when graphs are registered.
+    pub static_placement: bool,
     /// Log filter (env_logger syntax).
     pub log: String,
     /// Verbs: device name (empty = automatic).
@@ -61,6 +63,8 @@ pub const VARS: &[Var] = &[
           help: "How long a sender waits for a receiver to accept a connection (ms)." },
     Var { name: "RDMA_DEVICE_SPIN_US", default: "50",
           help: "How long a progress thread polls before it sleeps (microseconds); lower saves CPU, higher cuts latency." },
+    Var { name: "RDMA_DEVICE_STATIC_PLACEMENT", default: "1",
+          help: "1: edges whose shapes are known when a graph is registered get their receive slots then, so the first step needs no negotiation; 0: every edge is placed on first use (traced)." },
     Var { name: "RDMA_DEVICE_LOG", default: "warn",
           help: "Log filter for the library (error, warn, info, debug, trace), env_logger syntax." },
     Var { name: "RDMA_DEVICE_VERBS_DEVICE", default: "",
@@ -111,6 +115,7 @@ impl Config {
             transports,
             connect_timeout_ms: int("RDMA_DEVICE_CONNECT_TIMEOUT_MS", &val("RDMA_DEVICE_CONNECT_TIMEOUT_MS"), 1, 3_600_000)? as u64,
             spin_us: int("RDMA_DEVICE_SPIN_US", &val("RDMA_DEVICE_SPIN_US"), 0, 1_000_000)? as u64,
+            static_placement: boolean("RDMA_DEVICE_STATIC_PLACEMENT", &val("RDMA_DEVICE_STATIC_PLACEMENT"))?,
             log: val("RDMA_DEVICE_LOG"),
             verbs_device: val("RDMA_DEVICE_VERBS_DEVICE"),
             verbs_port: int("RDMA_DEVICE_VERBS_PORT", &val("RDMA_DEVICE_VERBS_PORT"), 0, 255)? as u8,
@@ -136,6 +141,7 @@ impl Config {
                     "RDMA_DEVICE_TRANSPORTS" => self.transports.join(","),
                     "RDMA_DEVICE_CONNECT_TIMEOUT_MS" => self.connect_timeout_ms.to_string(),
                     "RDMA_DEVICE_SPIN_US" => self.spin_us.to_string(),
+                    "RDMA_DEVICE_STATIC_PLACEMENT" => (self.static_placement as u8).to_string(),
                     "RDMA_DEVICE_LOG" => self.log.clone(),
                     "RDMA_DEVICE_VERBS_DEVICE" => self.verbs_device.clone(),
                     "RDMA_DEVICE_VERBS_PORT" => self.verbs_port.to_string(),

@@ -254,6 +254,14 @@ pub unsafe extern "C" fn rdev_context_strict(ctx: *const rdev_context) -> bool {
     unsafe { ctx.as_ref() }.is_some_and(|c| c.node.config().strict)
 }
 
+/// true when RDMA_DEVICE_STATIC_PLACEMENT is on: the shim should place
+/// edges with static shapes at graph registration (`rdev_place_edge`).
+#[no_mangle]
+pub unsafe extern "C" fn rdev_context_static_placement(ctx: *const rdev_context) -> bool {
+    // SAFETY: ctx per contract.
+    unsafe { ctx.as_ref() }.is_some_and(|c| c.node.config().static_placement)
+}
+
 /// Push the tensor `(key, step_id)` to `peer`. `data`/`len` must stay valid
 /// and unmodified until `cb` runs. If this returns RDEV_OK, `cb` runs
 /// exactly once (possibly before this returns); on any other status `cb`
