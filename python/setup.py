@@ -35,11 +35,28 @@ def _run(cmd, cwd=REPO):
     subprocess.check_call(cmd, cwd=cwd, env=_clean_env())
 
 
+def _cargo_features():
+    """The verbs backend when rdma-core's headers are here (or as asked).
+
+    RDMA_DEVICE_FEATURES overrides: "verbs", or "" for a shared-memory-only
+    build that needs no rdma-core at run time.
+    """
+    asked = os.environ.get("RDMA_DEVICE_FEATURES")
+    if asked is None:
+        have = subprocess.call(["pkg-config", "--exists", "libibverbs", "librdmacm"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) == 0
+        asked = "verbs" if have else ""
+        if not have:
+            print("rdma_device: libibverbs/librdmacm headers not found: building without the "
+                  "verbs backend (install libibverbs-dev librdmacm-dev libclang-dev for it)", flush=True)
+    return ["--features", asked] if asked else []
+
+
 class BuildNative(build_py):
     def run(self):
         super().run()
         jobs = str(max(1, min(4, os.cpu_count() or 1)))
-        _run(["cargo", "build", "--release", "--lib"])
+        _run(["cargo", "build", "--release", "--lib"] + _cargo_features())
         build_dir = os.path.join(REPO, "build", "python-package")
         lib_dir = os.path.join(REPO, "target", "release")
         _run(["cmake", "-S", REPO, "-B", build_dir,
