@@ -43,8 +43,11 @@ def _cargo_features():
     """
     asked = os.environ.get("RDMA_DEVICE_FEATURES")
     if asked is None:
-        have = subprocess.call(["pkg-config", "--exists", "libibverbs", "librdmacm"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) == 0
+        try:
+            have = subprocess.call(["pkg-config", "--exists", "libibverbs", "librdmacm"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) == 0
+        except OSError:  # no pkg-config
+            have = False
         asked = "verbs" if have else ""
         if not have:
             print("rdma_device: libibverbs/librdmacm headers not found: building without the "
