@@ -14,6 +14,22 @@ fn c_program_sends_and_receives_through_the_header() {
     // target/<profile>/deps/c_abi-* → target/<profile> holds librdma_device.so
     let exe = std::env::current_exe().unwrap();
     let libdir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    // `cargo test` builds the library as an rlib only; build the cdylib
+    // (same profile, same features) so the C program links the real thing.
+    let profile = libdir.file_name().unwrap().to_string_lossy().to_string();
+    let mut build = Command::new(env!("CARGO"));
+    build.current_dir(&root).args(["build", "--lib", "--quiet"]);
+    if profile == "release" {
+        build.arg("--release");
+    }
+    if cfg!(feature = "verbs") {
+        build.args(["--features", "verbs"]);
+    }
+    if let Some(target) = libdir.parent() {
+        build.env("CARGO_TARGET_DIR", target);
+    }
+    let st = build.status().expect("run cargo build");
+    assert!(st.success(), "cargo build --lib failed");
     assert!(libdir.join("librdma_device.so").exists(), "cdylib not built in {}", libdir.display());
     let out = std::env::temp_dir().join(format!("rdev-smoke-{}", std::process::id()));
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
