@@ -23,6 +23,8 @@ pub struct Config {
     pub connect_timeout_ms: u64,
     /// How long a progress thread spins before it blocks.
     pub spin_us: u64,
+    /// Threads that copy a large shm write (the sender's included).
+    pub shm_copy_threads: usize,
     /// Place edges with static shapes when graphs are registered.
     pub static_placement: bool,
     /// Log filter (env_logger syntax).
@@ -63,6 +65,8 @@ pub const VARS: &[Var] = &[
           help: "How long a sender waits for a receiver to accept a connection (ms)." },
     Var { name: "RDMA_DEVICE_SPIN_US", default: "50",
           help: "How long a progress thread polls before it sleeps (microseconds); lower saves CPU, higher cuts latency." },
+    Var { name: "RDMA_DEVICE_SHM_COPY_THREADS", default: "0",
+          help: "Threads that copy one large (>= 4 MiB) write between tasks on this host, the sender's own included (0: min(4, CPUs); 1: the sender alone)." },
     Var { name: "RDMA_DEVICE_STATIC_PLACEMENT", default: "1",
           help: "1: edges whose shapes are known when a graph is registered get their receive slots then, so the first step needs no negotiation; 0: every edge is placed on first use (traced)." },
     Var { name: "RDMA_DEVICE_LOG", default: "warn",
@@ -115,6 +119,10 @@ impl Config {
             transports,
             connect_timeout_ms: int("RDMA_DEVICE_CONNECT_TIMEOUT_MS", &val("RDMA_DEVICE_CONNECT_TIMEOUT_MS"), 1, 3_600_000)? as u64,
             spin_us: int("RDMA_DEVICE_SPIN_US", &val("RDMA_DEVICE_SPIN_US"), 0, 1_000_000)? as u64,
+            shm_copy_threads: match int("RDMA_DEVICE_SHM_COPY_THREADS", &val("RDMA_DEVICE_SHM_COPY_THREADS"), 0, 64)? {
+                0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(4),
+                n => n as usize,
+            },
             static_placement: boolean("RDMA_DEVICE_STATIC_PLACEMENT", &val("RDMA_DEVICE_STATIC_PLACEMENT"))?,
             log: val("RDMA_DEVICE_LOG"),
             verbs_device: val("RDMA_DEVICE_VERBS_DEVICE"),
@@ -141,6 +149,7 @@ impl Config {
                     "RDMA_DEVICE_TRANSPORTS" => self.transports.join(","),
                     "RDMA_DEVICE_CONNECT_TIMEOUT_MS" => self.connect_timeout_ms.to_string(),
                     "RDMA_DEVICE_SPIN_US" => self.spin_us.to_string(),
+                    "RDMA_DEVICE_SHM_COPY_THREADS" => self.shm_copy_threads.to_string(),
                     "RDMA_DEVICE_STATIC_PLACEMENT" => (self.static_placement as u8).to_string(),
                     "RDMA_DEVICE_LOG" => self.log.clone(),
                     "RDMA_DEVICE_VERBS_DEVICE" => self.verbs_device.clone(),

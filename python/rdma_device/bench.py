@@ -43,7 +43,10 @@ def _transfer_graph(tf, cluster, size):
             v = tf.Variable(tf.random.uniform([size // 4], seed=size), name="v")
         with tf.device(cluster.device("worker", 0)):
             # A cheap op on task 0 that needs the whole tensor from task 1.
-            out = tf.gather(v, [size // 8])
+            # (tf.gather on the variable itself would become a ResourceGather
+            # colocated with the variable, moving only one element.)
+            whole = tf.identity(v.value())
+            out = whole[size // 8]
         init = tf.compat.v1.global_variables_initializer()
     return g, init, out
 

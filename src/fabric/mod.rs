@@ -124,7 +124,9 @@ pub fn build_all(cfg: &crate::config::Config) -> Vec<Arc<dyn Fabric>> {
     let mut out: Vec<Arc<dyn Fabric>> = Vec::new();
     for t in &cfg.transports {
         match t.as_str() {
-            "shm" => out.push(Arc::new(shm::ShmFabric::new(Duration::from_micros(cfg.spin_us)))),
+            "shm" => out.push(Arc::new(
+                shm::ShmFabric::new(Duration::from_micros(cfg.spin_us)).with_copy_threads(cfg.shm_copy_threads),
+            )),
             #[cfg(feature = "verbs")]
             "verbs" => match verbs::VerbsFabric::from_config(cfg) {
                 Ok(f) => out.push(f),

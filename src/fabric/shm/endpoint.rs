@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::copy::CopyPool;
 use super::ring::{Doorbell, Ring};
 use super::socket::{self, KIND_ACCEPT, KIND_HELLO, KIND_MSG, KIND_REFUSE};
 use crate::error::{Error, Result};
@@ -28,6 +29,7 @@ pub struct ShmEndpoint {
     doorbell: Doorbell,
     peer_hello: Vec<u8>,
     dead: Arc<AtomicBool>,
+    copier: &'static CopyPool,
 }
 
 // SAFETY: `arena` is a shared mapping owned by this struct for its whole
@@ -44,6 +46,7 @@ impl ShmEndpoint {
         hello: &[u8],
         events: Arc<dyn FabricEvents>,
         deadline: Instant,
+        copier: &'static CopyPool,
     ) -> Result<Arc<ShmEndpoint>> {
         socket::send_frame(&stream, KIND_HELLO, hello, &[])?;
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
@@ -89,6 +92,7 @@ impl ShmEndpoint {
             doorbell,
             peer_hello: body[8..].to_vec(),
             dead: Arc::new(AtomicBool::new(false)),
+            copier,
         });
         // The reader holds only a clone of the socket, so dropping the last
         // endpoint handle closes the connection (see Drop).
@@ -145,9 +149,10 @@ impl Endpoint for ShmEndpoint {
         let mut off = remote_off as usize;
         for s in &segs {
             let b = (**s).as_ref();
-            // SAFETY: [off, off+len) was checked to lie inside the mapping;
-            // the source is a live slice.
-            unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.arena.add(off), b.len()) };
+            // SAFETY: [off, off+len) was checked to lie inside the mapping
+            // (which the slot protocol gives to this write alone); the
+            // source is a live slice that cannot overlap our mapping.
+            unsafe { self.copier.copy(b.as_ptr(), self.arena.add(off), b.len()) };
             off += b.len();
         }
         drop(segs);

@@ -7,6 +7,7 @@
 //! entry: the receiver's CPU does nothing until it polls the ring, exactly
 //! the semantics of an RDMA WRITE with immediate.
 
+mod copy;
 mod endpoint;
 mod listener;
 mod ring;
@@ -23,12 +24,19 @@ use crate::fabric::{Arena, Endpoint, Fabric, FabricEvents, Listener, TransportKi
 
 pub struct ShmFabric {
     spin: Duration,
+    copy_threads: usize,
 }
 
 impl ShmFabric {
     /// `spin`: how long the progress thread polls before it sleeps.
     pub fn new(spin: Duration) -> ShmFabric {
-        ShmFabric { spin }
+        ShmFabric { spin, copy_threads: 1 }
+    }
+
+    /// Copy large writes with `threads` threads (the caller included).
+    pub fn with_copy_threads(mut self, threads: usize) -> ShmFabric {
+        self.copy_threads = threads.max(1);
+        self
     }
 }
 
@@ -84,7 +92,8 @@ impl Fabric for ShmFabric {
                 Err(e) => return Err(e),
             }
         };
-        Ok(ShmEndpoint::handshake(stream, remote, hello, events, deadline)?)
+        let pool = copy::CopyPool::get(self.copy_threads);
+        Ok(ShmEndpoint::handshake(stream, remote, hello, events, deadline, pool)?)
     }
 }
 
