@@ -10,6 +10,7 @@
 
 #include "rendezvous.h"
 #include "transport.h"
+#include "worker.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "tensorflow/c/c_api.h"
@@ -79,6 +80,11 @@ class RdmaServer : public tf::GrpcServer {
     opts.local_device_mgr = local_device_mgr;
     opts.rendezvous_mgr_func = [transport = transport_](const tf::WorkerEnv* env) {
       return new RdmaRendezvousMgr(env, transport);
+    };
+    // Stock GrpcWorker but for RegisterGraph, where static placement hooks in.
+    opts.worker_func = [transport = transport_](tf::WorkerEnv* env,
+                                                const tf::ConfigProto& config) {
+      return std::unique_ptr<tf::GrpcWorker>(new RdmaWorker(env, config, transport));
     };
     TF_RETURN_IF_ERROR(GrpcServer::Init(opts));
     const tf::ServerDef& def = server_def();

@@ -184,7 +184,35 @@ void OnRecvDone(void* userdata, rdev_status status, const char* msg, size_t msg_
   state->done(s, tensor, is_dead);
 }
 
+// Started transports of this process by task name (normally one: one
+// server per process), for graph passes that TF runs without a server.
+tf::mutex registry_mu(tf::LINKER_INITIALIZED);
+std::map<std::string, std::weak_ptr<Transport>>& Registry() TF_EXCLUSIVE_LOCKS_REQUIRED(registry_mu) {
+  static auto* registry = new std::map<std::string, std::weak_ptr<Transport>>();
+  return *registry;
+}
+
 }  // namespace
+
+std::shared_ptr<Transport> Transport::ForTask(const std::string& task) {
+  tf::mutex_lock l(registry_mu);
+  auto it = Registry().find(task);
+  return it == Registry().end() ? nullptr : it->second.lock();
+}
+
+bool Transport::AnyStaticPlacement() {
+  std::vector<std::shared_ptr<Transport>> live;
+  {
+    tf::mutex_lock l(registry_mu);
+    for (const auto& [task, weak] : Registry()) {
+      if (auto t = weak.lock()) live.push_back(std::move(t));
+    }
+  }
+  for (const auto& t : live) {
+    if (t->static_placement()) return true;
+  }
+  return false;
+}
 
 std::string TaskName(absl::string_view job, int replica, int task) {
   return absl::StrCat("/job:", job, "/replica:", replica, "/task:", task);
@@ -201,12 +229,20 @@ absl::Status Transport::Start(const std::string& self_task, const std::string& a
     tf::mutex_lock l(mu_);
     self_task_ = self_task;
     strict_ = rdev_context_strict(ctx);
+    static_placement_ = rdev_context_static_placement(ctx);
     ctx_.store(ctx);
     addrs_.erase(self_task);
     peers = addrs_;
   }
   LOG(INFO) << "rdma_device: " << self_task << " transport at " << addr
-            << (rdev_context_strict(ctx) ? " (strict)" : "");
+            << (rdev_context_strict(ctx) ? " (strict)" : "")
+            << (rdev_context_static_placement(ctx) ? "" : " (static placement off)");
+  {
+    // A server created later for the same task (eager clients re-connect)
+    // replaces this one.
+    tf::mutex_lock l(registry_mu);
+    Registry()[self_task] = weak_from_this();
+  }
   for (const auto& [task, peer_addr] : peers) AddPeer(task, peer_addr);
   return absl::OkStatus();
 }
@@ -270,6 +306,30 @@ absl::Status Transport::RouteTo(const std::string& peer_task, Route* route) {
   return absl::FailedPreconditionError(
       absl::StrCat("rdma_device: RDMA_DEVICE_STRICT is set but tensors with ", peer_task,
                    " would use stock gRPC: ", route->reason));
+}
+
+bool Transport::Serves(const std::string& peer_task) {
+  tf::tf_shared_lock l(mu_);
+  auto it = routes_.find(peer_task);
+  return it != routes_.end() && it->second.kind == Route::kDevice;
+}
+
+absl::Status Transport::ConnectPeer(const std::string& peer_task) {
+  rdev_context* ctx = ctx_.load();
+  if (ctx == nullptr) return absl::FailedPreconditionError("rdma_device: transport not started");
+  return CallStatus(rdev_connect_peer(ctx, peer_task.data(), peer_task.size()));
+}
+
+absl::Status Transport::PlaceEdge(const std::string& peer_task, absl::string_view key,
+                                  uint64_t bytes, uint64_t timeout_ms, bool* placed) {
+  *placed = false;
+  rdev_context* ctx = ctx_.load();
+  if (ctx == nullptr) return absl::FailedPreconditionError("rdma_device: transport not started");
+  bool ok = false;
+  TF_RETURN_IF_ERROR(CallStatus(rdev_place_edge(ctx, peer_task.data(), peer_task.size(),
+                                                key.data(), key.size(), bytes, timeout_ms, &ok)));
+  *placed = ok;
+  return absl::OkStatus();
 }
 
 absl::Status Transport::Send(const std::string& peer_task, absl::string_view key,

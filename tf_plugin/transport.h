@@ -36,7 +36,7 @@ struct Route {
   std::string reason;
 };
 
-class Transport {
+class Transport : public std::enable_shared_from_this<Transport> {
  public:
   using SendDone = std::function<void(const absl::Status&)>;
   using RecvDone = std::function<void(const absl::Status&,
@@ -63,6 +63,25 @@ class Transport {
     return strict_;
   }
 
+  // RDMA_DEVICE_STATIC_PLACEMENT: place edges with static shapes when a
+  // graph is registered (false until Start).
+  bool static_placement() {
+    tensorflow::tf_shared_lock l(mu_);
+    return static_placement_;
+  }
+
+  // This task's name ("" until Start).
+  std::string self_task() {
+    tensorflow::tf_shared_lock l(mu_);
+    return self_task_;
+  }
+
+  // The started transport of task `task` in this process, or null. Graph
+  // passes, which TF runs without naming a server, find theirs here.
+  static std::shared_ptr<Transport> ForTask(const std::string& task);
+  // Whether any started transport of this process has static placement on.
+  static bool AnyStaticPlacement();
+
   // The route for tensors exchanged with `peer_task`. In strict mode a
   // gRPC route is an error instead.
   absl::Status RouteTo(const std::string& peer_task, Route* route);
@@ -82,6 +101,20 @@ class Transport {
   absl::Status Recv(const std::string& peer_task, absl::string_view key,
                     int64_t step_id, RecvDone done);
 
+  // true when tensors with `peer_task` travel over this transport (never
+  // an error, even in strict mode: for callers that only optimise).
+  bool Serves(const std::string& peer_task);
+
+  // Connects to `peer_task` now rather than at its first tensor.
+  absl::Status ConnectPeer(const std::string& peer_task);
+
+  // Sender side, before the edge's first step: asks `peer_task` to place
+  // the edge `key` for `bytes` bytes and waits up to `timeout_ms` until it
+  // has. `*placed` is false when the peer had no arena room (the edge then
+  // takes the slower path; not an error).
+  absl::Status PlaceEdge(const std::string& peer_task, absl::string_view key, uint64_t bytes,
+                         uint64_t timeout_ms, bool* placed);
+
   // Fails the step's pending receives and queued sends with `status`;
   // with `propagate`, peers fail their receives of the step from this task
   // too (false for TF's normal end-of-step cleanup).
@@ -99,6 +132,7 @@ class Transport {
   tensorflow::mutex mu_;
   std::string self_task_ TF_GUARDED_BY(mu_);
   bool strict_ TF_GUARDED_BY(mu_) = false;
+  bool static_placement_ TF_GUARDED_BY(mu_) = false;
   // Peer task -> address, as last seen in a cluster spec (routes_ may lag
   // behind while AddPeer asks the transport).
   std::map<std::string, std::string> addrs_ TF_GUARDED_BY(mu_);

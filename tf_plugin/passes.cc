@@ -1,0 +1,93 @@
+// Graph optimization passes for static placement (placement.h).
+//
+// POST_REWRITE_FOR_EXEC (ShapeAnnotationPass): the whole placed graph, just
+// before TF partitions it: in the TF1 master, and in the process that
+// instantiates a tf.function. Records the shapes of cross-task outputs on
+// their producers, for the partitions' analysis.
+//
+// POST_PARTITIONING (FunctionPlacementPass), for tf.function (multi-device
+// functions):
+// TF partitions a multi-device function in the process that instantiates
+// it and runs the POST_PARTITIONING passes there, on every partition, before
+// the function's first run. The component functions it ships to other tasks
+// are instantiated there with every pass skipped
+// (optimize_function_graph_utils.cc: `!options.is_component_function`), and
+// no RegisterGraph happens. So this pass can place only the edges whose
+// sender is the instantiating process itself; the other tasks' edges stay
+// traced (placed on first use). See the README section "Placement at
+// graph-registration time".
+//
+// TF1 sessions do not come here: their workers run POST_PARTITIONING with
+// is_function_graph false, and are handled at RegisterGraph (worker.h).
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "placement.h"
+#include "tensorflow/core/common_runtime/optimization_registry.h"
+#include "tensorflow/core/platform/logging.h"
+#include "tensorflow/core/util/device_name_utils.h"
+#include "transport.h"
+
+namespace rdma_device {
+
+namespace tf = ::tensorflow;
+
+namespace {
+
+class ShapeAnnotationPass : public tf::GraphOptimizationPass {
+ public:
+  absl::Status Run(const tf::GraphOptimizationPassOptions& options) override {
+    // Only in processes running our transport, with static placement on
+    // (DirectSession graphs run here too: they have no cross-task edges).
+    if (options.graph == nullptr || *options.graph == nullptr ||
+        !Transport::AnyStaticPlacement()) {
+      return absl::OkStatus();
+    }
+    const int n = AnnotateCrossTaskShapes(options.graph->get(), options.flib_def);
+    VLOG(1) << "rdma_device: recorded static shapes of " << n
+            << " nodes with outputs crossing tasks";
+    return absl::OkStatus();  // never fails the graph
+  }
+};
+
+// Phase: last, so the shapes are those of the graph TF partitions.
+REGISTER_OPTIMIZATION(tf::OptimizationPassRegistry::POST_REWRITE_FOR_EXEC, 1000,
+                      ShapeAnnotationPass);
+
+class FunctionPlacementPass : public tf::GraphOptimizationPass {
+ public:
+  absl::Status Run(const tf::GraphOptimizationPassOptions& options) override {
+    if (!options.is_function_graph || options.partition_graphs == nullptr) {
+      return absl::OkStatus();
+    }
+    for (const auto& [device, graph] : *options.partition_graphs) {
+      tsl::DeviceNameUtils::ParsedName parsed;
+      if (graph == nullptr || !tsl::DeviceNameUtils::ParseFullName(device, &parsed)) continue;
+      const std::string task = TaskName(parsed.job, parsed.replica, parsed.task);
+      // A transport of this process whose task is this partition's: the
+      // partition runs here and its sends are ours to place.
+      std::shared_ptr<Transport> transport = Transport::ForTask(task);
+      if (transport == nullptr || !transport->static_placement()) continue;
+      std::vector<SendEdge> edges;
+      absl::Status s = FindSendEdges(*graph, task, &edges);
+      if (!s.ok()) {
+        LOG(WARNING) << "rdma_device: cannot analyse a partition of function "
+                     << options.debug_filename_prefix << " on " << device
+                     << "; its edges are placed on first use: " << s;
+        continue;
+      }
+      PlaceStaticEdges(*transport, edges, absl::StrCat(task, " function partition"));
+    }
+    return absl::OkStatus();  // never fails the function
+  }
+};
+
+// Phase: last, after TF's own POST_PARTITIONING passes.
+REGISTER_OPTIMIZATION(tf::OptimizationPassRegistry::POST_PARTITIONING, 1000,
+                      FunctionPlacementPass);
+
+}  // namespace
+
+}  // namespace rdma_device

@@ -1,0 +1,270 @@
+#include "placement.h"
+
+#include <chrono>
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/common_runtime/shape_refiner.h"
+#include "tensorflow/core/framework/control_flow.h"
+#include "tensorflow/core/framework/node_def_util.h"
+#include "tensorflow/core/framework/attr_value.pb.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/framework/tensor_shape.pb.h"
+#include "tensorflow/core/framework/rendezvous.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/types.h"
+#include "tensorflow/core/graph/algorithm.h"
+#include "tensorflow/core/graph/control_flow.h"
+#include "tensorflow/core/platform/logging.h"
+#include "tensorflow/core/util/device_name_utils.h"
+#include "transport.h"
+
+namespace rdma_device {
+
+namespace tf = ::tensorflow;
+
+namespace {
+
+// How long one placement may wait for the receiver's answer. A live
+// receiver answers within a round trip; this only bounds how long a graph
+// registration can be held up by a receiver that stopped answering (its
+// edges are then traced, and its steps fail on their own).
+constexpr uint64_t kPlaceTimeoutMs = 5000;
+
+// Shape inference over `graph` in topological order. A node whose shape
+// function fails (or whose op has none) leaves its consumers' inputs
+// unknown, which only makes fewer edges static.
+void InferShapes(const tf::Graph& graph, const tf::FunctionLibraryDefinition* flib,
+                 tf::ShapeRefiner* refiner) {
+  refiner->set_require_shape_inference_fns(false);
+  if (flib != nullptr) refiner->set_function_library_for_shape_inference(flib);
+  std::vector<tf::Node*> order;
+  tf::GetReversePostOrder(graph, &order);
+  for (const tf::Node* n : order) {
+    absl::Status s = refiner->AddNode(n);
+    if (!s.ok()) VLOG(3) << "rdma_device: no shape for " << n->name() << ": " << s;
+  }
+}
+
+// The task part of a device name, or "" when it does not parse.
+std::string TaskOfDevice(const std::string& device) {
+  tsl::DeviceNameUtils::ParsedName parsed;
+  if (device.empty() || !tsl::DeviceNameUtils::ParseFullName(device, &parsed) ||
+      !parsed.has_job || !parsed.has_task) {
+    return "";
+  }
+  return TaskName(parsed.job, parsed.has_replica ? parsed.replica : 0, parsed.task);
+}
+
+// The shape the whole-graph pass recorded for output `index` of `node`.
+bool AnnotatedShape(const tf::Node* node, int index, tf::TensorShape* shape) {
+  const tf::AttrValue* attr = node->attrs().Find(kShapesAttr);
+  if (attr == nullptr || !attr->has_list() || index >= attr->list().shape_size()) return false;
+  tf::PartialTensorShape partial(attr->list().shape(index));
+  return partial.IsFullyDefined() && partial.AsTensorShape(shape);
+}
+
+struct Candidate {
+  const tf::Node* node;
+  SendEdge edge;
+};
+
+// Payload bytes of the tensor feeding `send` when shape inference proves
+// its shape; -1 (and `why`) otherwise.
+int64_t StaticBytes(const tf::ShapeRefiner& refiner, const tf::Node* send, tf::DataType dtype,
+                    std::string* why) {
+  if (!tf::DataTypeCanUseMemcpy(dtype) || tf::DataTypeSize(dtype) <= 0) {
+    *why = absl::StrCat(tf::DataTypeString(dtype), " has no fixed size");
+    return -1;
+  }
+  const tf::Edge* in = nullptr;
+  if (!send->input_edge(0, &in).ok() || in == nullptr) {
+    *why = "no input edge";
+    return -1;
+  }
+  int64_t elements = 1;
+  tf::shape_inference::InferenceContext* ic = refiner.GetContext(in->src());
+  tf::shape_inference::ShapeHandle shape;
+  if (ic != nullptr) shape = ic->output(in->src_output());
+  tf::TensorShape annotated;
+  if (ic != nullptr && ic->FullyDefined(shape)) {
+    for (int i = 0; i < ic->Rank(shape); ++i) {
+      const int64_t d = ic->Value(ic->Dim(shape, i));
+      if (d < 0 || (d > 0 && elements > INT64_MAX / d)) {
+        *why = "shape overflows";
+        return -1;
+      }
+      elements *= d;
+    }
+  } else if (AnnotatedShape(in->src(), in->src_output(), &annotated)) {
+    elements = annotated.num_elements();  // TensorShape keeps it in range
+  } else {
+    *why = absl::StrCat("shape ", ic != nullptr ? ic->DebugString(shape) : "?",
+                        " is not static");
+    return -1;
+  }
+  const int64_t size = tf::DataTypeSize(dtype);
+  if (elements > INT64_MAX / size) {
+    *why = "shape overflows";
+    return -1;
+  }
+  return elements * size;
+}
+
+}  // namespace
+
+int AnnotateCrossTaskShapes(tf::Graph* graph, const tf::FunctionLibraryDefinition* flib) {
+  // Producers with an output consumed on another task, and which outputs.
+  std::map<tf::Node*, std::vector<bool>> crossing;
+  for (tf::Node* n : graph->op_nodes()) {
+    const std::string task = TaskOfDevice(n->assigned_device_name());
+    if (task.empty()) continue;
+    for (const tf::Edge* e : n->out_edges()) {
+      if (e->IsControlEdge() || !e->dst()->IsOp()) continue;
+      const std::string dst = TaskOfDevice(e->dst()->assigned_device_name());
+      if (dst.empty() || dst == task) continue;
+      auto& outputs = crossing[n];
+      outputs.resize(n->num_outputs(), false);
+      if (e->src_output() >= 0 && e->src_output() < n->num_outputs()) {
+        outputs[e->src_output()] = true;
+      }
+    }
+  }
+  if (crossing.empty()) return 0;
+  tf::ShapeRefiner refiner(graph->versions(), graph->op_registry());
+  InferShapes(*graph, flib, &refiner);
+  int annotated = 0;
+  for (auto& [node, outputs] : crossing) {
+    tf::shape_inference::InferenceContext* ic = refiner.GetContext(node);
+    if (ic == nullptr) continue;
+    tf::AttrValue value;
+    bool any = false;
+    for (int i = 0; i < outputs.size(); ++i) {
+      tf::TensorShapeProto* proto = value.mutable_list()->add_shape();
+      tf::shape_inference::ShapeHandle shape = ic->output(i);
+      if (!outputs[i] || !ic->FullyDefined(shape)) {
+        proto->set_unknown_rank(true);
+        continue;
+      }
+      for (int d = 0; d < ic->Rank(shape); ++d) {
+        proto->add_dim()->set_size(ic->Value(ic->Dim(shape, d)));
+      }
+      any = true;
+    }
+    if (!any) continue;
+    node->AddAttr(kShapesAttr, value);
+    ++annotated;
+  }
+  return annotated;
+}
+
+absl::Status FindSendEdges(const tf::Graph& graph, const std::string& self_task,
+                           std::vector<SendEdge>* out) {
+  out->clear();
+  std::vector<Candidate> found;
+  for (const tf::Node* n : graph.op_nodes()) {
+    if (n->type_string() != "_Send" && n->type_string() != "_HostSend") continue;
+    std::string send_device, recv_device, tensor_name;
+    int64_t incarnation = 0;
+    bool client_terminated = false;
+    tf::DataType dtype = tf::DT_INVALID;
+    TF_RETURN_IF_ERROR(tf::GetNodeAttr(n->attrs(), "send_device", &send_device));
+    TF_RETURN_IF_ERROR(tf::GetNodeAttr(n->attrs(), "recv_device", &recv_device));
+    TF_RETURN_IF_ERROR(tf::GetNodeAttr(n->attrs(), "tensor_name", &tensor_name));
+    TF_RETURN_IF_ERROR(tf::GetNodeAttr(n->attrs(), "send_device_incarnation", &incarnation));
+    TF_RETURN_IF_ERROR(tf::GetNodeAttr(n->attrs(), "T", &dtype));
+    if (tf::TryGetNodeAttr(n->attrs(), "client_terminated", &client_terminated) &&
+        client_terminated) {
+      continue;  // fetched by the client, not sent to a task
+    }
+    tsl::DeviceNameUtils::ParsedName src, dst;
+    if (!tsl::DeviceNameUtils::ParseFullName(send_device, &src) ||
+        !tsl::DeviceNameUtils::ParseFullName(recv_device, &dst) ||
+        tsl::DeviceNameUtils::IsSameAddressSpace(src, dst) ||
+        TaskName(src.job, src.replica, src.task) != self_task) {
+      continue;
+    }
+    Candidate c{n, {}};
+    c.edge.peer = TaskName(dst.job, dst.replica, dst.task);
+    // Exactly the key the _Send kernel builds at run time (sendrecv_ops.cc)
+    // for the top-level frame.
+    c.edge.key = tf::Rendezvous::CreateKey(send_device, static_cast<uint64_t>(incarnation),
+                                           recv_device, tensor_name, tf::FrameAndIter(0, 0));
+    c.edge.dtype = tf::BaseType(dtype);
+    found.push_back(std::move(c));
+  }
+  if (found.empty()) return absl::OkStatus();
+
+  // Sends inside a while loop use a per-frame, per-iteration key: only the
+  // top-level frame's key is known ahead of time.
+  std::vector<tf::ControlFlowInfo> frames;
+  const absl::Status frames_status = tf::BuildControlFlowInfo(&graph, &frames);
+
+  tf::ShapeRefiner refiner(graph.versions(), graph.op_registry());
+  InferShapes(graph, &graph.flib_def(), &refiner);
+
+  for (Candidate& c : found) {
+    const int id = c.node->id();
+    if (!frames_status.ok()) {
+      c.edge.why = absl::StrCat("control flow analysis failed: ", frames_status.message());
+    } else if (id >= frames.size() || frames[id].frame == nullptr ||
+               !frames[id].frame->IsSource()) {
+      c.edge.why = "inside a while loop";
+    } else {
+      c.edge.bytes = StaticBytes(refiner, c.node, c.edge.dtype, &c.edge.why);
+    }
+    out->push_back(std::move(c.edge));
+  }
+  return absl::OkStatus();
+}
+
+void PlaceStaticEdges(Transport& transport, const std::vector<SendEdge>& edges,
+                      const std::string& what) {
+  if (edges.empty()) return;
+  const auto start = std::chrono::steady_clock::now();
+  std::map<std::string, std::vector<const SendEdge*>> by_peer;
+  int traced = 0, other_route = 0, placed = 0, no_room = 0, failed = 0;
+  for (const SendEdge& e : edges) {
+    if (e.bytes < 0) {
+      ++traced;
+      VLOG(2) << "rdma_device: " << what << ": " << e.key << " is traced: " << e.why;
+    } else if (!transport.Serves(e.peer)) {
+      ++other_route;
+    } else {
+      by_peer[e.peer].push_back(&e);
+    }
+  }
+  for (const auto& [peer, list] : by_peer) {
+    absl::Status s = transport.ConnectPeer(peer);
+    if (!s.ok()) {
+      LOG(WARNING) << "rdma_device: " << what << ": cannot reach " << peer
+                   << " to place its edges ahead of time (they are placed on first use): " << s;
+      failed += list.size();
+      continue;
+    }
+    for (size_t i = 0; i < list.size(); ++i) {
+      const SendEdge& e = *list[i];
+      bool ok = false;
+      s = transport.PlaceEdge(peer, e.key, static_cast<uint64_t>(e.bytes), kPlaceTimeoutMs, &ok);
+      if (!s.ok()) {
+        LOG(WARNING) << "rdma_device: " << what << ": placing " << e.key << " on " << peer
+                     << " failed (it and the " << list.size() - i - 1
+                     << " edges after it are placed on first use): " << s;
+        failed += list.size() - i;
+        break;
+      }
+      VLOG(2) << "rdma_device: " << what << ": " << e.key << " (" << e.bytes << " bytes) "
+              << (ok ? "placed" : "not placed: no arena room at the receiver");
+      ++(ok ? placed : no_room);
+    }
+  }
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  VLOG(1) << "rdma_device: " << what << ": " << edges.size() << " cross-task edges sent: "
+          << placed << " placed ahead, " << no_room << " without arena room, " << failed
+          << " failed, " << traced << " traced (no static size), " << other_route
+          << " over gRPC; " << ms << " ms";
+}
+
+}  // namespace rdma_device

@@ -1,0 +1,96 @@
+#include "worker.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "placement.h"
+#include "tensorflow/core/common_runtime/graph_constructor.h"
+#include "tensorflow/core/distributed_runtime/worker_env.h"
+#include "tensorflow/core/framework/function.h"
+#include "tensorflow/core/platform/logging.h"
+#include "tensorflow/core/platform/mutex.h"
+#include "transport.h"
+
+namespace rdma_device {
+
+namespace tf = ::tensorflow;
+
+namespace {
+
+// Shape inference and placement on the partition TF1's master registers.
+void PlacePartition(Transport& transport, const tf::GraphDef& def) {
+  const std::string self = transport.self_task();
+  // Cheap check first: most partitions of a multi-task graph send something,
+  // but registering the client's own fetch-only graphs should cost nothing.
+  bool any = false;
+  for (const tf::NodeDef& n : def.node()) {
+    if (n.op() == "_Send" || n.op() == "_HostSend") {
+      any = true;
+      break;
+    }
+  }
+  if (!any) return;
+  tf::FunctionLibraryDefinition flib(tf::OpRegistry::Global(), def.library());
+  tf::Graph graph(flib);
+  tf::GraphConstructorOptions opts;
+  opts.allow_internal_ops = true;  // _Send, _Recv
+  opts.expect_device_spec = false;
+  absl::Status s = tf::ConvertGraphDefToGraph(opts, def, &graph);
+  std::vector<SendEdge> edges;
+  if (s.ok()) s = FindSendEdges(graph, self, &edges);
+  if (!s.ok()) {
+    LOG(WARNING) << "rdma_device: " << self << ": cannot analyse a registered graph; its "
+                 << "edges are placed on first use: " << s;
+    return;
+  }
+  PlaceStaticEdges(transport, edges, absl::StrCat(self, " graph registration"));
+}
+
+}  // namespace
+
+RdmaWorker::RdmaWorker(tf::WorkerEnv* env, const tf::ConfigProto& config,
+                       std::shared_ptr<Transport> transport)
+    : GrpcWorker(env, config), transport_(std::move(transport)) {}
+
+void RdmaWorker::RegisterGraphAsync(const tf::RegisterGraphRequest* request,
+                                    tf::RegisterGraphResponse* response,
+                                    tf::StatusCallback done) {
+  if (transport_ == nullptr || !transport_->static_placement()) {
+    GrpcWorker::RegisterGraphAsync(request, response, std::move(done));
+    return;
+  }
+  // Placement waits on a round trip per edge, so it runs on a pool thread
+  // while TF registers the graph here (for the master's own task this
+  // thread is the master's registration loop over all tasks). `done` runs
+  // once both are over, with TF's status: placement never fails it.
+  struct Join {
+    tf::mutex mu;
+    int left = 2;
+    absl::Status status;
+    tf::StatusCallback done;
+  };
+  auto join = std::make_shared<Join>();
+  join->done = std::move(done);
+  auto finish = [join](const absl::Status* registered) {
+    tf::StatusCallback cb;
+    absl::Status s;
+    {
+      tf::mutex_lock l(join->mu);
+      if (registered != nullptr) join->status = *registered;
+      if (--join->left > 0) return;
+      cb = std::move(join->done);
+      s = join->status;
+    }
+    cb(s);
+  };
+  std::shared_ptr<Transport> transport = transport_;
+  env_->compute_pool->Schedule([transport, request, finish] {
+    PlacePartition(*transport, request->graph_def());
+    finish(nullptr);
+  });
+  GrpcWorker::RegisterGraphAsync(request, response,
+                                 [finish](const absl::Status& s) { finish(&s); });
+}
+
+}  // namespace rdma_device
