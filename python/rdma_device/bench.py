@@ -73,11 +73,13 @@ def transfer(args):
                 sessions[p] = (s, out)
             times = {p: [] for p in PROTOCOLS}
             for _ in range(args.reps):
-                for p in PROTOCOLS:  # interleaved
+                for p in PROTOCOLS:  # interleaved, in blocks of --block steps
                     s, out = sessions[p]
-                    t = time.perf_counter()
-                    s.run(out)
-                    times[p].append((time.perf_counter() - t) * 1e3)
+                    for i in range(args.block + 1):
+                        t = time.perf_counter()
+                        s.run(out)
+                        if i > 0:  # the block's first step absorbs the switch
+                            times[p].append((time.perf_counter() - t) * 1e3)
             for s, _ in sessions.values():
                 s.close()
             med = {p: statistics.median(v) for p, v in times.items()}
@@ -99,7 +101,8 @@ def transfer(args):
         for c in clusters.values():
             c.close()
     if not args.json:
-        print(f"transfer task1 -> task0 in a TF1 session, median of {args.reps} interleaved steps")
+        print(f"transfer task1 -> task0 in a TF1 session: median of {args.reps * args.block} steps per protocol, "
+              f"in {args.reps} interleaved blocks of {args.block} (+1 uncounted)")
         print(f"{'size':>8} {'grpc ms':>9} {'rdma ms':>9} {'ratio':>6} {'grpc GB/s':>10} {'rdma GB/s':>10} {'1st grpc':>9} {'1st rdma':>9}")
         for r in results:
             print(f"{_human(r['size']):>8} {r['grpc_ms']:>9.2f} {r['rdma_device_ms']:>9.2f} {r['ratio']:>6.2f} "
@@ -195,8 +198,11 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("transfer", help="task-to-task tensor transfer, grpc vs grpc+rdma_device")
     t.add_argument("--sizes", default="4K,64K,1M,16M,64M", help="comma-separated sizes (K/M suffix)")
-    t.add_argument("--reps", type=int, default=15, help="interleaved steps per size and protocol")
+    t.add_argument("--reps", type=int, default=7, help="interleaved blocks per size and protocol")
     t.add_argument("--json", action="store_true", help="one JSON object per size")
+    t.add_argument("--block", type=int, default=3,
+                   help="steps per protocol before switching to the other; the first step after "
+                        "each switch is run but not counted (default 3; 1 alternates every step)")
     t.add_argument("--no-strict", dest="strict", action="store_false",
                    help="allow fallback to gRPC (default: RDMA_DEVICE_STRICT=1 in the tasks)")
     r = sub.add_parser("train", help="short parameter-server training run under both protocols")
