@@ -386,3 +386,157 @@ def tf1_timeout(spec, ready):
         out["unblocked"] = sess.run(blocked).tolist()
     out["stats"] = _stats(spec)
     return out
+
+
+def _task_of(device):
+    return device.split("/device:")[0]
+
+
+def cross_task_edges(partition_graphs):
+    """Distinct rendezvous keys of the tensors one task sends another in
+    these partition graphs (fetches to the client excluded)."""
+    keys = set()
+    for graph in partition_graphs:
+        for node in graph.node:
+            if node.op not in ("_Send", "_HostSend"):
+                continue
+            attr = node.attr
+            if attr["client_terminated"].b:
+                continue
+            src, dst = attr["send_device"].s.decode(), attr["recv_device"].s.decode()
+            if _task_of(src) != _task_of(dst):
+                keys.add((src, attr["send_device_incarnation"].i, dst, attr["tensor_name"].s.decode()))
+    return keys
+
+
+def _pause(spec, payload):
+    """With spec["pause"]: prints ``PAUSED <json>`` and waits for one line on
+    stdin, so the test can read every task's counters at this point."""
+    if not spec.get("pause"):
+        return
+    import json
+    import sys
+
+    sys.stdout.write(f"PAUSED {json.dumps(payload)}\n")
+    sys.stdout.flush()
+    sys.stdin.readline()
+
+
+def tf1_static(spec, ready):
+    """A TF1 training graph whose cross-task tensors all have static shapes
+    (no feeds): f32, f16, int64, bool, and dead tensors from a cond. Pauses
+    after the first training step (spec["pause"]) for the counters."""
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+    tf.compat.v1.disable_control_flow_v2()
+    server = _start_chief_server(spec, tf)
+    ready()
+    w0, b0 = initial_values()
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device(PS):
+            w = tf.compat.v1.get_variable("w", initializer=w0)
+            b16 = tf.compat.v1.get_variable("b16", initializer=b0)
+            seen = tf.compat.v1.get_variable("seen", initializer=np.int64(0))
+        with tf.device(WORKER):
+            x = tf.constant(batch(3))                             # fixed [7, 16]
+            h = tf.matmul(x, w)                                   # f32 ps -> worker
+            h16 = tf.cast(h, tf.float16) + b16                    # f16 ps -> worker
+            mask = h16 > 0
+            ids = tf.argmax(h, axis=1, output_type=tf.int64)
+        with tf.device(CHIEF):
+            pred = tf.equal(tf.math.floormod(seen, 3), 0)        # int64 ps -> chief
+
+            def taken():
+                with tf.device(WORKER):
+                    return tf.reduce_sum(h) * 2.0
+
+            def untaken():
+                with tf.device(WORKER):
+                    return tf.reduce_sum(h) - 1.0
+
+            branch = tf.compat.v1.cond(pred, taken, untaken)      # dead tensors
+            mask_f = tf.reduce_mean(tf.cast(mask, tf.float32))    # bool worker -> chief
+            ids_sum = tf.reduce_sum(ids)                          # int64 worker -> chief
+            loss = (tf.reduce_mean(tf.square(tf.cast(h16, tf.float32)))
+                    + 1e-3 * branch)
+        opt = tf.compat.v1.train.GradientDescentOptimizer(0.05)
+        train = opt.minimize(loss, colocate_gradients_with_ops=True)
+        with tf.device(PS):
+            with tf.control_dependencies([train]):
+                count = seen.assign_add(1)
+        init = tf.compat.v1.global_variables_initializer()
+
+    digest = Digest()
+    losses = []
+    edges = set()
+    options = tf.compat.v1.RunOptions(output_partition_graphs=True)
+    with tf.compat.v1.Session(server.target, graph=graph) as sess:
+        metadata = tf.compat.v1.RunMetadata()
+        sess.run(init, options=options, run_metadata=metadata)
+        edges |= cross_task_edges(metadata.partition_graphs)
+        for step in range(spec.get("steps", 10)):
+            fetches = [loss, mask_f, ids_sum, branch, count]
+            if step == 0:
+                metadata = tf.compat.v1.RunMetadata()
+                out = sess.run(fetches, options=options, run_metadata=metadata)
+                edges |= cross_task_edges(metadata.partition_graphs)
+                _pause(spec, {"cross_task_edges": len(edges), "stats": _stats(spec)})
+            else:
+                out = sess.run(fetches)
+            for v in out:
+                digest.add(v)
+            losses.append(float(out[0]))
+        for v in sess.run([w, b16, seen]):
+            digest.add(v)
+    return {"digest": digest.hexdigest(), "items": digest.items, "losses": losses,
+            "cross_task_edges": len(edges), "stats": _stats(spec)}
+
+
+# Rows of the batch in tf1_resize: every step changes the size of the
+# tensors that depend on it, growing past earlier sizes (re-placement) and
+# shrinking; the largest are multi-MB.
+RESIZE_ROWS = (3, 700, 40, 1000, 1, 350, 900, 64)
+
+
+def tf1_resize(spec, ready):
+    """TF1 training whose activations change size every step (up to 4 MB),
+    with 2 MB weights and gradients between ps and worker."""
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+    server = _start_chief_server(spec, tf)
+    ready()
+    rng = np.random.default_rng(99)
+    w0 = (rng.standard_normal((512, 1024)) * 0.01).astype(np.float32)   # 2 MB
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device(PS):
+            w = tf.compat.v1.get_variable("w", initializer=w0)
+        with tf.device(CHIEF):
+            rows = tf.compat.v1.placeholder(tf.int32, [], name="rows")
+            step_t = tf.compat.v1.placeholder(tf.int32, [], name="step")
+        with tf.device(WORKER):
+            x = tf.random.stateless_normal(tf.stack([rows, 512]), seed=tf.stack([step_t, 7]))
+            h = tf.matmul(x, w)                                    # [rows, 1024] worker -> chief
+        with tf.device(CHIEF):
+            loss = tf.reduce_mean(tf.square(h))
+            head = tf.reduce_sum(h[:, :8], axis=0)
+        opt = tf.compat.v1.train.GradientDescentOptimizer(1e-3)
+        train = opt.minimize(loss, colocate_gradients_with_ops=True)
+        init = tf.compat.v1.global_variables_initializer()
+
+    digest = Digest()
+    losses = []
+    with tf.compat.v1.Session(server.target, graph=graph) as sess:
+        sess.run(init)
+        for step in range(spec.get("steps", len(RESIZE_ROWS))):
+            out = sess.run([loss, head, train],
+                           {rows: RESIZE_ROWS[step % len(RESIZE_ROWS)], step_t: step})[:2]
+            for v in out:
+                digest.add(v)
+            losses.append(float(out[0]))
+        digest.add(sess.run(w))
+    return {"digest": digest.hexdigest(), "items": digest.items, "losses": losses,
+            "stats": _stats(spec)}
