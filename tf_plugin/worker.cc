@@ -1,5 +1,6 @@
 #include "worker.h"
 
+#include <chrono>
 #include <utility>
 #include <vector>
 
@@ -31,6 +32,7 @@ void PlacePartition(Transport& transport, const tf::GraphDef& def) {
     }
   }
   if (!any) return;
+  const auto start = std::chrono::steady_clock::now();
   tf::FunctionLibraryDefinition flib(tf::OpRegistry::Global(), def.library());
   tf::Graph graph(flib);
   tf::GraphConstructorOptions opts;
@@ -44,6 +46,11 @@ void PlacePartition(Transport& transport, const tf::GraphDef& def) {
                  << "edges are placed on first use: " << s;
     return;
   }
+  VLOG(1) << "rdma_device: " << self << ": analysed a registered graph of " << def.node_size()
+          << " nodes in "
+          << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                 .count()
+          << " ms";
   PlaceStaticEdges(transport, edges, absl::StrCat(self, " graph registration"));
 }
 

@@ -7,7 +7,11 @@
 holds a variable, task 0 consumes it), on two local clusters started side by
 side, one with protocol "grpc" and one with "grpc+rdma_device"; steps
 alternate between them. Prints the median step time of each, the ratio
-(gRPC time / rdma_device time), and the first step of each fresh graph.
+(gRPC time / rdma_device time), and the first step of each fresh graph on
+three clusters: "grpc", "grpc+rdma_device" (edges placed when the graph is
+registered, so step 1 already pushes) and "grpc+rdma_device traced"
+(RDMA_DEVICE_STATIC_PLACEMENT=0: placed on first use, inside step 1). A
+first step includes TensorFlow registering the graph on the tasks.
 
 ``train``: a short parameter-server training run (variables on a PS task,
 gradient steps on a worker) under both protocols, interleaved; prints
@@ -24,6 +28,9 @@ import time
 from rdma_device._cluster import LocalCluster
 
 PROTOCOLS = ("grpc", "grpc+rdma_device")
+# A third cluster for first steps only: placement on first use.
+TRACED = "grpc+rdma_device traced"
+TRACED_ENV = {"RDMA_DEVICE_STATIC_PLACEMENT": "0"}
 
 
 def _parse_size(s):
@@ -58,6 +65,7 @@ def transfer(args):
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     env = {"RDMA_DEVICE_STRICT": "1"} if args.strict else {}
     clusters = {p: LocalCluster(p, {"worker": 2}, env=env) for p in PROTOCOLS}
+    clusters[TRACED] = LocalCluster("grpc+rdma_device", {"worker": 2}, env=dict(env, **TRACED_ENV))
     results = []
     try:
         for size in sizes:
@@ -68,9 +76,12 @@ def transfer(args):
                 s = tf.compat.v1.Session(c.target(), graph=g)
                 s.run(init)
                 t = time.perf_counter()
-                s.run(out)  # first step of this graph: placement happens here
+                s.run(out)  # first step of this graph: registration (and placement) happen here
                 first[p] = (time.perf_counter() - t) * 1e3
-                sessions[p] = (s, out)
+                if p in PROTOCOLS:
+                    sessions[p] = (s, out)
+                else:
+                    s.close()
             times = {p: [] for p in PROTOCOLS}
             for _ in range(args.reps):
                 for p in PROTOCOLS:  # interleaved, in blocks of --block steps
@@ -92,6 +103,7 @@ def transfer(args):
                 "rdma_device_gbps": round(size / med["grpc+rdma_device"] / 1e6, 3),
                 "first_step_grpc_ms": round(first["grpc"], 3),
                 "first_step_rdma_device_ms": round(first["grpc+rdma_device"], 3),
+                "first_step_rdma_device_traced_ms": round(first[TRACED], 3),
             }
             results.append(r)
             if args.json:
@@ -103,10 +115,14 @@ def transfer(args):
     if not args.json:
         print(f"transfer task1 -> task0 in a TF1 session: median of {args.reps * args.block} steps per protocol, "
               f"in {args.reps} interleaved blocks of {args.block} (+1 uncounted)")
-        print(f"{'size':>8} {'grpc ms':>9} {'rdma ms':>9} {'ratio':>6} {'grpc GB/s':>10} {'rdma GB/s':>10} {'1st grpc':>9} {'1st rdma':>9}")
+        print("first step of each fresh graph (ms, includes graph registration): 1st grpc, 1st rdma "
+              "(static placement), 1st traced (RDMA_DEVICE_STATIC_PLACEMENT=0)")
+        print(f"{'size':>8} {'grpc ms':>9} {'rdma ms':>9} {'ratio':>6} {'grpc GB/s':>10} {'rdma GB/s':>10} "
+              f"{'1st grpc':>9} {'1st rdma':>9} {'1st traced':>10}")
         for r in results:
             print(f"{_human(r['size']):>8} {r['grpc_ms']:>9.2f} {r['rdma_device_ms']:>9.2f} {r['ratio']:>6.2f} "
-                  f"{r['grpc_gbps']:>10.2f} {r['rdma_device_gbps']:>10.2f} {r['first_step_grpc_ms']:>9.2f} {r['first_step_rdma_device_ms']:>9.2f}")
+                  f"{r['grpc_gbps']:>10.2f} {r['rdma_device_gbps']:>10.2f} {r['first_step_grpc_ms']:>9.2f} "
+                  f"{r['first_step_rdma_device_ms']:>9.2f} {r['first_step_rdma_device_traced_ms']:>10.2f}")
         _print_transport(stats)
     return results
 

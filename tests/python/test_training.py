@@ -48,3 +48,11 @@ def test_matches_grpc_bit_for_bit(role, grpc_reference, rdma_set):
     received = client["tensors_received"] + sum(
         a["tensors_received"] - b["tensors_received"] for b, a in zip(before, after))
     assert pushed > 0 and received > 0, (got["stats"], after)
+
+    # Static placement reached these APIs: TF1 at graph registration,
+    # tf.function and PSS for the edges the instantiating process sends.
+    # (Op-by-op eager has no graph to place ahead.)
+    static = client["edges_static"] + sum(
+        a["edges_static"] - b["edges_static"] for b, a in zip(before, after))
+    if role != "eager_train":
+        assert static > 0, (got["stats"], after)
