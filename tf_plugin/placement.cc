@@ -210,7 +210,7 @@ absl::Status FindSendEdges(const tf::Graph& graph, const std::string& self_task,
       c.edge.why = absl::StrCat("control flow analysis failed: ", frames_status.message());
     } else if (id >= frames.size() || frames[id].frame == nullptr ||
                !frames[id].frame->IsSource()) {
-      c.edge.why = "inside a while loop";
+      c.edge.why = "not in the top-level frame (inside a while loop, or unreachable)";
     } else {
       c.edge.bytes = StaticBytes(refiner, c.node, c.edge.dtype, &c.edge.why);
     }

@@ -9,6 +9,7 @@
 #include "tensorflow/core/common_runtime/graph_constructor.h"
 #include "tensorflow/core/distributed_runtime/worker_env.h"
 #include "tensorflow/core/framework/function.h"
+#include "tensorflow/core/platform/env.h"
 #include "tensorflow/core/platform/logging.h"
 #include "tensorflow/core/platform/mutex.h"
 #include "transport.h"
@@ -92,10 +93,15 @@ void RdmaWorker::RegisterGraphAsync(const tf::RegisterGraphRequest* request,
     cb(s);
   };
   std::shared_ptr<Transport> transport = transport_;
-  env_->compute_pool->Schedule([transport, request, finish] {
+  auto place = [transport, request, finish] {
     PlacePartition(*transport, request->graph_def());
     finish(nullptr);
-  });
+  };
+  if (env_->compute_pool != nullptr) {
+    env_->compute_pool->Schedule(std::move(place));
+  } else {
+    tsl::Env::Default()->SchedClosure(std::move(place));
+  }
   GrpcWorker::RegisterGraphAsync(request, response,
                                  [finish](const absl::Status& s) { finish(&s); });
 }
