@@ -151,6 +151,23 @@ enum rdev_status rdev_place_edge(const struct rdev_context *ctx,
                                  uint64_t timeout_ms,
                                  bool *placed);
 
+// Static placement on behalf of another task (graphs partitioned in one
+// process and run in others, e.g. tf.function): ask task `sender` to do
+// what `rdev_place_edge(receiver, key, bytes)` does on it, and wait up to
+// `timeout_ms` for the outcome. `sender` may be this task, `receiver` may
+// be this task or a third one. Same `*placed` semantics as
+// `rdev_place_edge`.
+enum rdev_status rdev_request_placement(const struct rdev_context *ctx,
+                                        const char *sender,
+                                        size_t sender_len,
+                                        const char *receiver,
+                                        size_t receiver_len,
+                                        const char *key,
+                                        size_t key_len,
+                                        uint64_t bytes,
+                                        uint64_t timeout_ms,
+                                        bool *placed);
+
 // Connect to `peer` now (e.g. at graph registration) instead of at its
 // first tensor. Fails with RDEV_TIMEOUT / RDEV_PEER_LOST when it cannot.
 enum rdev_status rdev_connect_peer(const struct rdev_context *ctx,

@@ -244,3 +244,31 @@ fn restarted_peer_is_reached_again() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+#[test]
+fn placement_requested_by_a_third_task() {
+    // Task 0 partitions a function whose edge runs from task 1 to task 2:
+    // it asks task 1 to place the edge at task 2 before the first step.
+    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let nodes: Vec<Node> = (0..3).map(|i| Node::new(small_config(), &task(i), &format!("localhost:{}", ports[i])).unwrap()).collect();
+    for (i, n) in nodes.iter().enumerate() {
+        for (j, p) in ports.iter().enumerate() {
+            if i != j {
+                n.add_peer(&task(j), &format!("localhost:{p}"));
+            }
+        }
+    }
+    let key = "/job:worker/replica:0/task:1/device:CPU:0;1;/job:worker/replica:0/task:2/device:CPU:0;w;0:0";
+    assert!(nodes[0].request_placement(&task(1), &task(2), key, 1 << 20, Duration::from_secs(5)).unwrap());
+    assert_eq!(nodes[2].counters().edges_static, 1);
+    let neg = nodes[1].counters().negotiation_messages + nodes[2].counters().negotiation_messages;
+    let data = pattern(1, 1 << 20);
+    let r = recv_async(&nodes[2], &task(1), key, 1);
+    send_wait(&nodes[1], &task(2), key, 1, meta(&[1 << 20]), data.clone()).unwrap();
+    assert_eq!(r.recv_timeout(Duration::from_secs(5)).unwrap().unwrap().bytes(), &data[..]);
+    assert_eq!(nodes[1].counters().negotiation_messages + nodes[2].counters().negotiation_messages, neg, "the first step needs no negotiation");
+    assert_eq!(nodes[2].counters().edges_traced, 0);
+    // Asking on behalf of ourselves works too; an unknown sender is an error.
+    assert!(nodes[1].request_placement(&task(1), &task(0), "k2", 4096, Duration::from_secs(5)).unwrap());
+    assert!(nodes[0].request_placement("/job:nobody/replica:0/task:9", &task(2), "k3", 1, Duration::from_secs(1)).is_err());
+}

@@ -351,6 +351,40 @@ pub unsafe extern "C" fn rdev_place_edge(
     })
 }
 
+/// Static placement on behalf of another task (graphs partitioned in one
+/// process and run in others, e.g. tf.function): ask task `sender` to do
+/// what `rdev_place_edge(receiver, key, bytes)` does on it, and wait up to
+/// `timeout_ms` for the outcome. `sender` may be this task, `receiver` may
+/// be this task or a third one. Same `*placed` semantics as
+/// `rdev_place_edge`.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_request_placement(
+    ctx: *const rdev_context,
+    sender: *const c_char,
+    sender_len: usize,
+    receiver: *const c_char,
+    receiver_len: usize,
+    key: *const c_char,
+    key_len: usize,
+    bytes: u64,
+    timeout_ms: u64,
+    placed: *mut bool,
+) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per the documented contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let sender = unsafe { str_arg(sender, sender_len, "sender") }?;
+        let receiver = unsafe { str_arg(receiver, receiver_len, "receiver") }?;
+        let key = unsafe { str_arg(key, key_len, "key") }?;
+        let ok = c.node.request_placement(sender, receiver, key, bytes, std::time::Duration::from_millis(timeout_ms))?;
+        if !placed.is_null() {
+            // SAFETY: non-NULL out-param.
+            unsafe { *placed = ok };
+        }
+        Ok(())
+    })
+}
+
 /// Connect to `peer` now (e.g. at graph registration) instead of at its
 /// first tensor. Fails with RDEV_TIMEOUT / RDEV_PEER_LOST when it cannot.
 #[no_mangle]

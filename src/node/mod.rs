@@ -47,6 +47,8 @@ pub(crate) struct Inner {
     /// `Node::new` is still running waits for it, so replies on it can
     /// find their listener.
     ready: (Mutex<bool>, parking_lot::Condvar),
+    /// Placements we asked other tasks to make: request id → answer.
+    placing: Mutex<HashMap<u64, std::sync::mpsc::Sender<(u32, String)>>>,
     /// This node's own counters (Stats holds the process-wide sums).
     totals: Mutex<rendezvous::Tally>,
     me: Weak<Inner>,
@@ -88,6 +90,7 @@ impl Node {
             links: Mutex::new(HashMap::new()),
             peers: peers::Peers::default(),
             ready: (Mutex::new(false), parking_lot::Condvar::new()),
+            placing: Mutex::new(HashMap::new()),
             totals: Mutex::new(rendezvous::Tally::default()),
             me: me.clone(),
         });
@@ -157,6 +160,14 @@ impl Node {
     /// of the edge is already a push. `Ok(false)`: no room at the peer.
     pub fn place_ahead(&self, peer: &str, key: &str, bytes: u64, timeout: std::time::Duration) -> Result<bool> {
         self.inner.place_ahead(peer, key, bytes, timeout)
+    }
+
+    /// Static placement on behalf of another task: have `sender` place the
+    /// edge `key` it sends to `receiver` for `bytes` (as `place_ahead` does
+    /// on it) and wait up to `timeout` for the outcome. For graphs
+    /// partitioned in one process and run in others (tf.function).
+    pub fn request_placement(&self, sender: &str, receiver: &str, key: &str, bytes: u64, timeout: std::time::Duration) -> Result<bool> {
+        self.inner.request_placement(sender, receiver, key, bytes, timeout)
     }
 
     /// Connect to `peer` now rather than on first use.
@@ -429,6 +440,8 @@ impl Inner {
                     let acts = self.locked(|r| r.release(link, slot, gen));
                     self.exec(acts);
                 }
+                Action::PlaceFor { link, req, receiver, key, bytes } => self.place_for(link, req, receiver, key, bytes),
+                Action::PlaceDone { req, outcome, error } => self.placement_answered(req, outcome, error),
             }
         }
     }

@@ -223,6 +223,57 @@ impl Inner {
         }
     }
 
+    pub(super) fn request_placement(&self, sender: &str, receiver: &str, key: &str, bytes: u64, timeout: Duration) -> Result<bool> {
+        if sender == self.task {
+            return self.place_ahead(receiver, key, bytes, timeout);
+        }
+        let link = self.ensure_tx(sender)?;
+        static NEXT_REQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let req = NEXT_REQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.placing.lock().insert(req, tx);
+        let msg = crate::rendezvous::Msg::PlaceFor { req, receiver: receiver.to_string(), key: key.to_string(), bytes };
+        if let Err(e) = self.send_msg(link, &msg) {
+            self.placing.lock().remove(&req);
+            return Err(e);
+        }
+        let answer = rx.recv_timeout(timeout);
+        self.placing.lock().remove(&req);
+        match answer {
+            Ok((0, _)) => Ok(true),
+            Ok((1, _)) => Ok(false),
+            Ok((_, e)) => Err(Error::NotViable(format!("{sender} could not place {key} towards {receiver}: {e}"))),
+            Err(_) => Err(Error::Timeout(format!("{sender} did not place {key} within {timeout:?}"))),
+        }
+    }
+
+    /// A peer asks us to place an edge we send: do it on a thread of its
+    /// own (it waits for the receiver) and answer on the same link.
+    pub(super) fn place_for(&self, link: ConnId, req: u64, receiver: String, key: String, bytes: u64) {
+        let me = self.me.clone();
+        let spawned = std::thread::Builder::new().name("rdev-place".into()).spawn(move || {
+            let Some(n) = me.upgrade() else { return };
+            let timeout = Duration::from_millis(n.cfg.connect_timeout_ms);
+            let (outcome, error) = match n.place_ahead(&receiver, &key, bytes, timeout) {
+                Ok(true) => (0, String::new()),
+                Ok(false) => (1, String::new()),
+                Err(e) => (2, e.to_string()),
+            };
+            if let Err(e) = n.send_msg(link, &crate::rendezvous::Msg::PlaceDone { req, outcome, error }) {
+                log::debug!("{}: placement answer not sent: {e}", n.task);
+            }
+        });
+        if let Err(e) = spawned {
+            log::warn!("cannot spawn a placement thread: {e}");
+        }
+    }
+
+    pub(super) fn placement_answered(&self, req: u64, outcome: u32, error: String) {
+        if let Some(tx) = self.placing.lock().remove(&req) {
+            let _ = tx.send((outcome, error));
+        }
+    }
+
     pub(super) fn close_peer(&self, peer: &str) {
         let links = self.locked(|r| r.links_of(peer));
         let acts = links

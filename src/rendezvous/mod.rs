@@ -80,6 +80,11 @@ pub enum Action {
     SendDone { done: SendDone, result: Result<()> },
     /// Complete a receive.
     Deliver { done: RecvDone, result: Result<Received> },
+    /// The peer on `link` asks us to place an edge as its sender (answer
+    /// with `Msg::PlaceDone` on the same link). Node-level work: it blocks.
+    PlaceFor { link: LinkId, req: u64, receiver: String, key: String, bytes: u64 },
+    /// The answer to a placement we requested.
+    PlaceDone { req: u64, outcome: u32, error: String },
     /// Free an arrival the application will never take (its step finished).
     Release { link: LinkId, slot: u32, gen: u32 },
 }
@@ -94,6 +99,8 @@ impl std::fmt::Debug for Action {
             Action::SendDone { result, .. } => write!(f, "SendDone({result:?})"),
             Action::Deliver { result, .. } => write!(f, "Deliver({:?})", result.as_ref().map(|r| &r.meta)),
             Action::Release { link, slot, gen } => write!(f, "Release(link {link}, slot {slot}, gen {gen})"),
+            Action::PlaceFor { link, req, key, .. } => write!(f, "PlaceFor(link {link}, req {req}, {key})"),
+            Action::PlaceDone { req, outcome, .. } => write!(f, "PlaceDone(req {req}, {outcome})"),
         }
     }
 }
@@ -241,6 +248,8 @@ impl Rendezvous {
             (Msg::Grow { edge_id, slot }, true, _) => self.tx_grow(link, edge_id, slot),
             (Msg::More { edge_id, need }, _, true) => self.rx_more(link, edge_id, need),
             (Msg::Abort { step, reason }, _, _) => Ok(self.peer_aborted(link, step, reason)),
+            (Msg::PlaceFor { req, receiver, key, bytes }, _, _) => Ok(vec![Action::PlaceFor { link, req, receiver, key, bytes }]),
+            (Msg::PlaceDone { req, outcome, error }, _, _) => Ok(vec![Action::PlaceDone { req, outcome, error }]),
             (Msg::Announce { key, step, need, returned }, _, true) => self.rx_announce(link, key, step, need, returned),
             (Msg::ReturnSlot { slot, gen }, _, true) => self.rx_return(link, slot, gen),
             (Msg::Inline { key, step, meta, total, offset, bytes }, _, true) => {

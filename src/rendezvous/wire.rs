@@ -54,6 +54,13 @@ pub enum Msg {
     Revoke { edge_id: u32 },
     /// Either way: this task aborted `step`; fail what waits on us for it.
     Abort { step: u64, reason: String },
+    /// Either way: please place, as the sender, edge `key` towards
+    /// `receiver` for `bytes` (static placement requested by the task that
+    /// partitioned the graph); answer with `PlaceDone { req }`.
+    PlaceFor { req: u64, receiver: String, key: String, bytes: u64 },
+    /// Either way: outcome of `PlaceFor { req }`: 0 placed, 1 no room,
+    /// 2 failed (`error` says why).
+    PlaceDone { req: u64, outcome: u32, error: String },
     /// Sender → receiver: a piece of a tensor sent through messages.
     Inline { key: String, step: u64, meta: TensorMeta, total: u64, offset: u64, bytes: Vec<u8> },
 }
@@ -69,6 +76,8 @@ const T_MORE: u8 = 8;
 const T_NOMORE: u8 = 9;
 const T_ABORT: u8 = 10;
 const T_GROW: u8 = 11;
+const T_PLACE_FOR: u8 = 12;
+const T_PLACE_DONE: u8 = 13;
 
 /// `Announce.step` of a placement made ahead of time (from a static shape,
 /// before the first step). TensorFlow's step ids use 56 bits, so this value
@@ -157,6 +166,8 @@ impl Msg {
             Msg::More { edge_id, need } => { w.u8(T_MORE); w.u32(*edge_id); w.u64(*need) }
             Msg::NoMore { edge_id } => { w.u8(T_NOMORE); w.u32(*edge_id) }
             Msg::Grow { edge_id, slot: s } => { w.u8(T_GROW); w.u32(*edge_id); w.u32(s.id); w.u32(s.gen); w.u64(s.offset); w.u64(s.capacity) }
+            Msg::PlaceFor { req, receiver, key, bytes } => { w.u8(T_PLACE_FOR); w.u64(*req); w.bytes(receiver.as_bytes()); w.bytes(key.as_bytes()); w.u64(*bytes) }
+            Msg::PlaceDone { req, outcome, error } => { w.u8(T_PLACE_DONE); w.u64(*req); w.u32(*outcome); w.bytes(error.as_bytes()) }
             Msg::Abort { step, reason } => { w.u8(T_ABORT); w.u64(*step); w.bytes(reason.as_bytes()) }
             Msg::Inline { key, step, meta, total, offset, bytes } => {
                 w.u8(T_INLINE); w.bytes(key.as_bytes()); w.u64(*step); w.meta(meta);
@@ -193,6 +204,8 @@ impl Msg {
             T_MORE => Msg::More { edge_id: r.u32()?, need: r.u64()? },
             T_NOMORE => Msg::NoMore { edge_id: r.u32()? },
             T_GROW => Msg::Grow { edge_id: r.u32()?, slot: SlotDesc { id: r.u32()?, gen: r.u32()?, offset: r.u64()?, capacity: r.u64()? } },
+            T_PLACE_FOR => Msg::PlaceFor { req: r.u64()?, receiver: r.string()?, key: r.string()?, bytes: r.u64()? },
+            T_PLACE_DONE => Msg::PlaceDone { req: r.u64()?, outcome: r.u32()?, error: String::from_utf8_lossy(r.bytes(MAX_KEY)?).into_owned() },
             T_ABORT => Msg::Abort { step: r.u64()?, reason: String::from_utf8_lossy(r.bytes(MAX_KEY)?).into_owned() },
             T_INLINE => {
                 let key = r.string()?; let step = r.u64()?; let meta = r.meta()?;
@@ -320,6 +333,8 @@ mod tests {
             Msg::More { edge_id: 3, need: 4 },
             Msg::NoMore { edge_id: 5 },
             Msg::Abort { step: 9, reason: "why".into() },
+            Msg::PlaceFor { req: 1, receiver: "r".into(), key: "k".into(), bytes: 9 },
+            Msg::PlaceDone { req: 1, outcome: 2, error: "e".into() },
             Msg::Grow { edge_id: 1, slot: SlotDesc { id: 2, gen: 3, offset: 4096, capacity: 5 } },
             Msg::Inline { key: "k".into(), step: 1, meta: TensorMeta { dtype: 1, flags: 2, dims: vec![2, 3] }, total: 6, offset: 0, bytes: vec![1, 2, 3] },
         ]
