@@ -47,6 +47,7 @@ def test_static_graph_first_step_pushes_without_negotiation(log_dir, plugin_buil
     servers = ServerSet(harness.PROTOCOL_RDMA, log_dir, env=STRICT)
     try:
         paused, at_pause, got = run_paused(servers, "tf1_static", STATIC_STEPS)
+        at_end = [t.stats()["counters"] for t in servers.servers]
     finally:
         servers.close()
     after_first = totals(at_pause + [paused["stats"]["counters"]])
@@ -66,6 +67,17 @@ def test_static_graph_first_step_pushes_without_negotiation(log_dir, plugin_buil
     assert after_first["tensors_pushed"] == edges, after_first
     assert after_first["inline_tensors"] == 0, after_first
     assert after_first["fallback_tensors"] == 0, after_first
+
+    # The later steps negotiated nothing either: every tensor was a push.
+    # (The final fetch of the variables is one more graph, placed statically
+    # too: `extra` edges, one tensor each.)
+    after_all = totals(at_end + [got["stats"]["counters"]])
+    extra = after_all["edges_static"] - edges
+    assert after_all["edges_traced"] == 0, after_all
+    assert after_all["replacements"] == 0, after_all
+    assert after_all["negotiation_messages"] == 2 * after_all["edges_static"], after_all
+    assert after_all["inline_tensors"] == 0, after_all
+    assert after_all["tensors_pushed"] == edges * STATIC_STEPS + extra, after_all
 
     want = grpc_reference("tf1_static", STATIC_STEPS)
     assert got["cross_task_edges"] == want["cross_task_edges"] == edges
