@@ -10,13 +10,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "tensorflow/core/common_runtime/shape_refiner.h"
+#include "tensorflow/core/framework/attr_value.pb.h"
 #include "tensorflow/core/framework/control_flow.h"
 #include "tensorflow/core/framework/node_def_util.h"
-#include "tensorflow/core/framework/attr_value.pb.h"
-#include "tensorflow/core/framework/tensor_shape.h"
-#include "tensorflow/core/framework/tensor_shape.pb.h"
 #include "tensorflow/core/framework/rendezvous.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/framework/tensor_shape.pb.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/graph/algorithm.h"
 #include "tensorflow/core/graph/control_flow.h"
@@ -70,9 +70,14 @@ std::string TaskOfDevice(const std::string& device) {
 // The shape the whole-graph pass recorded for output `index` of `node`.
 bool AnnotatedShape(const tf::Node* node, int index, tf::TensorShape* shape) {
   const tf::AttrValue* attr = node->attrs().Find(kShapesAttr);
-  if (attr == nullptr || !attr->has_list() || index >= attr->list().shape_size()) return false;
-  tf::PartialTensorShape partial(attr->list().shape(index));
-  return partial.IsFullyDefined() && partial.AsTensorShape(shape);
+  if (attr == nullptr || !attr->has_list() || index < 0 || index >= attr->list().shape_size()) {
+    return false;
+  }
+  // Validated, not assumed: the attr arrived in a GraphDef.
+  tf::PartialTensorShape partial;
+  return tf::PartialTensorShape::BuildPartialTensorShape(attr->list().shape(index), &partial)
+             .ok() &&
+         partial.IsFullyDefined() && partial.AsTensorShape(shape);
 }
 
 struct Candidate {
@@ -152,11 +157,11 @@ int AnnotateCrossTaskShapes(tf::Graph* graph, const tf::FunctionLibraryDefinitio
     bool any = false;
     for (int i = 0; i < outputs.size(); ++i) {
       tf::TensorShapeProto* proto = value.mutable_list()->add_shape();
-      tf::shape_inference::ShapeHandle shape = ic->output(i);
-      if (!outputs[i] || !ic->FullyDefined(shape)) {
+      if (!outputs[i] || i >= ic->num_outputs() || !ic->FullyDefined(ic->output(i))) {
         proto->set_unknown_rank(true);
         continue;
       }
+      tf::shape_inference::ShapeHandle shape = ic->output(i);
       for (int d = 0; d < ic->Rank(shape); ++d) {
         proto->add_dim()->set_size(ic->Value(ic->Dim(shape, d)));
       }
