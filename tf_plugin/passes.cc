@@ -6,16 +6,16 @@
 // their producers, for the partitions' analysis.
 //
 // POST_PARTITIONING (FunctionPlacementPass), for tf.function (multi-device
-// functions):
-// TF partitions a multi-device function in the process that instantiates
-// it and runs the POST_PARTITIONING passes there, on every partition, before
-// the function's first run. The component functions it ships to other tasks
-// are instantiated there with every pass skipped
+// functions): TF partitions a multi-device function in the process that
+// instantiates it and runs the POST_PARTITIONING passes there, on every
+// partition, before the function's first run. The component functions it
+// ships to other tasks are instantiated there with every pass skipped
 // (optimize_function_graph_utils.cc: `!options.is_component_function`), and
-// no RegisterGraph happens. So this pass can place only the edges whose
-// sender is the instantiating process itself; the other tasks' edges stay
-// traced (placed on first use). See the README section "Placement at
-// graph-registration time".
+// no RegisterGraph happens. So this pass places every partition's static
+// edges from here: its own directly, the other tasks' by asking each sender
+// (rdev_request_placement), and waits for them, so the function's first run
+// already pushes. See the README section "Placement at graph-registration
+// time".
 //
 // TF1 sessions do not come here: their workers run POST_PARTITIONING with
 // is_function_graph false, and are handled at RegisterGraph (worker.h).
@@ -43,7 +43,7 @@ class ShapeAnnotationPass : public tf::GraphOptimizationPass {
     // Only in processes running our transport, with static placement on
     // (DirectSession graphs run here too: they have no cross-task edges).
     if (options.graph == nullptr || *options.graph == nullptr ||
-        !Transport::AnyStaticPlacement()) {
+        Transport::AnyWithStaticPlacement() == nullptr) {
       return absl::OkStatus();
     }
     const auto start = std::chrono::steady_clock::now();
@@ -67,14 +67,14 @@ class FunctionPlacementPass : public tf::GraphOptimizationPass {
     if (!options.is_function_graph || options.partition_graphs == nullptr) {
       return absl::OkStatus();
     }
+    // This process's transport: it places the edges its own task sends and
+    // asks the other tasks to place theirs.
+    std::shared_ptr<Transport> here = Transport::AnyWithStaticPlacement();
+    if (here == nullptr) return absl::OkStatus();
     for (const auto& [device, graph] : *options.partition_graphs) {
       tsl::DeviceNameUtils::ParsedName parsed;
       if (graph == nullptr || !tsl::DeviceNameUtils::ParseFullName(device, &parsed)) continue;
       const std::string task = TaskName(parsed.job, parsed.replica, parsed.task);
-      // A transport of this process whose task is this partition's: the
-      // partition runs here and its sends are ours to place.
-      std::shared_ptr<Transport> transport = Transport::ForTask(task);
-      if (transport == nullptr || !transport->static_placement()) continue;
       std::vector<SendEdge> edges;
       absl::Status s = FindSendEdges(*graph, task, &edges);
       if (!s.ok()) {
@@ -83,7 +83,12 @@ class FunctionPlacementPass : public tf::GraphOptimizationPass {
                      << "; its edges are placed on first use: " << s;
         continue;
       }
-      PlaceStaticEdges(*transport, edges, absl::StrCat(task, " function partition"));
+      // A partition of a task served by a server of this process: that
+      // server's transport sends its edges.
+      std::shared_ptr<Transport> local = Transport::ForTask(task);
+      Transport& transport = local != nullptr && local->static_placement() ? *local : *here;
+      PlaceStaticEdges(transport, edges,
+                       absl::StrCat(transport.self_task(), " function partition on ", task));
     }
     return absl::OkStatus();  // never fails the function
   }

@@ -174,7 +174,7 @@ int AnnotateCrossTaskShapes(tf::Graph* graph, const tf::FunctionLibraryDefinitio
   return annotated;
 }
 
-absl::Status FindSendEdges(const tf::Graph& graph, const std::string& self_task,
+absl::Status FindSendEdges(const tf::Graph& graph, const std::string& sender_task,
                            std::vector<SendEdge>* out) {
   out->clear();
   std::vector<Candidate> found;
@@ -197,10 +197,11 @@ absl::Status FindSendEdges(const tf::Graph& graph, const std::string& self_task,
     if (!tsl::DeviceNameUtils::ParseFullName(send_device, &src) ||
         !tsl::DeviceNameUtils::ParseFullName(recv_device, &dst) ||
         tsl::DeviceNameUtils::IsSameAddressSpace(src, dst) ||
-        TaskName(src.job, src.replica, src.task) != self_task) {
+        TaskName(src.job, src.replica, src.task) != sender_task) {
       continue;
     }
     Candidate c{n, {}};
+    c.edge.sender = sender_task;
     c.edge.peer = TaskName(dst.job, dst.replica, dst.task);
     // Exactly the key the _Send kernel builds at run time (sendrecv_ops.cc)
     // for the top-level frame.
@@ -238,25 +239,29 @@ void PlaceStaticEdges(Transport& transport, const std::vector<SendEdge>& edges,
                       const std::string& what) {
   if (edges.empty()) return;
   const auto start = std::chrono::steady_clock::now();
-  std::map<std::string, std::vector<const SendEdge*>> by_peer;
+  const std::string self = transport.self_task();
+  // The task we talk to for each edge: its receiver when we send it, else
+  // its sender (asked to place it).
+  auto contact = [&self](const SendEdge& e) { return e.sender == self ? e.peer : e.sender; };
+  std::map<std::string, std::vector<const SendEdge*>> by_contact;
   int traced = 0, other_route = 0, unreachable = 0;
   for (const SendEdge& e : edges) {
     if (e.bytes < 0) {
       ++traced;
       VLOG(2) << "rdma_device: " << what << ": " << e.key << " is traced: " << e.why;
-    } else if (!transport.Serves(e.peer)) {
+    } else if (!transport.Serves(contact(e))) {
       ++other_route;
     } else {
-      by_peer[e.peer].push_back(&e);
+      by_contact[contact(e)].push_back(&e);
     }
   }
-  // Peers first (one connection each), then the edges of those reached.
+  // Connections first (one per task), then the edges of the tasks reached.
   std::vector<const SendEdge*> todo;
-  for (const auto& [peer, list] : by_peer) {
+  for (const auto& [peer, list] : by_contact) {
     absl::Status s = transport.ConnectPeer(peer);
     if (!s.ok()) {
       LOG(WARNING) << "rdma_device: " << what << ": cannot reach " << peer
-                   << " to place its edges ahead of time (they are placed on first use): " << s;
+                   << " to place edges ahead of time (they are placed on first use): " << s;
       unreachable += list.size();
       continue;
     }
@@ -273,27 +278,33 @@ void PlaceStaticEdges(Transport& transport, const std::vector<SendEdge>& edges,
   auto work = [&] {
     for (size_t i = next++; i < todo.size(); i = next++) {
       const SendEdge& e = *todo[i];
+      const std::string peer = contact(e);
       {
         tf::mutex_lock l(mu);
-        if (failed_peers.count(e.peer) > 0) {
+        if (failed_peers.count(peer) > 0) {
           ++failed;
           continue;
         }
       }
       bool ok = false;
+      const uint64_t bytes = static_cast<uint64_t>(e.bytes);
       absl::Status s =
-          transport.PlaceEdge(e.peer, e.key, static_cast<uint64_t>(e.bytes), kPlaceTimeoutMs, &ok);
+          e.sender == self
+              ? transport.PlaceEdge(e.peer, e.key, bytes, kPlaceTimeoutMs, &ok)
+              : transport.RequestPlacement(e.sender, e.peer, e.key, bytes, kPlaceTimeoutMs, &ok);
       if (!s.ok()) {
         ++failed;
         tf::mutex_lock l(mu);
-        if (failed_peers.insert(e.peer).second) {
-          LOG(WARNING) << "rdma_device: " << what << ": placing " << e.key << " on " << e.peer
-                       << " failed (its edges not placed yet are placed on first use): " << s;
+        if (failed_peers.insert(peer).second) {
+          LOG(WARNING) << "rdma_device: " << what << ": placing " << e.key << " (sent by "
+                       << e.sender << ") failed; the edges through " << peer
+                       << " not placed yet are placed on first use: " << s;
         }
         continue;
       }
       VLOG(2) << "rdma_device: " << what << ": " << e.key << " (" << e.bytes << " bytes) "
-              << (ok ? "placed" : "not placed: no arena room at the receiver");
+              << (ok ? "placed" : "not placed: no arena room at the receiver")
+              << (e.sender == self ? "" : " (by its sender, on request)");
       ++(ok ? placed : no_room);
     }
   };

@@ -7,8 +7,9 @@
 // means the edge is placed on first use, "traced", as without them):
 // - TF1 sessions: the worker's RegisterGraph (worker.h), per partition;
 // - tf.function: a POST_PARTITIONING pass in the process that instantiates
-//   the function (it sees every partition; edges sent by other processes'
-//   component functions stay traced: TF runs no pass for those).
+//   the function. It sees every partition; TF runs no pass where the other
+//   tasks' parts (component functions) are instantiated, so this process
+//   asks each sending task to place its edges (rdev_request_placement).
 //
 // Shape inference on one partition alone cannot see through its _Recv
 // nodes (their shape function says "unknown"), so e.g. a gradient computed
@@ -45,7 +46,8 @@ int AnnotateCrossTaskShapes(tensorflow::Graph* graph,
 
 // One tensor a partition sends to another task, as its _Send node says.
 struct SendEdge {
-  std::string peer;  // receiving task, "/job:x/replica:r/task:t"
+  std::string sender;  // sending task, "/job:x/replica:r/task:t"
+  std::string peer;    // receiving task
   std::string key;   // the rendezvous key at frame 0, iteration 0
   tensorflow::DataType dtype = tensorflow::DT_INVALID;
   // Payload bytes when static (fully defined shape, fixed-size dtype, not
@@ -54,15 +56,16 @@ struct SendEdge {
   std::string why;
 };
 
-// The _Send/_HostSend nodes of `graph` on task `self_task` whose receiver is
-// another task (client-terminated sends excluded). Runs shape inference
+// The _Send/_HostSend nodes of `graph` on task `sender_task` whose receiver
+// is another task (client-terminated sends excluded). Runs shape inference
 // only when there is at least one.
-absl::Status FindSendEdges(const tensorflow::Graph& graph, const std::string& self_task,
+absl::Status FindSendEdges(const tensorflow::Graph& graph, const std::string& sender_task,
                            std::vector<SendEdge>* out);
 
-// Places every static edge of `edges` whose receiver `transport` serves.
-// Never fails: problems are logged and leave edges to be traced. `what`
-// names the graph in logs.
+// Places every static edge of `edges` through `transport`: directly when
+// its task is the sender (and serves the receiver), else by asking the
+// sender to (when `transport` serves the sender). Never fails: problems are
+// logged and leave edges to be traced. `what` names the graph in logs.
 void PlaceStaticEdges(Transport& transport, const std::vector<SendEdge>& edges,
                       const std::string& what);
 

@@ -200,7 +200,7 @@ std::shared_ptr<Transport> Transport::ForTask(const std::string& task) {
   return it == Registry().end() ? nullptr : it->second.lock();
 }
 
-bool Transport::AnyStaticPlacement() {
+std::shared_ptr<Transport> Transport::AnyWithStaticPlacement() {
   std::vector<std::shared_ptr<Transport>> live;
   {
     tf::mutex_lock l(registry_mu);
@@ -208,10 +208,10 @@ bool Transport::AnyStaticPlacement() {
       if (auto t = weak.lock()) live.push_back(std::move(t));
     }
   }
-  for (const auto& t : live) {
-    if (t->static_placement()) return true;
+  for (auto& t : live) {
+    if (t->static_placement()) return std::move(t);
   }
-  return false;
+  return nullptr;
 }
 
 std::string TaskName(absl::string_view job, int replica, int task) {
@@ -328,6 +328,20 @@ absl::Status Transport::PlaceEdge(const std::string& peer_task, absl::string_vie
   bool ok = false;
   TF_RETURN_IF_ERROR(CallStatus(rdev_place_edge(ctx, peer_task.data(), peer_task.size(),
                                                 key.data(), key.size(), bytes, timeout_ms, &ok)));
+  *placed = ok;
+  return absl::OkStatus();
+}
+
+absl::Status Transport::RequestPlacement(const std::string& sender_task,
+                                         const std::string& receiver_task, absl::string_view key,
+                                         uint64_t bytes, uint64_t timeout_ms, bool* placed) {
+  *placed = false;
+  rdev_context* ctx = ctx_.load();
+  if (ctx == nullptr) return absl::FailedPreconditionError("rdma_device: transport not started");
+  bool ok = false;
+  TF_RETURN_IF_ERROR(CallStatus(rdev_request_placement(
+      ctx, sender_task.data(), sender_task.size(), receiver_task.data(), receiver_task.size(),
+      key.data(), key.size(), bytes, timeout_ms, &ok)));
   *placed = ok;
   return absl::OkStatus();
 }

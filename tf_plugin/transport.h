@@ -79,8 +79,8 @@ class Transport : public std::enable_shared_from_this<Transport> {
   // The started transport of task `task` in this process, or null. Graph
   // passes, which TF runs without naming a server, find theirs here.
   static std::shared_ptr<Transport> ForTask(const std::string& task);
-  // Whether any started transport of this process has static placement on.
-  static bool AnyStaticPlacement();
+  // A started transport of this process with static placement on, or null.
+  static std::shared_ptr<Transport> AnyWithStaticPlacement();
 
   // The route for tensors exchanged with `peer_task`. In strict mode a
   // gRPC route is an error instead.
@@ -114,6 +114,14 @@ class Transport : public std::enable_shared_from_this<Transport> {
   // takes the slower path; not an error).
   absl::Status PlaceEdge(const std::string& peer_task, absl::string_view key, uint64_t bytes,
                          uint64_t timeout_ms, bool* placed);
+
+  // Static placement on behalf of another task: asks `sender_task` to do
+  // what PlaceEdge(receiver_task, key, bytes) does there, and waits up to
+  // `timeout_ms` for the outcome (same `*placed` semantics). For graphs
+  // partitioned in this process and run in others (tf.function).
+  absl::Status RequestPlacement(const std::string& sender_task, const std::string& receiver_task,
+                                absl::string_view key, uint64_t bytes, uint64_t timeout_ms,
+                                bool* placed);
 
   // Fails the step's pending receives and queued sends with `status`;
   // with `propagate`, peers fail their receives of the step from this task

@@ -50,9 +50,14 @@ def test_matches_grpc_bit_for_bit(role, grpc_reference, rdma_set):
     assert pushed > 0 and received > 0, (got["stats"], after)
 
     # Static placement reached these APIs: TF1 at graph registration,
-    # tf.function and PSS for the edges the instantiating process sends.
-    # (Op-by-op eager has no graph to place ahead.)
+    # tf.function and PSS when the function is instantiated (the process
+    # that partitions it places every partition's edges). Op-by-op eager
+    # has no graph to place ahead.
     static = client["edges_static"] + sum(
         a["edges_static"] - b["edges_static"] for b, a in zip(before, after))
     if role != "eager_train":
         assert static > 0, (got["stats"], after)
+    if role == "pss_train":
+        # The step function's shapes are all static: worker and ps receive
+        # nothing placed on first use.
+        assert all(a["edges_traced"] == b["edges_traced"] for b, a in zip(before, after)), after
