@@ -214,11 +214,13 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("transfer", help="task-to-task tensor transfer, grpc vs grpc+rdma_device")
     t.add_argument("--sizes", default="4K,64K,1M,16M,64M", help="comma-separated sizes (K/M suffix)")
-    t.add_argument("--reps", type=int, default=7, help="interleaved blocks per size and protocol")
+    t.add_argument("--reps", type=int, default=5, help="interleaved blocks per size and protocol")
     t.add_argument("--json", action="store_true", help="one JSON object per size")
-    t.add_argument("--block", type=int, default=3,
+    t.add_argument("--block", type=int, default=10,
                    help="steps per protocol before switching to the other; the first step after "
-                        "each switch is run but not counted (default 3; 1 alternates every step)")
+                        "each switch is run but not counted (default 10; 1 alternates every step, "
+                        "which on a 2-vCPU machine charges each protocol with the other cluster's "
+                        "after-step work)")
     t.add_argument("--no-strict", dest="strict", action="store_false",
                    help="allow fallback to gRPC (default: RDMA_DEVICE_STRICT=1 in the tasks)")
     r = sub.add_parser("train", help="short parameter-server training run under both protocols")
