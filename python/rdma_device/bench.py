@@ -199,7 +199,7 @@ def train(args):
     if args.json:
         print(json.dumps(r))
     else:
-        print(f"parameter-server training (PS holds 2.5 MB of weights; worker pulls them and pushes gradients), "
+        print(f"parameter-server training (PS holds 3 MiB of weights; the worker reads them and pushes gradients every step), "
               f"{args.steps} interleaved steps")
         print(f"  median step: grpc {r['grpc_step_ms']:.2f} ms, grpc+rdma_device {r['rdma_device_step_ms']:.2f} ms, ratio {r['ratio']:.2f}")
         print(f"  final loss: grpc {r['final_loss_grpc']:.6f}, grpc+rdma_device {r['final_loss_rdma_device']:.6f}; "
