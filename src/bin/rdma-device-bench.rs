@@ -31,6 +31,7 @@ const USAGE: &str = "usage: rdma-device-bench fabric [--transport shm|verbs] [--
   --quick      fewer repetitions (a functional check, e.g. under emulation)";
 
 struct Counter {
+    closing: std::sync::atomic::AtomicBool,
     seen: AtomicU64,
     last_ns: AtomicU64,
     t0: Instant,
@@ -46,7 +47,9 @@ impl FabricEvents for Counter {
     }
     fn on_message(&self, _: ConnId, _: &[u8]) {}
     fn on_disconnect(&self, _: ConnId, why: Error) {
-        eprintln!("connection lost: {why}");
+        if !self.closing.load(Ordering::Acquire) {
+            eprintln!("connection lost: {why}");
+        }
     }
 }
 
@@ -113,10 +116,10 @@ fn run(transport: &str, addr: Option<String>, json: bool, quick: bool) -> Result
     });
     let max = 64usize << 20;
     let arena = Arc::new(Arena::new("bench-arena", max)?);
-    let c = Arc::new(Counter { seen: AtomicU64::new(0), last_ns: AtomicU64::new(0), t0: Instant::now() });
+    let c = Arc::new(Counter { closing: Default::default(), seen: AtomicU64::new(0), last_ns: AtomicU64::new(0), t0: Instant::now() });
     let _l = fab.listen(&addr, arena, c.clone())?;
-    let sink = Arc::new(Counter { seen: AtomicU64::new(0), last_ns: AtomicU64::new(0), t0: Instant::now() });
-    let ep = fab.connect(&addr, b"bench", sink, Duration::from_secs(10))?;
+    let sink = Arc::new(Counter { closing: Default::default(), seen: AtomicU64::new(0), last_ns: AtomicU64::new(0), t0: Instant::now() });
+    let ep = fab.connect(&addr, b"bench", sink.clone(), Duration::from_secs(10))?;
     let src = Arc::new((0..max + 64).map(|i| (i * 31 % 251) as u8).collect::<Vec<u8>>());
     let src_skew = src.as_ptr().align_offset(64);
     // Source and memcpy destination 64-byte aligned, as TensorFlow's CPU
@@ -177,6 +180,8 @@ fn run(transport: &str, addr: Option<String>, json: bool, quick: bool) -> Result
             println!("{:>10} {gbps:>10.2} {mgbps:>12.2} {ratio:>7.2} {p50:>9.2} {p99:>9.2}", human(size));
         }
     }
+    c.closing.store(true, Ordering::Release);
+    sink.closing.store(true, Ordering::Release);
     if transport == "verbs" && !json {
         println!("(verbs numbers depend entirely on the device; under Soft-RoCE in an emulated VM they are a functional check, not RDMA speed)");
     }
