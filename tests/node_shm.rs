@@ -272,3 +272,18 @@ fn placement_requested_by_a_third_task() {
     assert!(nodes[1].request_placement(&task(1), &task(0), "k2", 4096, Duration::from_secs(5)).unwrap());
     assert!(nodes[0].request_placement("/job:nobody/replica:0/task:9", &task(2), "k3", 1, Duration::from_secs(1)).is_err());
 }
+
+#[test]
+fn receiver_learns_quickly_that_the_sender_will_not_push() {
+    // A waits for a push from B, but B routes A over gRPC: A's watch
+    // connection is refused, so the receive fails promptly, naming why.
+    let (pa, pb) = (free_port(), free_port());
+    let a = Node::new(small_config(), &task(0), &format!("localhost:{pa}")).unwrap();
+    let b = Node::new(small_config(), &task(1), &format!("localhost:{pb}")).unwrap();
+    assert!(a.add_peer(&task(1), &format!("localhost:{pb}")).transport.is_some());
+    assert!(b.add_peer(&task(0), "192.0.2.1:5").transport.is_none());
+    let t0 = Instant::now();
+    let e = recv_async(&a, &task(1), "k", 1).recv_timeout(Duration::from_secs(5)).expect("fails, does not hang").unwrap_err();
+    assert!(e.message().contains("RDMA_DEVICE_TRANSPORTS"), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+}
