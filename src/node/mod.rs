@@ -47,6 +47,9 @@ pub(crate) struct Inner {
     /// `Node::new` is still running waits for it, so replies on it can
     /// find their listener.
     ready: (Mutex<bool>, parking_lot::Condvar),
+    /// Notified whenever a control message has been processed, for threads
+    /// waiting on a placement's outcome (instead of polling).
+    progress: (Mutex<u64>, parking_lot::Condvar),
     /// Placements we asked other tasks to make: request id → answer.
     placing: Mutex<HashMap<u64, std::sync::mpsc::Sender<(u32, String)>>>,
     /// This node's own counters (Stats holds the process-wide sums).
@@ -90,6 +93,7 @@ impl Node {
             links: Mutex::new(HashMap::new()),
             peers: peers::Peers::default(),
             ready: (Mutex::new(false), parking_lot::Condvar::new()),
+            progress: (Mutex::new(0), parking_lot::Condvar::new()),
             placing: Mutex::new(HashMap::new()),
             totals: Mutex::new(rendezvous::Tally::default()),
             me: me.clone(),
@@ -288,6 +292,7 @@ impl FabricEvents for Events {
         }
         let acts = n.locked(|r| r.on_message(conn, msg));
         n.exec(acts);
+        n.notify_progress();
     }
 
     fn on_disconnect(&self, conn: ConnId, why: Error) {
@@ -298,6 +303,7 @@ impl FabricEvents for Events {
         log::info!("{}: connection {conn} over {} ended: {why}", n.task, self.kind.name());
         let acts = n.locked(|r| r.on_link_lost(conn, why));
         n.exec(acts);
+        n.notify_progress();
     }
 }
 
@@ -319,6 +325,20 @@ impl AsRef<[u8]> for PayloadSeg {
 }
 
 impl Inner {
+    fn notify_progress(&self) {
+        *self.progress.0.lock() += 1;
+        self.progress.1.notify_all();
+    }
+
+    /// Wait until `notify_progress` runs or `until` passes.
+    fn wait_progress(&self, seen: u64, until: std::time::Instant) -> u64 {
+        let mut g = self.progress.0.lock();
+        if *g == seen {
+            self.progress.1.wait_until(&mut g, until);
+        }
+        *g
+    }
+
     /// Run `f` on the protocol state, mirroring its counters into Stats.
     fn locked<T>(&self, f: impl FnOnce(&mut Rendezvous) -> T) -> T {
         let mut r = self.rdv.lock();

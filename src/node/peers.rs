@@ -207,6 +207,7 @@ impl Inner {
     pub(super) fn place_ahead(&self, peer: &str, key: &str, bytes: u64, timeout: Duration) -> Result<bool> {
         use crate::rendezvous::Placement;
         let link = self.ensure_tx(peer)?;
+        let mut seen = *self.progress.0.lock();
         let acts = self.locked(|r| r.place_ahead(link, key, bytes));
         self.exec(acts);
         let deadline = std::time::Instant::now() + timeout;
@@ -218,7 +219,7 @@ impl Inner {
                 _ if std::time::Instant::now() >= deadline => {
                     return Err(Error::Timeout(format!("{peer} did not place {key} within {timeout:?}")))
                 }
-                _ => std::thread::sleep(Duration::from_micros(200)),
+                _ => seen = self.wait_progress(seen, deadline),
             }
         }
     }
