@@ -270,7 +270,7 @@ fn receiver_killed_mid_transfer() -> Result<(), String> {
     wait_line(&so, "PROGRESS", Duration::from_secs(60))?;
     let t0 = Instant::now();
     kill(&mut r);
-    let l = wait_line(&so, "RESULT", Duration::from_secs(5));
+    let l = wait_line(&so, "RESULT", Duration::from_secs(std::env::var("RK_WAIT").map(|v| v.parse().unwrap()).unwrap_or(5)));
     let dt = t0.elapsed();
     kill(&mut s);
     let l = l?;

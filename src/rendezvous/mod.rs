@@ -273,9 +273,12 @@ impl Rendezvous {
             self.rx_drop_link(link, r);
         }
         if let Some(peer) = peer {
+            // Any broken link marks the peer lost (reconnecting to it gets
+            // a short grace only) until a new connection with it is made;
+            // its waiters fail once no link with it is left.
+            self.lost.insert(peer.clone(), why.clone());
             let still_up = self.tx.values().any(|t| t.peer == peer) || self.rx.values().any(|r| r.peer == peer);
             if !still_up {
-                self.lost.insert(peer.clone(), why.clone());
                 acts.extend(self.fail_waiters(|p, _| p == peer, &why));
             }
         }

@@ -145,9 +145,9 @@ impl Rendezvous {
         Vec::new()
     }
 
-    /// Did our connection with `peer` break (and no new one is up)?
+    /// Did a connection with `peer` break since the last one was made?
     pub fn is_lost(&self, peer: &str) -> bool {
-        self.lost.contains_key(peer) && !self.peer_connected(peer)
+        self.lost.contains_key(peer)
     }
 
     /// Fail the receives waiting on `peer` (it is unreachable).
