@@ -298,7 +298,6 @@ impl FabricEvents for Events {
     fn on_disconnect(&self, conn: ConnId, why: Error) {
         let Some(n) = self.node.upgrade() else { return };
         n.links.lock().remove(&conn);
-        n.peers.forget_link(conn);
         Stats::add(&Stats::global().c.peers_lost, 1);
         log::info!("{}: connection {conn} over {} ended: {why}", n.task, self.kind.name());
         let acts = n.locked(|r| r.on_link_lost(conn, why));

@@ -41,12 +41,6 @@ pub(super) struct Peers {
     table: Mutex<HashMap<String, PeerEntry>>,
 }
 
-impl Peers {
-    pub(super) fn forget_link(&self, _conn: ConnId) {
-        // Stale sender connections are detected in `ensure_tx` by looking
-        // the id up in the live link table; nothing to do here.
-    }
-}
 
 impl Inner {
     pub(super) fn add_peer(&self, peer: &str, addr: &str) -> PeerChoice {

@@ -11,11 +11,12 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+
+from rdma_device._cluster import free_ports  # noqa: F401  (the package's helper; tests use it via harness)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TASK_MAIN = os.path.join(HERE, "task_main.py")
@@ -27,18 +28,6 @@ PROTOCOL_GRPC = "grpc"
 START_TIMEOUT = 120
 
 
-def free_ports(n):
-    """n distinct loopback ports free right now (bound to port 0, released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def make_cluster(jobs):
