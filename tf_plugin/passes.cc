@@ -61,6 +61,10 @@ class ShapeAnnotationPass : public tf::GraphOptimizationPass {
 REGISTER_OPTIMIZATION(tf::OptimizationPassRegistry::POST_REWRITE_FOR_EXEC, 1000,
                       ShapeAnnotationPass);
 
+// How long instantiating a multi-task function waits for its edges'
+// placement (the same bound as RegisterGraph's, worker.cc).
+constexpr int64_t kFunctionPlacementWaitMs = 2000;
+
 class FunctionPlacementPass : public tf::GraphOptimizationPass {
  public:
   absl::Status Run(const tf::GraphOptimizationPassOptions& options) override {
@@ -71,6 +75,11 @@ class FunctionPlacementPass : public tf::GraphOptimizationPass {
     // asks the other tasks to place theirs.
     std::shared_ptr<Transport> here = Transport::AnyWithStaticPlacement();
     if (here == nullptr) return absl::OkStatus();
+    // Every partition's placement runs at once on the plugin's pool; this
+    // thread (the one instantiating the function) waits for them, bounded.
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(kFunctionPlacementWaitMs);
+    std::vector<PlacementRun> runs;
     for (const auto& [device, graph] : *options.partition_graphs) {
       tsl::DeviceNameUtils::ParsedName parsed;
       if (graph == nullptr || !tsl::DeviceNameUtils::ParseFullName(device, &parsed)) continue;
@@ -86,9 +95,18 @@ class FunctionPlacementPass : public tf::GraphOptimizationPass {
       // A partition of a task served by a server of this process: that
       // server's transport sends its edges.
       std::shared_ptr<Transport> local = Transport::ForTask(task);
-      Transport& transport = local != nullptr && local->static_placement() ? *local : *here;
-      PlaceStaticEdges(transport, edges,
-                       absl::StrCat(transport.self_task(), " function partition on ", task));
+      std::shared_ptr<Transport> transport =
+          local != nullptr && local->static_placement() ? local : here;
+      runs.push_back(PlaceStaticEdges(
+          transport, edges, absl::StrCat(transport->self_task(), " function partition on ", task)));
+    }
+    for (const PlacementRun& run : runs) {
+      if (!run.WaitUntil(deadline)) {
+        VLOG(1) << "rdma_device: function " << options.debug_filename_prefix
+                << ": placement still running after " << kFunctionPlacementWaitMs
+                << " ms; its first run places what is left";
+        break;
+      }
     }
     return absl::OkStatus();  // never fails the function
   }

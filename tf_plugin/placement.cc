@@ -5,7 +5,6 @@
 #include <chrono>
 #include <map>
 #include <set>
-#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +22,7 @@
 #include "tensorflow/core/platform/logging.h"
 #include "tensorflow/core/platform/mutex.h"
 #include "tensorflow/core/util/device_name_utils.h"
+#include "pool.h"
 #include "transport.h"
 
 namespace rdma_device {
@@ -37,9 +37,9 @@ namespace {
 // edges are then traced, and its steps fail on their own).
 constexpr uint64_t kPlaceTimeoutMs = 5000;
 
-// Placements in flight at once for one graph. Each mostly waits on its
-// receiver (rdev_place_edge polls), so threads are cheap; 16 brings a
-// 200-edge graph from ~50 ms of sequential round trips to a few ms here.
+// Placements in flight at once towards one task. Each waits one round trip
+// on a thread of the plugin's pool (pool.h); 16 brings a 200-edge graph
+// from ~50 ms of sequential round trips to a few ms here.
 constexpr size_t kPlaceConcurrency = 16;
 
 // Shape inference over `graph` in topological order. A node whose shape
@@ -235,69 +235,41 @@ absl::Status FindSendEdges(const tf::Graph& graph, const std::string& sender_tas
   return absl::OkStatus();
 }
 
-void PlaceStaticEdges(Transport& transport, const std::vector<SendEdge>& edges,
-                      const std::string& what) {
-  if (edges.empty()) return;
-  const auto start = std::chrono::steady_clock::now();
-  const std::string self = transport.self_task();
-  // The task we talk to for each edge: its receiver when we send it, else
-  // its sender (asked to place it).
-  auto contact = [&self](const SendEdge& e) { return e.sender == self ? e.peer : e.sender; };
-  std::map<std::string, std::vector<const SendEdge*>> by_contact;
-  int traced = 0, other_route = 0, unreachable = 0;
-  for (const SendEdge& e : edges) {
-    if (e.bytes < 0) {
-      ++traced;
-      VLOG(2) << "rdma_device: " << what << ": " << e.key << " is traced: " << e.why;
-    } else if (!transport.Serves(contact(e))) {
-      ++other_route;
-    } else {
-      by_contact[contact(e)].push_back(&e);
-    }
-  }
-  // Connections first (one per task), then the edges of the tasks reached.
-  std::vector<const SendEdge*> todo;
-  for (const auto& [peer, list] : by_contact) {
-    absl::Status s = transport.ConnectPeer(peer);
-    if (!s.ok()) {
-      LOG(WARNING) << "rdma_device: " << what << ": cannot reach " << peer
-                   << " to place edges ahead of time (they are placed on first use): " << s;
-      unreachable += list.size();
-      continue;
-    }
-    todo.insert(todo.end(), list.begin(), list.end());
-  }
+// The state of one PlaceStaticEdges call, shared by its pool tasks.
+struct PlacementRun::State {
+  std::shared_ptr<Transport> transport;
+  std::string what;
+  std::string self;
+  std::chrono::steady_clock::time_point start;
+  int traced = 0, other_route = 0;
+  std::atomic<int> placed{0}, no_room{0}, failed{0}, unreachable{0};
+  Completion completion{0};
 
-  // Each placement waits for its receiver's answer; several run at once so
-  // that a graph with many edges is not placed one round trip at a time
-  // (ABI_REQUESTS.md asks for a batch call instead).
-  std::atomic<size_t> next{0};
-  std::atomic<int> placed{0}, no_room{0}, failed{0};
-  tf::mutex mu;
-  std::set<std::string> failed_peers;  // guarded by mu: stop placing there
-  auto work = [&] {
-    for (size_t i = next++; i < todo.size(); i = next++) {
-      const SendEdge& e = *todo[i];
-      const std::string peer = contact(e);
-      {
-        tf::mutex_lock l(mu);
-        if (failed_peers.count(peer) > 0) {
-          ++failed;
-          continue;
-        }
+  // The task we talk to for an edge: its receiver when we send it, else
+  // its sender (asked to place it).
+  std::string Contact(const SendEdge& e) const { return e.sender == self ? e.peer : e.sender; }
+
+  // Places edges[next..] of one contact, one round trip at a time.
+  void PlaceSome(const std::shared_ptr<std::vector<SendEdge>>& edges,
+                 const std::shared_ptr<std::atomic<size_t>>& next,
+                 const std::shared_ptr<std::atomic<bool>>& peer_failed) {
+    for (size_t i = (*next)++; i < edges->size(); i = (*next)++) {
+      const SendEdge& e = (*edges)[i];
+      if (peer_failed->load()) {
+        ++failed;
+        continue;
       }
       bool ok = false;
       const uint64_t bytes = static_cast<uint64_t>(e.bytes);
-      absl::Status s =
-          e.sender == self
-              ? transport.PlaceEdge(e.peer, e.key, bytes, kPlaceTimeoutMs, &ok)
-              : transport.RequestPlacement(e.sender, e.peer, e.key, bytes, kPlaceTimeoutMs, &ok);
+      absl::Status s = e.sender == self
+                           ? transport->PlaceEdge(e.peer, e.key, bytes, kPlaceTimeoutMs, &ok)
+                           : transport->RequestPlacement(e.sender, e.peer, e.key, bytes,
+                                                         kPlaceTimeoutMs, &ok);
       if (!s.ok()) {
         ++failed;
-        tf::mutex_lock l(mu);
-        if (failed_peers.insert(peer).second) {
+        if (!peer_failed->exchange(true)) {
           LOG(WARNING) << "rdma_device: " << what << ": placing " << e.key << " (sent by "
-                       << e.sender << ") failed; the edges through " << peer
+                       << e.sender << ") failed; the edges through " << Contact(e)
                        << " not placed yet are placed on first use: " << s;
         }
         continue;
@@ -307,20 +279,73 @@ void PlaceStaticEdges(Transport& transport, const std::vector<SendEdge>& edges,
               << (e.sender == self ? "" : " (by its sender, on request)");
       ++(ok ? placed : no_room);
     }
-  };
-  const size_t helpers = std::min(todo.size(), kPlaceConcurrency) - (todo.empty() ? 0 : 1);
-  std::vector<std::thread> threads;
-  threads.reserve(helpers);
-  for (size_t i = 0; i < helpers; ++i) threads.emplace_back(work);
-  work();  // this thread takes its share too
-  for (std::thread& t : threads) t.join();
+  }
 
-  const double ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  VLOG(1) << "rdma_device: " << what << ": " << edges.size() << " cross-task edges sent: "
-          << placed << " placed ahead, " << no_room << " without arena room, "
-          << failed + unreachable << " failed, " << traced << " traced (no static size), "
-          << other_route << " over gRPC; " << ms << " ms";
+  void PartDone() {
+    if (!completion.Done()) return;
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+            .count();
+    VLOG(1) << "rdma_device: " << what << ": " << placed << " edges placed ahead, " << no_room
+            << " without arena room, " << failed + unreachable << " failed, " << traced
+            << " traced (no static size), " << other_route << " over gRPC; " << ms << " ms";
+  }
+};
+
+PlacementRun PlaceStaticEdges(std::shared_ptr<Transport> transport,
+                              const std::vector<SendEdge>& edges, const std::string& what) {
+  auto st = std::make_shared<PlacementRun::State>();
+  st->transport = std::move(transport);
+  st->what = what;
+  st->self = st->transport->self_task();
+  st->start = std::chrono::steady_clock::now();
+  std::map<std::string, std::vector<SendEdge>> by_contact;
+  for (const SendEdge& e : edges) {
+    if (e.bytes < 0) {
+      ++st->traced;
+      VLOG(2) << "rdma_device: " << what << ": " << e.key << " is traced: " << e.why;
+    } else if (!st->transport->Serves(st->Contact(e))) {
+      ++st->other_route;
+    } else {
+      by_contact[st->Contact(e)].push_back(e);
+    }
+  }
+  // One part per contacted task: it connects (on the pool: a connect may
+  // wait up to the connect timeout), then fans its edges out to up to
+  // kPlaceConcurrency parts, each placing one edge at a time (a placement
+  // waits one round trip). No part waits for another.
+  st->completion.Add(static_cast<int>(by_contact.size()) + 1);
+  for (auto& [peer, list] : by_contact) {
+    auto mine = std::make_shared<std::vector<SendEdge>>(std::move(list));
+    Schedule([st, peer = peer, mine] {
+      absl::Status s = st->transport->ConnectPeer(peer);
+      if (!s.ok()) {
+        LOG(WARNING) << "rdma_device: " << st->what << ": cannot reach " << peer
+                     << " to place edges ahead of time (they are placed on first use): " << s;
+        st->unreachable += mine->size();
+        st->PartDone();
+        return;
+      }
+      auto next = std::make_shared<std::atomic<size_t>>(0);
+      auto peer_failed = std::make_shared<std::atomic<bool>>(false);
+      const int parts = static_cast<int>(std::min(mine->size(), kPlaceConcurrency));
+      st->completion.Add(parts - 1);  // this part becomes one of them
+      for (int i = 1; i < parts; ++i) {
+        Schedule([st, mine, next, peer_failed] {
+          st->PlaceSome(mine, next, peer_failed);
+          st->PartDone();
+        });
+      }
+      st->PlaceSome(mine, next, peer_failed);
+      st->PartDone();
+    });
+  }
+  st->PartDone();  // the +1 above: no part could finish the run before now
+  return PlacementRun(std::move(st));
+}
+
+bool PlacementRun::WaitUntil(std::chrono::steady_clock::time_point deadline) const {
+  return state_ == nullptr || state_->completion.WaitUntil(deadline);
 }
 
 }  // namespace rdma_device

@@ -22,7 +22,9 @@
 #ifndef RDMA_DEVICE_TF_PLUGIN_PLACEMENT_H_
 #define RDMA_DEVICE_TF_PLUGIN_PLACEMENT_H_
 
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -62,12 +64,29 @@ struct SendEdge {
 absl::Status FindSendEdges(const tensorflow::Graph& graph, const std::string& sender_task,
                            std::vector<SendEdge>* out);
 
-// Places every static edge of `edges` through `transport`: directly when
-// its task is the sender (and serves the receiver), else by asking the
-// sender to (when `transport` serves the sender). Never fails: problems are
-// logged and leave edges to be traced. `what` names the graph in logs.
-void PlaceStaticEdges(Transport& transport, const std::vector<SendEdge>& edges,
-                      const std::string& what);
+// A placement started by PlaceStaticEdges, running on the plugin's pool.
+class PlacementRun {
+ public:
+  struct State;
+  PlacementRun() = default;
+  explicit PlacementRun(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  // Waits until every edge has its outcome or `deadline` passes (true: all
+  // done). Placement goes on in the background after a deadline; an edge
+  // whose first step comes first is placed then (a send waits for a
+  // placement in flight, it does not race it). Never call from the pool.
+  bool WaitUntil(std::chrono::steady_clock::time_point deadline) const;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+// Starts placing every static edge of `edges` through `transport`, on the
+// plugin's pool, and returns at once: directly when its task is the sender
+// (and serves the receiver), else by asking the sender to (when `transport`
+// serves the sender). Never fails: problems are logged and leave edges to
+// be traced. `what` names the graph in logs.
+PlacementRun PlaceStaticEdges(std::shared_ptr<Transport> transport,
+                              const std::vector<SendEdge>& edges, const std::string& what);
 
 }  // namespace rdma_device
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "placement.h"
+#include "pool.h"
 #include "tensorflow/core/common_runtime/graph_constructor.h"
 #include "tensorflow/core/distributed_runtime/worker_env.h"
 #include "tensorflow/core/framework/function.h"
@@ -20,9 +21,17 @@ namespace tf = ::tensorflow;
 
 namespace {
 
-// Shape inference and placement on the partition TF1's master registers.
-void PlacePartition(Transport& transport, const tf::GraphDef& def) {
-  const std::string self = transport.self_task();
+// How long RegisterGraph waits for the placement of its partition's edges.
+// A healthy receiver answers in well under a millisecond; this bound only
+// matters when a receiver is slow or gone, and then the edges not placed in
+// time are placed on first use instead (see pool.h for the rule).
+constexpr int64_t kRegisterPlacementWaitMs = 2000;
+
+// Shape inference on the partition TF1's master registers, and the start
+// of its placement; an empty run when there is nothing to place.
+PlacementRun StartPlacement(const std::shared_ptr<Transport>& transport,
+                            const tf::GraphDef& def) {
+  const std::string self = transport->self_task();
   // Cheap check first: most partitions of a multi-task graph send something,
   // but registering the client's own fetch-only graphs should cost nothing.
   bool any = false;
@@ -32,7 +41,7 @@ void PlacePartition(Transport& transport, const tf::GraphDef& def) {
       break;
     }
   }
-  if (!any) return;
+  if (!any) return PlacementRun();
   const auto start = std::chrono::steady_clock::now();
   tf::FunctionLibraryDefinition flib(tf::OpRegistry::Global(), def.library());
   tf::Graph graph(flib);
@@ -45,14 +54,14 @@ void PlacePartition(Transport& transport, const tf::GraphDef& def) {
   if (!s.ok()) {
     LOG(WARNING) << "rdma_device: " << self << ": cannot analyse a registered graph; its "
                  << "edges are placed on first use: " << s;
-    return;
+    return PlacementRun();
   }
   VLOG(1) << "rdma_device: " << self << ": analysed a registered graph of " << def.node_size()
           << " nodes in "
           << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
                  .count()
           << " ms";
-  PlaceStaticEdges(transport, edges, absl::StrCat(self, " graph registration"));
+  return PlaceStaticEdges(transport, edges, absl::StrCat(self, " graph registration"));
 }
 
 }  // namespace
@@ -68,10 +77,15 @@ void RdmaWorker::RegisterGraphAsync(const tf::RegisterGraphRequest* request,
     GrpcWorker::RegisterGraphAsync(request, response, std::move(done));
     return;
   }
-  // Placement waits on a round trip per edge, so it runs on a pool thread
-  // while TF registers the graph here (for the master's own task this
-  // thread is the master's registration loop over all tasks). `done` runs
-  // once both are over, with TF's status: placement never fails it.
+  // Placement runs on the plugin's pool while TF registers the graph here.
+  // This thread (a compute_pool thread inside TF's RegisterGraphHandler,
+  // which blocks on `done` anyway, or the master's registration loop) then
+  // waits for it, but never longer than kRegisterPlacementWaitMs, and never
+  // for anything queued on a TF pool. `done` gets TF's status: placement
+  // never fails the registration.
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(kRegisterPlacementWaitMs);
+  PlacementRun run = StartPlacement(transport_, request->graph_def());
   struct Join {
     tf::mutex mu;
     int left = 2;
@@ -92,18 +106,13 @@ void RdmaWorker::RegisterGraphAsync(const tf::RegisterGraphRequest* request,
     }
     cb(s);
   };
-  std::shared_ptr<Transport> transport = transport_;
-  auto place = [transport, request, finish] {
-    PlacePartition(*transport, request->graph_def());
-    finish(nullptr);
-  };
-  if (env_->compute_pool != nullptr) {
-    env_->compute_pool->Schedule(std::move(place));
-  } else {
-    tsl::Env::Default()->SchedClosure(std::move(place));
-  }
   GrpcWorker::RegisterGraphAsync(request, response,
                                  [finish](const absl::Status& s) { finish(&s); });
+  if (!run.WaitUntil(deadline)) {
+    VLOG(1) << "rdma_device: " << transport_->self_task() << ": placement still running after "
+            << kRegisterPlacementWaitMs << " ms; the graph's first step places what is left";
+  }
+  finish(nullptr);
 }
 
 }  // namespace rdma_device

@@ -97,10 +97,33 @@ class Task:
     def result(self, timeout):
         return self.expect("RESULT", timeout)
 
-    def command(self, cmd, timeout=60, **kw):
+    def send(self, cmd, **kw):
+        """Writes a command; its REPLY is read later with expect()."""
         self.proc.stdin.write(json.dumps(dict(cmd=cmd, **kw)) + "\n")
         self.proc.stdin.flush()
+
+    def command(self, cmd, timeout=60, **kw):
+        self.send(cmd, **kw)
         return self.expect("REPLY", timeout)
+
+    def dump_stacks(self):
+        """Every thread's stack (native, with gdb; Python, by SIGUSR1 to
+        faulthandler) into the task's log; returns the log's tail."""
+        if self.proc.poll() is not None:
+            return self.log_tail()
+        try:
+            self.proc.send_signal(signal.SIGUSR1)
+        except OSError:
+            pass
+        try:
+            out = subprocess.run(
+                ["gdb", "-p", str(self.proc.pid), "-batch", "-ex", "thread apply all bt 25"],
+                capture_output=True, text=True, timeout=60).stdout
+            self._log.write("\n=== native stacks (gdb) ===\n" + out)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            self._log.write(f"\n=== no native stacks: {e} ===\n")
+        time.sleep(0.5)
+        return self.log_tail(400)
 
     def stats(self):
         return self.command("stats")

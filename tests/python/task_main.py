@@ -16,9 +16,20 @@ def say(prefix, payload=None):
     sys.stdout.flush()
 
 
-def serve_commands():
-    """Answers stdin commands until EOF, then exits without TF teardown."""
-    import rdma_device
+def serve_commands(server=None, spec=None):
+    """Answers stdin commands until EOF, then exits without TF teardown.
+
+    "run" (server role only) runs a workload of replicas.py on this task's
+    own server and replies with its result, or {"error": ...}."""
+    import faulthandler
+    import signal
+
+    # The tests send SIGUSR1 to a task that misses a deadline: its Python
+    # stacks go to its log before it is killed.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    rdma_device = None
+    if spec is None or spec.get("protocol") != "grpc":
+        import rdma_device
 
     for line in sys.stdin:
         line = line.strip()
@@ -26,7 +37,19 @@ def serve_commands():
             continue
         cmd = json.loads(line)
         if cmd["cmd"] == "stats":
-            say("REPLY", rdma_device.stats())
+            say("REPLY", rdma_device.stats() if rdma_device else None)
+        elif cmd["cmd"] == "run" and server is not None:
+            import threading
+
+            import replicas
+
+            def run(cmd=cmd):
+                try:
+                    say("REPLY", getattr(replicas, cmd["workload"])(server, spec, cmd["args"]))
+                except Exception as e:  # the test reports it
+                    say("REPLY", {"error": f"{type(e).__name__}: {e}"})
+
+            threading.Thread(target=run, daemon=True).start()
         elif cmd["cmd"] == "config":
             say("REPLY", rdma_device.config())
         else:
@@ -51,13 +74,13 @@ def main():
             task_index=spec["task"], protocol=spec["protocol"], start=True)
         say("READY")
         # Never returns; `server` stays referenced (Server.__del__ stops it).
-        serve_commands()
+        serve_commands(server, spec)
     else:
         import scenarios
 
         result = getattr(scenarios, role)(spec, ready=lambda: say("READY"))
         say("RESULT", result)
-        serve_commands()
+        serve_commands(spec=spec)
 
 
 if __name__ == "__main__":
