@@ -40,9 +40,9 @@ if ! "$VENV/bin/python" -c "import tensorflow as tf, sys; sys.exit(tf.__version_
   log "creating $VENV with tensorflow-cpu==$TF_VERSION (a few hundred MB, downloaded once)"
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q "tensorflow-cpu==$TF_VERSION" "tf_keras==$TF_VERSION" pytest
+  "$VENV/bin/pip" install -q "tensorflow-cpu==$TF_VERSION" "tf_keras==$TF_VERSION" pytest portpicker
 fi
-"$VENV/bin/python" -c "import pytest" 2>/dev/null || "$VENV/bin/pip" install -q pytest
+"$VENV/bin/python" -c "import pytest, portpicker" 2>/dev/null || "$VENV/bin/pip" install -q pytest portpicker
 
 # --- the plugin, built against that venv's TensorFlow ------------------------
 log "building the TensorFlow plugin and installing the rdma_device package into $VENV"

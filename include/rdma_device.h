@@ -118,13 +118,17 @@ bool rdev_context_strict(const struct rdev_context *ctx);
 // edges with static shapes at graph registration (`rdev_place_edge`).
 bool rdev_context_static_placement(const struct rdev_context *ctx);
 
-// Push the tensor `(key, step_id)` to `peer`. `data`/`len` must stay valid
-// and unmodified until `cb` runs. If this returns RDEV_OK, `cb` runs
-// exactly once (possibly before this returns); on any other status `cb`
-// is never called and nothing was sent: e.g. RDEV_NOT_VIABLE when the peer
-// refuses pushes because it routes this task over gRPC, or RDEV_TIMEOUT /
-// RDEV_PEER_LOST when it cannot be reached; the caller may then send the
-// tensor another way.
+// Push the tensor `(key, step_id)` to `peer`. Never blocks: it does not
+// connect or wait for ring space on the caller's thread (a first send to a
+// peer queues while a transport thread connects). `data`/`len` must stay
+// valid and unmodified until `cb` runs. If this returns RDEV_OK, `cb` runs
+// exactly once (possibly before this returns, possibly on a transport
+// thread); on any other status `cb` is never called and nothing was sent.
+// RDEV_NOT_VIABLE, returned here or given to `cb`, means the peer does not
+// take this transport from us (it runs plain gRPC, or routes this task
+// over gRPC): the caller may send the tensor another way, and the peer is
+// routed over gRPC from then on. `cb` must not call blocking `rdev_*`
+// functions (connect, placement).
 enum rdev_status rdev_send(const struct rdev_context *ctx,
                            const char *peer,
                            size_t peer_len,
@@ -174,9 +178,12 @@ enum rdev_status rdev_connect_peer(const struct rdev_context *ctx,
                                    const char *peer,
                                    size_t peer_len);
 
-// Receive the tensor `(key, step_id)` from `peer`. If this returns
-// RDEV_OK, `cb` runs exactly once: with a buffer, or with an error (peer
-// lost, step aborted, context freed).
+// Receive the tensor `(key, step_id)` from `peer`. Never blocks. If this
+// returns RDEV_OK, `cb` runs exactly once (possibly before this returns,
+// possibly on a transport thread): with a buffer, or with an error (peer
+// lost, step aborted, context freed; RDEV_NOT_VIABLE when the peer does
+// not push to us, so the tensor must be fetched another way). `cb` must
+// not call blocking `rdev_*` functions (connect, placement).
 enum rdev_status rdev_recv(const struct rdev_context *ctx,
                            const char *peer,
                            size_t peer_len,

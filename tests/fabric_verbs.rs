@@ -152,7 +152,7 @@ fn pair(f: &Arc<VerbsFabric>, arena_len: usize) -> Pair {
     *rx.arena.lock() = Some(arena.clone());
     let l = f.listen(&format!("{}:0", local_ip(f)), arena.clone(), rx.clone()).unwrap();
     let tx = Rec::new(false);
-    let ep = f.connect(&l.local_addr(), b"hello", tx.clone(), Duration::from_secs(20)).unwrap();
+    let ep = f.connect(&l.local_addr(), b"hello", tx.clone(), Duration::from_secs(20), true).unwrap();
     (l, ep, rx, tx, arena)
 }
 
@@ -234,7 +234,7 @@ fn not_viable_without_device_names_the_reason() {
     if f.is_viable().is_err() {
         assert!(matches!(f.listen("127.0.0.1:0", a, Rec::new(false)), Err(Error::NotViable(_))));
         assert!(matches!(
-            f.connect("127.0.0.1:1", b"", Rec::new(false), Duration::from_millis(10)),
+            f.connect("127.0.0.1:1", b"", Rec::new(false), Duration::from_millis(10), true),
             Err(Error::NotViable(_))
         ));
     }
@@ -376,7 +376,7 @@ fn refusal_reaches_the_sender() {
     let arena = Arc::new(Arena::new("verbs-refuse", 1 << 20).unwrap());
     let rx = Rec::new(true);
     let l = f.listen(&format!("{}:0", local_ip(&f)), arena, rx.clone()).unwrap();
-    let e = match f.connect(&l.local_addr(), b"let me in", Rec::new(false), Duration::from_secs(20)) {
+    let e = match f.connect(&l.local_addr(), b"let me in", Rec::new(false), Duration::from_secs(20), true) {
         Ok(_) => panic!("refused connection succeeded"),
         Err(e) => e,
     };
@@ -385,7 +385,7 @@ fn refusal_reaches_the_sender() {
     let t = Instant::now();
     let port = l.local_addr().rsplit_once(':').unwrap().1.parse::<u16>().unwrap();
     let nobody = format!("{}:{}", local_ip(&f), port.wrapping_add(1).max(1));
-    assert!(f.connect(&nobody, b"", Rec::new(false), Duration::from_secs(10)).is_err());
+    assert!(f.connect(&nobody, b"", Rec::new(false), Duration::from_secs(10), true).is_err());
     assert!(t.elapsed() < Duration::from_secs(10));
     l.shutdown();
 }
@@ -515,7 +515,7 @@ fn child_sender() {
     }
     let f = fabric().expect("child needs the device");
     let peer = std::env::var("RDMA_DEVICE_TEST_PEER").unwrap();
-    let ep = f.connect(&peer, b"child", Rec::new(false), Duration::from_secs(20)).unwrap();
+    let ep = f.connect(&peer, b"child", Rec::new(false), Duration::from_secs(20), true).unwrap();
     println!("CONNECTED");
     std::io::stdout().flush().unwrap();
     let mut i = 0u32;
@@ -581,7 +581,7 @@ fn two_process_checksums_then_sigkill_receiver() {
     let (mut child, out) = spawn_child("receiver", "child_receiver", None);
     let addr = read_until(&out, "CHILD-ADDR");
     let tx = Rec::new(false);
-    let ep = f.connect(&addr, b"parent", tx.clone(), Duration::from_secs(20)).unwrap();
+    let ep = f.connect(&addr, b"parent", tx.clone(), Duration::from_secs(20), true).unwrap();
     assert_eq!(ep.peer_hello(), b"parent");
     for (k, len) in [1usize, 4096, 300_000, (2 << 20) + 17].into_iter().enumerate() {
         let off = k * (2 << 20) + 64;
@@ -664,7 +664,7 @@ fn measure_send_strategies() {
         // is the sender).
         let arena = Arc::new(Arena::new("verbs-measure", 64 << 20).unwrap());
         let l = f.listen(&format!("{}:0", local_ip(&f)), arena, Rec::new(false)).unwrap();
-        let ep = f.connect(&l.local_addr(), b"m", Rec::new(false), Duration::from_secs(20)).unwrap();
+        let ep = f.connect(&l.local_addr(), b"m", Rec::new(false), Duration::from_secs(20), true).unwrap();
         for len in [4096usize, 65536, 1 << 20, 8 << 20] {
             let data = SharedBuf(Arc::new(pattern(len, 1)));
             let iters = (32usize << 20).div_ceil(len).clamp(8, 256);

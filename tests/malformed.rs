@@ -59,7 +59,7 @@ fn still_serves(f: &Fixture, step: u64) {
 fn evil(f: &Fixture) -> (Arc<dyn Endpoint>, Arc<Recorder>) {
     let ev = Recorder::new(b"", None);
     let hello = Hello { task: "/job:evil/replica:0/task:0".into(), incarnation: 7, target: task(1) }.encode();
-    let ep = ShmFabric::new(Duration::ZERO).connect(&f.b_addr, &hello, ev.clone(), Duration::from_secs(5)).unwrap();
+    let ep = ShmFabric::new(Duration::ZERO).connect(&f.b_addr, &hello, ev.clone(), Duration::from_secs(5), true).unwrap();
     (ep, ev)
 }
 
@@ -130,7 +130,7 @@ fn hostile_inputs_are_rejected_without_panics() {
         Hello { task: "x".into(), incarnation: 1, target: "/job:someone/else".into() }.encode(),
         { let mut h = Hello { task: "x".into(), incarnation: 1, target: String::new() }.encode(); h[4] = 9; h },
     ] {
-        let r = fab.connect(&f.b_addr, &hello, Recorder::new(b"", None), Duration::from_secs(5));
+        let r = fab.connect(&f.b_addr, &hello, Recorder::new(b"", None), Duration::from_secs(5), true);
         assert!(r.is_err(), "a bad handshake must be refused");
     }
 

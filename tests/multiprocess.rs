@@ -58,6 +58,7 @@ fn child_exchange(me: usize, ports: &[u16], edges: usize, steps: u64, seed: u64)
             }
         }
     }
+    barrier();
     let node = &node;
     let (mut sent, mut got, mut bytes) = (0u64, 0u64, 0u64);
     std::thread::scope(|s| -> Result<(), String> {
@@ -106,6 +107,7 @@ fn child_exchange(me: usize, ports: &[u16], edges: usize, steps: u64, seed: u64)
 fn child_stream_sender(ports: &[u16]) -> Result<String, String> {
     let node = Node::new(small_config(), &task(0), &format!("localhost:{}", ports[0])).map_err(|e| e.to_string())?;
     node.add_peer(&task(1), &format!("localhost:{}", ports[1]));
+    barrier();
     for step in 1.. {
         let t0 = Instant::now();
         match send_wait(&node, &task(1), "stream", step, TensorMeta { dtype: 1, flags: 0, dims: vec![1 << 20] }, pattern(step, 4 << 20)) {
@@ -124,6 +126,7 @@ fn child_stream_sender(ports: &[u16]) -> Result<String, String> {
 fn child_stream_receiver(ports: &[u16]) -> Result<String, String> {
     let node = Node::new(small_config(), &task(1), &format!("localhost:{}", ports[1])).map_err(|e| e.to_string())?;
     node.add_peer(&task(0), &format!("localhost:{}", ports[0]));
+    barrier();
     for step in 1.. {
         let t0 = Instant::now();
         match recv_wait(&node, &task(0), "stream", step) {
@@ -139,6 +142,30 @@ fn child_stream_receiver(ports: &[u16]) -> Result<String, String> {
         }
     }
     unreachable!()
+}
+
+/// Child: says it listens, then waits for the parent's go. Every task
+/// listens before any peer contacts it, as in TensorFlow (a task's listener
+/// is up before its server answers RPCs): a peer with no listener on first
+/// contact is taken not to run the transport.
+fn barrier() {
+    println!("LISTENING");
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
+}
+
+/// Parent: waits until every child listens, then lets them all go.
+fn release(kids: &mut [&mut Child], outs: &[&mpsc::Receiver<String>]) -> Result<(), String> {
+    for o in outs {
+        wait_line(o, "LISTENING", Duration::from_secs(60))?;
+    }
+    for k in kids.iter_mut() {
+        if let Some(stdin) = k.stdin.as_mut() {
+            use std::io::Write;
+            writeln!(stdin, "GO").map_err(|e| format!("cannot release a child: {e}"))?;
+        }
+    }
+    Ok(())
 }
 
 fn child_main(role: &str) -> ! {
@@ -173,7 +200,7 @@ fn spawn(role: &str, me: usize, ports: &[u16], extra: &[(&str, String)]) -> Chil
     for (k, v) in extra {
         c.env(k, v);
     }
-    c.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("spawn child")
+    c.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("spawn child")
 }
 
 /// Lines of a child's stdout, as they come.
@@ -208,8 +235,8 @@ fn exchange(n: usize, edges: usize, steps: u64) -> Result<(), String> {
     let extra = [("RDEV_EDGES", edges.to_string()), ("RDEV_STEPS", steps.to_string())];
     let mut kids: Vec<Child> = (0..n).map(|i| spawn("exchange", i, &ports, &extra)).collect();
     let outs: Vec<_> = kids.iter_mut().map(lines).collect();
-    let mut res = Ok(());
-    for (i, o) in outs.iter().enumerate() {
+    let mut res = release(&mut kids.iter_mut().collect::<Vec<_>>(), &outs.iter().collect::<Vec<_>>());
+    for (i, o) in outs.iter().enumerate().take_while(|_| res.is_ok()) {
         match wait_line(o, "RESULT", Duration::from_secs(240)) {
             Ok(l) => println!("  task {i}: {l}"),
             Err(e) => {
@@ -246,7 +273,8 @@ fn sender_killed_mid_transfer() -> Result<(), String> {
     let ports = [free_port(), free_port()];
     let mut s = spawn("stream-sender", 0, &ports, &[]);
     let mut r = spawn("stream-receiver", 1, &ports, &[]);
-    let (_so, ro) = (lines(&mut s), lines(&mut r));
+    let (so, ro) = (lines(&mut s), lines(&mut r));
+    release(&mut [&mut s, &mut r], &[&so, &ro])?;
     wait_line(&ro, "PROGRESS", Duration::from_secs(60))?;
     let t0 = Instant::now();
     kill(&mut s);
@@ -266,7 +294,8 @@ fn receiver_killed_mid_transfer() -> Result<(), String> {
     let ports = [free_port(), free_port()];
     let mut s = spawn("stream-sender", 0, &ports, &[]);
     let mut r = spawn("stream-receiver", 1, &ports, &[]);
-    let (so, _ro) = (lines(&mut s), lines(&mut r));
+    let (so, ro) = (lines(&mut s), lines(&mut r));
+    release(&mut [&mut s, &mut r], &[&so, &ro])?;
     wait_line(&so, "PROGRESS", Duration::from_secs(60))?;
     let t0 = Instant::now();
     kill(&mut r);

@@ -116,13 +116,14 @@ fn receiver_without_connection_learns_peer_is_gone() {
     let pb = free_port();
     let tb = task(1);
     let b = Node::new(cfg, &tb, &format!("localhost:{pb}")).unwrap();
-    // A peer that never starts: the receive fails after the connect
-    // timeout instead of hanging.
+    // A peer with no listener on first contact (it never started, or runs
+    // plain gRPC): the receive fails at once instead of hanging, NotViable,
+    // so that the shim pulls the tensor over gRPC.
     let ghost = free_port();
     b.add_peer(&task(7), &format!("localhost:{ghost}"));
     let r = recv_async(&b, &task(7), "k", 1);
     let e = r.recv_timeout(Duration::from_secs(5)).expect("error, not a hang").unwrap_err();
-    assert!(matches!(e, Error::PeerLost(_)), "{e}");
+    assert!(matches!(e, Error::NotViable(_)), "{e}");
 }
 
 #[test]
@@ -196,21 +197,57 @@ fn receiver_keeping_tensors_never_blocks_the_sender() {
     assert!(a.counters().tensors_pushed > before, "{:?}", a.counters());
 }
 
+/// `send` on `node`, whose done reports into the returned channel.
+fn send_async(node: &Node, peer: &str, key: &str, step: u64, data: Vec<u8>) -> (Result<(), Error>, std::sync::mpsc::Receiver<Result<(), Error>>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let r = node.send(peer, key, step, meta(&[data.len() as i64]), Box::new(data), Box::new(move |res| {
+        let _ = tx.send(res);
+    }));
+    (r, rx)
+}
+
 #[test]
-fn disagreeing_routes_fail_the_send_synchronously() {
+fn disagreeing_routes_demote_the_peer_to_grpc() {
     let (pa, pb) = (free_port(), free_port());
     let a = Node::new(small_config(), &task(0), &format!("localhost:{pa}")).unwrap();
     let b = Node::new(small_config(), &task(1), &format!("localhost:{pb}")).unwrap();
     assert!(a.add_peer(&task(1), &format!("localhost:{pb}")).transport.is_some());
     // B believes A is on another host: it routes A over gRPC.
     assert!(b.add_peer(&task(0), "192.0.2.1:5").transport.is_none());
-    let done_called = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let d = done_called.clone();
-    let r = a.send(&task(1), "k", 1, meta(&[1]), Box::new(vec![1u8]), Box::new(move |_| d.store(true, std::sync::atomic::Ordering::SeqCst)));
-    let e = r.unwrap_err();
+    // The first send returns at once (it never connects on the caller's
+    // thread); the refusal reaches its done as NotViable, naming the fix.
+    let (r, done) = send_async(&a, &task(1), "k", 1, vec![1u8]);
+    r.unwrap();
+    let e = done.recv_timeout(Duration::from_secs(5)).expect("done runs").unwrap_err();
     assert!(matches!(e, Error::NotViable(_)), "{e}");
     assert!(e.message().contains("RDMA_DEVICE_TRANSPORTS"), "{e}");
-    assert!(!done_called.load(std::sync::atomic::Ordering::SeqCst), "done must not run when send fails synchronously");
+    // From then on B is routed over gRPC: sends fail synchronously (done
+    // never runs), receives at once.
+    let (r, done) = send_async(&a, &task(1), "k", 2, vec![2u8]);
+    assert!(matches!(r, Err(Error::NotViable(_))), "{r:?}");
+    assert!(done.recv_timeout(Duration::from_millis(200)).is_err(), "done must not run when send fails synchronously");
+    let e = recv_async(&a, &task(1), "k", 3).recv_timeout(Duration::from_secs(1)).expect("at once").unwrap_err();
+    assert!(matches!(e, Error::NotViable(_)), "{e}");
+}
+
+#[test]
+fn peer_without_the_transport_goes_to_grpc_at_once() {
+    // Nothing listens for task 1 (it runs plain gRPC): no connect timeout.
+    let (pa, pb) = (free_port(), free_port());
+    let a = Node::new(small_config(), &task(0), &format!("localhost:{pa}")).unwrap();
+    assert!(a.add_peer(&task(1), &format!("localhost:{pb}")).transport.is_some());
+    let t0 = Instant::now();
+    let e = recv_async(&a, &task(1), "in", 1).recv_timeout(Duration::from_secs(5)).expect("fails, does not hang").unwrap_err();
+    assert!(matches!(e, Error::NotViable(_)), "{e}");
+    assert!(e.message().contains("does not run this transport"), "{e}");
+    let (r, done) = send_async(&a, &task(1), "out", 1, vec![7u8; 64]);
+    if r.is_ok() {
+        let e = done.recv_timeout(Duration::from_secs(5)).expect("done runs").unwrap_err();
+        assert!(matches!(e, Error::NotViable(_)), "{e}");
+    } else {
+        assert!(matches!(r, Err(Error::NotViable(_))), "{r:?}");
+    }
+    assert!(t0.elapsed() < Duration::from_secs(1), "took {:?} (a connect timeout?)", t0.elapsed());
 }
 
 #[test]
@@ -284,6 +321,7 @@ fn receiver_learns_quickly_that_the_sender_will_not_push() {
     assert!(b.add_peer(&task(0), "192.0.2.1:5").transport.is_none());
     let t0 = Instant::now();
     let e = recv_async(&a, &task(1), "k", 1).recv_timeout(Duration::from_secs(5)).expect("fails, does not hang").unwrap_err();
+    assert!(matches!(e, Error::NotViable(_)), "the shim pulls over gRPC on NotViable: {e}");
     assert!(e.message().contains("RDMA_DEVICE_TRANSPORTS"), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
 }

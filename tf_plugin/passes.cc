@@ -57,9 +57,6 @@ class ShapeAnnotationPass : public tf::GraphOptimizationPass {
   }
 };
 
-// Phase: last, so the shapes are those of the graph TF partitions.
-REGISTER_OPTIMIZATION(tf::OptimizationPassRegistry::POST_REWRITE_FOR_EXEC, 1000,
-                      ShapeAnnotationPass);
 
 // How long instantiating a multi-task function waits for its edges'
 // placement (the same bound as RegisterGraph's, worker.cc).
@@ -112,9 +109,22 @@ class FunctionPlacementPass : public tf::GraphOptimizationPass {
   }
 };
 
-// Phase: last, after TF's own POST_PARTITIONING passes.
-REGISTER_OPTIMIZATION(tf::OptimizationPassRegistry::POST_PARTITIONING, 1000,
-                      FunctionPlacementPass);
+// Registered only into the TensorFlow the shim was built against: a pass
+// compiled for other class layouts must never run.
+struct RegisterPasses {
+  RegisterPasses() {
+    if (!TensorFlowVersionError().empty()) return;
+    // Phase 1000: last, so the shapes are those of the graph TF partitions.
+    tf::OptimizationPassRegistry::Global()->Register(
+        tf::OptimizationPassRegistry::POST_REWRITE_FOR_EXEC, 1000,
+        std::make_unique<ShapeAnnotationPass>());
+    // Phase 1000: last, after TF's own POST_PARTITIONING passes.
+    tf::OptimizationPassRegistry::Global()->Register(
+        tf::OptimizationPassRegistry::POST_PARTITIONING, 1000,
+        std::make_unique<FunctionPlacementPass>());
+  }
+};
+const RegisterPasses register_passes;
 
 }  // namespace
 

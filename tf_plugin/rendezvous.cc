@@ -1,5 +1,6 @@
 #include "rendezvous.h"
 
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -101,7 +102,8 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
 
   absl::Status Send(const ParsedKey& parsed, const Args& args, const tf::Tensor& val,
                     bool is_dead) override {
-    if (transport_ == nullptr || tsl::DeviceNameUtils::IsSameAddressSpace(parsed.src, parsed.dst)) {
+    if (transport_ == nullptr || tsl::DeviceNameUtils::IsSameAddressSpace(parsed.src, parsed.dst) ||
+        IsThisTask(parsed.dst)) {
       return BaseRemoteRendezvous::Send(parsed, args, val, is_dead);
     }
     const std::string peer = TaskOf(parsed.dst);
@@ -115,12 +117,14 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     VLOG(2) << "push step " << step_id_ << " " << parsed.FullKey() << (is_dead ? " (dead)" : "");
     if (!is_dead && !OnHost(parsed.src, args)) return StageAndPush(parsed, args, peer, val);
     bool refused = false;
-    absl::Status s = Push(peer, std::string(parsed.FullKey()), val, is_dead, &refused);
-    if (refused && !transport_->strict()) {
-      // The receiver routes us over gRPC: leave the tensor for its pull
-      // (it counts the fallback).
+    absl::Status s = Push(peer, std::string(parsed.FullKey()), val, is_dead, &refused, &args);
+    if (refused) {
+      // The receiver does not take pushes from us (plain gRPC, or it routes
+      // us over gRPC): leave the tensor for its pull (it counts the
+      // fallback), or fail in strict mode.
       VLOG(1) << "rdma_device: " << peer << " refuses pushes, " << parsed.FullKey()
               << " goes over gRPC: " << s;
+      TF_RETURN_IF_ERROR(transport_->Demote(peer, s));
       return BaseRemoteRendezvous::Send(parsed, args, val, is_dead);
     }
     return s;
@@ -131,6 +135,13 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     // never take the process down.
     if (status.ok()) return;
     const bool cleanup = IsCleanup(status, step_id_);
+    // The eager context's default rendezvous lives as long as the context:
+    // TF itself never aborts it for one failed op (base_rendezvous_mgr.h),
+    // so neither do we; the error reaches the op that failed.
+    if (IsRemoteEagerContextDefault() && !cleanup && status.message() != "Shutdown") {
+      VLOG(1) << "rdma_device: not aborting the eager context's rendezvous: " << status;
+      return;
+    }
     VLOG(2) << (cleanup ? "cleanup" : "abort") << " step " << step_id_ << ": " << status;
     {
       tf::mutex_lock l(mu_);
@@ -149,6 +160,11 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
   void RecvFromRemoteAsync(const ParsedKey& parsed, const Args& recv_args,
                            DoneCallback done) override {
     const std::string peer = TaskOf(parsed.src);
+    if (IsThisTask(parsed.src)) {
+      // Another name of this task (e.g. /job:localhost): stock handles it.
+      stock_->RecvAsync(parsed, recv_args, std::move(done));
+      return;
+    }
     Route route;
     if (transport_ != nullptr) {
       absl::Status s = transport_->RouteTo(peer, &route);
@@ -187,13 +203,14 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
       done(s, Args(), recv_args, tf::Tensor(), false);
       return;
     }
-    // BaseRemoteRendezvous::RecvAsync holds a reference on `this` until
-    // `done` has run.
+    // As TF's RPC rendezvous does: hold a reference on `this` until `done`
+    // has run, whatever the caller holds.
+    this->Ref();
     VLOG(2) << "recv step " << step_id_ << " " << parsed.FullKey();
     absl::Status s = transport_->Recv(
         peer, parsed.FullKey(), step_id_,
-        [this, call, parsed, recv_args, done](const absl::Status& status,
-                                              const tf::Tensor& tensor, bool is_dead) {
+        [this, call, peer, parsed, recv_args, done](const absl::Status& status,
+                                                    const tf::Tensor& tensor, bool is_dead) {
           VLOG(2) << "recv done step " << step_id_ << " " << parsed.FullKey() << ": " << status;
           DeregisterCall(call, recv_args);
           // The call's own abort status (cancellation, step abort) wins over
@@ -201,18 +218,38 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
           // it, as in TF's RPC path.
           absl::Status s = call->status().ok() ? status : call->status();
           delete call;
-          if (!s.ok()) {
+          if (!s.ok() && Transport::IsNotViable(s)) {
+            // The sender does not push to us (plain gRPC, or it routes us
+            // over gRPC): pull this tensor over gRPC instead, at once.
+            absl::Status strict = transport_->Demote(peer, s);
+            if (strict.ok()) {
+              RecvOverGrpc(parsed, recv_args, std::string(s.message()), done);
+            } else {
+              done(strict, Args(), recv_args, tf::Tensor(), false);
+            }
+          } else if (!s.ok()) {
             done(s, Args(), recv_args, tf::Tensor(), false);
           } else if (is_dead || OnHost(parsed.dst, recv_args)) {
             done(s, Args(), recv_args, tensor, is_dead);
           } else {
             CopyToDevice(parsed, recv_args, tensor, done);
           }
+          Unref();  // may destroy the rendezvous: nothing of `this` after it
         });
     if (!s.ok()) {
       DeregisterCall(call, recv_args);
       delete call;
-      done(s, Args(), recv_args, tf::Tensor(), false);
+      if (Transport::IsNotViable(s)) {
+        absl::Status strict = transport_->Demote(peer, s);
+        if (strict.ok()) {
+          RecvOverGrpc(parsed, recv_args, std::string(s.message()), std::move(done));
+        } else {
+          done(strict, Args(), recv_args, tf::Tensor(), false);
+        }
+      } else {
+        done(s, Args(), recv_args, tf::Tensor(), false);
+      }
+      Unref();
     }
   }
 
@@ -227,17 +264,47 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     return abort_status_;
   }
 
+  // A device of this very task under another name: the implicit
+  // "/job:localhost" of an eager context, or this task's own name (stock
+  // rendezvous treats both as local; a route to ourselves is never needed).
+  bool IsThisTask(const tsl::DeviceNameUtils::ParsedName& device) {
+    if (device.has_job && device.job == "localhost") return true;
+    return transport_ != nullptr && TaskOf(device) == transport_->self_task();
+  }
+
+  // `args`: the Send's arguments, for a refusal learnt after Send returned
+  // (the tensor then goes to our table for the receiver's gRPC pull); null
+  // when the tensor cannot go that way (a staged device tensor).
   absl::Status Push(const std::string& peer, const std::string& key, const tf::Tensor& val,
-                    bool is_dead, bool* refused) {
+                    bool is_dead, bool* refused, const Args* args) {
     // The rendezvous (hence the step) stays alive until the transport is
     // done with the tensor. A failed push fails the step here too, so the
     // sender learns of a lost peer without waiting for the receiver.
     this->Ref();
+    std::optional<Args> fallback_args;
+    if (args != nullptr) fallback_args = *args;
     absl::Status s = transport_->Send(
         peer, key, step_id_, val, is_dead,
-        [this](const absl::Status& sent) {
-          if (!sent.ok() && !absl::IsAborted(sent) && !absl::IsCancelled(sent)) {
-            StartAbort(sent);
+        [this, peer, key, val, is_dead, fallback_args](const absl::Status& sent) {
+          absl::Status failed = sent;
+          if (!sent.ok() && Transport::IsNotViable(sent) && fallback_args.has_value()) {
+            // Learnt while connecting: the receiver will pull it over gRPC.
+            failed = transport_->Demote(peer, sent);
+            if (failed.ok()) {
+              Rendezvous::ParsedKey parsed;
+              failed = Rendezvous::ParseKey(key, &parsed);
+              if (failed.ok()) {
+                failed = BaseRemoteRendezvous::Send(parsed, *fallback_args, val, is_dead);
+              }
+            }
+          }
+          if (!failed.ok() && !absl::IsAborted(failed) && !absl::IsCancelled(failed)) {
+            if (IsRemoteEagerContextDefault()) {
+              LOG(WARNING) << "rdma_device: push of " << key << " to " << peer
+                           << " failed: " << failed;
+            } else {
+              StartAbort(failed);
+            }
           }
           Unref();  // may destroy the rendezvous
         },
@@ -262,7 +329,7 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
           // A refusal cannot fall back here (Send has returned and the gRPC
           // pull would want the device tensor): it fails the step.
           bool refused = false;
-          absl::Status s = copied.ok() ? Push(peer, key, *host, false, &refused) : copied;
+          absl::Status s = copied.ok() ? Push(peer, key, *host, false, &refused, nullptr) : copied;
           delete host;  // Push holds its own reference to the buffer
           if (!s.ok()) StartAbort(s);
           Unref();

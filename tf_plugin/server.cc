@@ -29,8 +29,10 @@ namespace {
 
 constexpr char kProtocol[] = "grpc+rdma_device";
 
+}  // namespace
+
 // Empty when the running TensorFlow is the one the shim was built against.
-const std::string& VersionError() {
+const std::string& TensorFlowVersionError() {
   static const std::string* const error = [] {
     const char* running = TF_Version();
     if (running != nullptr &&
@@ -47,6 +49,10 @@ const std::string& VersionError() {
   }();
   return *error;
 }
+
+namespace {
+
+const std::string& VersionError() { return TensorFlowVersionError(); }
 
 class RdmaServer : public tf::GrpcServer {
  public:

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "tensorflow/core/framework/allocation_description.pb.h"
 #include "tensorflow/core/framework/tensor.pb.h"
@@ -22,6 +23,9 @@ namespace tf = ::tensorflow;
 
 namespace {
 
+// Marks a status as "the peer does not take this transport from us".
+constexpr char kNotViablePayload[] = "type.googleapis.com/rdma_device.NotViable";
+
 // The one mapping from the transport's status codes to TensorFlow's.
 absl::Status FromRdev(rdev_status status, absl::string_view msg) {
   if (status == RDEV_OK) return absl::OkStatus();
@@ -29,8 +33,11 @@ absl::Status FromRdev(rdev_status status, absl::string_view msg) {
   switch (status) {
     case RDEV_INVALID_ARGUMENT:
       return absl::InvalidArgumentError(text);
-    case RDEV_NOT_VIABLE:
-      return absl::FailedPreconditionError(text);
+    case RDEV_NOT_VIABLE: {
+      absl::Status s = absl::FailedPreconditionError(text);
+      s.SetPayload(kNotViablePayload, absl::Cord("1"));
+      return s;
+    }
     case RDEV_PEER_LOST:
     case RDEV_IO:
       return absl::UnavailableError(text);
@@ -49,6 +56,22 @@ absl::Status FromRdev(rdev_status status, absl::string_view msg) {
     default:
       return absl::InternalError(text);
   }
+}
+
+// A failed transfer with `peer`, worded as TF's gRPC errors are: its
+// fault handling (ClusterCoordinator) tells a ps failure from a worker
+// failure by "GRPC error information from remote target /job:ps/...", and
+// retries only Unavailable/Aborted errors. NotViable refusals stay as they
+// are (the shim routes around them).
+absl::Status WithPeer(absl::Status status, const std::string& peer) {
+  if (status.ok() || Transport::IsNotViable(status)) return status;
+  absl::Status out(status.code(),
+                   absl::StrCat(status.message(), "\nAdditional GRPC error information from remote "
+                                "target ", peer, " while calling the rdma_device transport"));
+  status.ForEachPayload([&out](absl::string_view url, const absl::Cord& payload) {
+    out.SetPayload(url, payload);
+  });
+  return out;
 }
 
 std::string LastError() {
@@ -158,15 +181,19 @@ absl::Status TensorFromBuffer(rdev_buffer* raw, tf::Tensor* out, bool* is_dead) 
 struct SendState {
   tf::Tensor tensor;       // memcpy-able dtypes: the bytes are the tensor's
   std::string serialized;  // strings, variants, resources: a TensorProto
+  std::string peer;
   Transport::SendDone done;
 };
 
 void OnSendDone(void* userdata, rdev_status status, const char* msg, size_t msg_len) {
+  // Runs on a transport thread: SendDone must not block (it may only
+  // queue work or call non-blocking rdev_* functions).
   std::unique_ptr<SendState> state(static_cast<SendState*>(userdata));
-  state->done(FromRdev(status, absl::string_view(msg, msg ? msg_len : 0)));
+  state->done(WithPeer(FromRdev(status, absl::string_view(msg, msg ? msg_len : 0)), state->peer));
 }
 
 struct RecvState {
+  std::string peer;
   Transport::RecvDone done;
 };
 
@@ -175,7 +202,8 @@ void OnRecvDone(void* userdata, rdev_status status, const char* msg, size_t msg_
   std::unique_ptr<RecvState> state(static_cast<RecvState*>(userdata));
   if (status != RDEV_OK) {
     rdev_buffer_release(buf);
-    state->done(FromRdev(status, absl::string_view(msg, msg ? msg_len : 0)), tf::Tensor(), false);
+    state->done(WithPeer(FromRdev(status, absl::string_view(msg, msg ? msg_len : 0)), state->peer),
+                tf::Tensor(), false);
     return;
   }
   tf::Tensor tensor;
@@ -290,6 +318,30 @@ void Transport::AddPeer(const std::string& task, const std::string& addr) {
   routes_[task] = std::move(route);
 }
 
+bool Transport::IsNotViable(const absl::Status& status) {
+  return status.GetPayload(kNotViablePayload).has_value();
+}
+
+absl::Status Transport::Demote(const std::string& peer_task, const absl::Status& why) {
+  const std::string reason(why.message());
+  bool strict;
+  {
+    tf::mutex_lock l(mu_);
+    Route& route = routes_[peer_task];
+    if (route.kind == Route::kDevice) {
+      LOG(WARNING) << "rdma_device: " << self_task_ << " -> " << peer_task
+                   << " uses stock gRPC from now on: " << reason;
+    }
+    route.kind = Route::kGrpc;
+    route.reason = reason;
+    strict = strict_;
+  }
+  if (!strict) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("rdma_device: RDMA_DEVICE_STRICT is set but tensors with ", peer_task,
+                   " would use stock gRPC: ", reason));
+}
+
 absl::Status Transport::RouteTo(const std::string& peer_task, Route* route) {
   {
     tf::tf_shared_lock l(mu_);
@@ -353,6 +405,7 @@ absl::Status Transport::Send(const std::string& peer_task, absl::string_view key
   rdev_context* ctx = ctx_.load();
   if (ctx == nullptr) return absl::FailedPreconditionError("rdma_device: transport not started");
   auto state = std::make_unique<SendState>();
+  state->peer = peer_task;
   state->done = std::move(done);
   std::vector<int64_t> dims;
   rdev_tensor_meta meta{};
@@ -388,7 +441,7 @@ absl::Status Transport::Send(const std::string& peer_task, absl::string_view key
   rdev_status st = rdev_send(ctx, peer_task.data(), peer_task.size(), key.data(), key.size(),
                              static_cast<uint64_t>(step_id), &meta, data, len, OnSendDone, raw);
   if (st != RDEV_OK) {
-    absl::Status s = CallStatus(st);
+    absl::Status s = WithPeer(CallStatus(st), peer_task);
     delete raw;
     *refused = st == RDEV_NOT_VIABLE;
     return s;
@@ -400,11 +453,11 @@ absl::Status Transport::Recv(const std::string& peer_task, absl::string_view key
                              int64_t step_id, RecvDone done) {
   rdev_context* ctx = ctx_.load();
   if (ctx == nullptr) return absl::FailedPreconditionError("rdma_device: transport not started");
-  auto* state = new RecvState{std::move(done)};
+  auto* state = new RecvState{peer_task, std::move(done)};
   rdev_status st = rdev_recv(ctx, peer_task.data(), peer_task.size(), key.data(), key.size(),
                              static_cast<uint64_t>(step_id), OnRecvDone, state);
   if (st != RDEV_OK) {
-    absl::Status s = CallStatus(st);
+    absl::Status s = WithPeer(CallStatus(st), peer_task);
     delete state;
     return s;
   }

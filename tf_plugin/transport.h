@@ -24,6 +24,11 @@ struct rdev_context;
 
 namespace rdma_device {
 
+// Empty when the running TensorFlow is the one the shim was built against,
+// else the message to show (server.cc). Nothing version-specific (servers,
+// graph passes) is registered when it is not empty.
+const std::string& TensorFlowVersionError();
+
 // "/job:<job>/replica:<replica>/task:<task>": the name both the transport and
 // the cluster spec use for a task.
 std::string TaskName(absl::string_view job, int replica, int task);
@@ -86,11 +91,14 @@ class Transport : public std::enable_shared_from_this<Transport> {
   // gRPC route is an error instead.
   absl::Status RouteTo(const std::string& peer_task, Route* route);
 
-  // Pushes `val` for (key, step) to `peer_task`. On OK, `done` runs exactly
+  // Pushes `val` for (key, step) to `peer_task`; never blocks (it does not
+  // connect or wait for room on this thread). On OK, `done` runs exactly
   // once (any thread, possibly before this returns) when the transport no
   // longer needs the tensor's memory; on error it never runs and nothing
   // was sent. `*refused` tells the one error the caller can route around:
-  // the peer routes this task over gRPC and will pull the tensor.
+  // the peer does not take this transport from us (it runs plain gRPC, or
+  // routes this task over gRPC) and will pull the tensor. The same refusal
+  // can also reach `done` (IsNotViable), when it is learnt while connecting.
   absl::Status Send(const std::string& peer_task, absl::string_view key,
                     int64_t step_id, const tensorflow::Tensor& val,
                     bool is_dead, SendDone done, bool* refused);
@@ -105,12 +113,21 @@ class Transport : public std::enable_shared_from_this<Transport> {
   // an error, even in strict mode: for callers that only optimise).
   bool Serves(const std::string& peer_task);
 
-  // Connects to `peer_task` now rather than at its first tensor.
+  // True for the error of a peer that does not take this transport from
+  // this task: the tensor can still go over stock gRPC.
+  static bool IsNotViable(const absl::Status& status);
+
+  // Routes `peer_task` over stock gRPC from now on, because of `why`
+  // (a NotViable error). In strict mode returns the error to fail with.
+  absl::Status Demote(const std::string& peer_task, const absl::Status& why);
+
+  // Connects to `peer_task` now rather than at its first tensor. Blocks up
+  // to RDMA_DEVICE_CONNECT_TIMEOUT_MS: call it from the plugin's pool only.
   absl::Status ConnectPeer(const std::string& peer_task);
 
   // Sender side, before the edge's first step: asks `peer_task` to place
-  // the edge `key` for `bytes` bytes and waits up to `timeout_ms` until it
-  // has. `*placed` is false when the peer had no arena room (the edge then
+  // the edge `key` for `bytes` bytes and waits up to `timeout_ms` (plus a
+  // connect) until it has; from the plugin's pool only. `*placed` is false when the peer had no arena room (the edge then
   // takes the slower path; not an error).
   absl::Status PlaceEdge(const std::string& peer_task, absl::string_view key, uint64_t bytes,
                          uint64_t timeout_ms, bool* placed);

@@ -52,6 +52,7 @@ def load(directory=None):
         import tensorflow as tf  # deferred: stats()/config() need no TF
 
         shim = _path(_SHIM, directory)
+        _check_built_for(tf.__version__, os.path.dirname(shim))
         tf.load_library(shim)
         error = ctypes.CDLL(shim).rdma_device_tf_load_error
         error.restype = ctypes.c_char_p
@@ -60,6 +61,23 @@ def load(directory=None):
             raise RuntimeError(message.decode("utf-8", "replace"))
         _loaded_shim = shim
         return shim
+
+
+def _check_built_for(running, directory):
+    """Refuses, before dlopen, a shim built against another TensorFlow (its
+    C++ symbols would not resolve, or worse, resolve to other layouts)."""
+    info_path = os.path.join(directory, "build_info.json")
+    try:
+        with open(info_path) as f:
+            built = json.load(f).get("tensorflow")
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"rdma_device: {info_path} is missing or unreadable ({e}); "
+                           "reinstall the rdma_device package") from None
+    if built != running:
+        raise RuntimeError(
+            f"rdma_device: the plugin was built against TensorFlow {built} but this process "
+            f"runs TensorFlow {running}; rebuild it in this environment "
+            "(pip install --no-build-isolation ./python)")
 
 
 def _core_lib():

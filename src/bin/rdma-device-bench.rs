@@ -119,7 +119,7 @@ fn run(transport: &str, addr: Option<String>, json: bool, quick: bool) -> Result
     let c = Arc::new(Counter { closing: Default::default(), seen: AtomicU64::new(0), last_ns: AtomicU64::new(0), t0: Instant::now() });
     let _l = fab.listen(&addr, arena, c.clone())?;
     let sink = Arc::new(Counter { closing: Default::default(), seen: AtomicU64::new(0), last_ns: AtomicU64::new(0), t0: Instant::now() });
-    let ep = fab.connect(&addr, b"bench", sink.clone(), Duration::from_secs(10))?;
+    let ep = fab.connect(&addr, b"bench", sink.clone(), Duration::from_secs(10), true)?;
     let src = Arc::new((0..max + 64).map(|i| (i * 31 % 251) as u8).collect::<Vec<u8>>());
     let src_skew = src.as_ptr().align_offset(64);
     // Source and memcpy destination 64-byte aligned, as TensorFlow's CPU

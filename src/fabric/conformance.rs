@@ -132,7 +132,7 @@ pub fn pair(h: &Harness, arena_len: usize) -> Pair {
     let tx_events = Recorder::new(b"", None);
     let addr = (h.addr)();
     let listener = h.fabric.listen(&addr, arena.clone(), rx_events.clone()).expect("listen");
-    let ep = h.fabric.connect(&addr, b"hello-bytes", tx_events.clone(), WAIT).expect("connect");
+    let ep = h.fabric.connect(&addr, b"hello-bytes", tx_events.clone(), WAIT, true).expect("connect");
     let evs = rx_events.wait_for("accept", |e| e.iter().any(|x| matches!(x, Ev::Accept(..))));
     let rx_conn = evs.iter().find_map(|x| if let Ev::Accept(c, _) = x { Some(*c) } else { None }).expect("accept");
     Pair { arena, rx_events, tx_events, listener, ep, rx_conn }
@@ -165,7 +165,7 @@ pub fn refused_connect(h: &Harness) {
     let addr = (h.addr)();
     let _l = h.fabric.listen(&addr, arena, Recorder::refusing()).expect("listen");
     let t0 = Instant::now();
-    let r = h.fabric.connect(&addr, b"x", Recorder::new(b"", None), WAIT);
+    let r = h.fabric.connect(&addr, b"x", Recorder::new(b"", None), WAIT, true);
     assert!(r.is_err(), "connect to a refusing receiver must fail");
     assert!(t0.elapsed() < WAIT);
 }
@@ -283,7 +283,7 @@ pub fn two_senders(h: &Harness) {
     let p = pair(h, 4 << 20);
     let addr = p.listener.local_addr();
     let ev2 = Recorder::new(b"", None);
-    let ep2 = h.fabric.connect(&addr, b"second", ev2, WAIT).expect("second connect");
+    let ep2 = h.fabric.connect(&addr, b"second", ev2, WAIT, true).expect("second connect");
     let a = std::thread::scope(|s| {
         let t1 = s.spawn(|| (0..200u32).try_for_each(|i| write_sync(&*p.ep, 0, vec![pattern(i, 4096)], i)));
         let t2 = s.spawn(|| (0..200u32).try_for_each(|i| write_sync(&*ep2, 1 << 20, vec![pattern(i, 4096)], 1000 + i)));

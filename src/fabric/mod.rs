@@ -108,12 +108,17 @@ pub trait Fabric: Send + Sync {
     /// `hello` goes to the receiver's `on_accept`; its reply is
     /// [`Endpoint::peer_hello`]. Messages from the receiver and the
     /// disconnect arrive on `events` under the endpoint's id.
+    /// `wait_for_listener`: nobody listening at `remote` is retried until
+    /// `timeout` (a peer that is starting or restarting); when false it is
+    /// final at once, `Error::NotViable` (the peer does not run this
+    /// transport). Blocks the caller up to `timeout`.
     fn connect(
         &self,
         remote: &str,
         hello: &[u8],
         events: Arc<dyn FabricEvents>,
         timeout: Duration,
+        wait_for_listener: bool,
     ) -> Result<Arc<dyn Endpoint>>;
 }
 

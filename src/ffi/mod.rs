@@ -262,13 +262,17 @@ pub unsafe extern "C" fn rdev_context_static_placement(ctx: *const rdev_context)
     unsafe { ctx.as_ref() }.is_some_and(|c| c.node.config().static_placement)
 }
 
-/// Push the tensor `(key, step_id)` to `peer`. `data`/`len` must stay valid
-/// and unmodified until `cb` runs. If this returns RDEV_OK, `cb` runs
-/// exactly once (possibly before this returns); on any other status `cb`
-/// is never called and nothing was sent: e.g. RDEV_NOT_VIABLE when the peer
-/// refuses pushes because it routes this task over gRPC, or RDEV_TIMEOUT /
-/// RDEV_PEER_LOST when it cannot be reached; the caller may then send the
-/// tensor another way.
+/// Push the tensor `(key, step_id)` to `peer`. Never blocks: it does not
+/// connect or wait for ring space on the caller's thread (a first send to a
+/// peer queues while a transport thread connects). `data`/`len` must stay
+/// valid and unmodified until `cb` runs. If this returns RDEV_OK, `cb` runs
+/// exactly once (possibly before this returns, possibly on a transport
+/// thread); on any other status `cb` is never called and nothing was sent.
+/// RDEV_NOT_VIABLE, returned here or given to `cb`, means the peer does not
+/// take this transport from us (it runs plain gRPC, or routes this task
+/// over gRPC): the caller may send the tensor another way, and the peer is
+/// routed over gRPC from then on. `cb` must not call blocking `rdev_*`
+/// functions (connect, placement).
 #[no_mangle]
 pub unsafe extern "C" fn rdev_send(
     ctx: *const rdev_context,
@@ -397,9 +401,12 @@ pub unsafe extern "C" fn rdev_connect_peer(ctx: *const rdev_context, peer: *cons
     })
 }
 
-/// Receive the tensor `(key, step_id)` from `peer`. If this returns
-/// RDEV_OK, `cb` runs exactly once: with a buffer, or with an error (peer
-/// lost, step aborted, context freed).
+/// Receive the tensor `(key, step_id)` from `peer`. Never blocks. If this
+/// returns RDEV_OK, `cb` runs exactly once (possibly before this returns,
+/// possibly on a transport thread): with a buffer, or with an error (peer
+/// lost, step aborted, context freed; RDEV_NOT_VIABLE when the peer does
+/// not push to us, so the tensor must be fetched another way). `cb` must
+/// not call blocking `rdev_*` functions (connect, placement).
 #[no_mangle]
 pub unsafe extern "C" fn rdev_recv(
     ctx: *const rdev_context,

@@ -5,7 +5,29 @@
 //!
 //! Threading: protocol state sits behind one mutex; actions are executed
 //! after it is released, so completions may call back in. Callbacks to the
-//! application run on the calling thread or on a backend thread.
+//! application run on the calling thread or on a backend thread, and must
+//! not call the blocking functions below.
+//!
+//! Every call that can block, the thread it may run on, and its bound:
+//!
+//! | call | runs on | waits for | bound |
+//! |---|---|---|---|
+//! | `Node::send` | any (TF executor threads) | nothing: queues; a first send to a peer is queued while `rdev-connect` connects | — |
+//! | `Node::recv`, `step_done`, `abort_*` | any | nothing | — |
+//! | `Node::connect` | the shim's pool | the connection | RDMA_DEVICE_CONNECT_TIMEOUT_MS (1.5 s for a lost peer) |
+//! | `Node::place_ahead` | the shim's pool | connect + the receiver's Publish | connect + `timeout` |
+//! | `Node::request_placement` | the shim's pool | connect + the sender's PlaceDone | connect + `timeout` |
+//! | placement for a peer (`place_for`) | one `rdev-place` thread per request | as `place_ahead` | connect + connect timeout |
+//! | `rdev-connect` (per peer) | own thread | `Fabric::connect` | connect timeout |
+//! | `rdev-watch` (per peer we only receive from) | own thread | `Fabric::connect` | connect timeout |
+//! | `Events::on_accept` | a backend's accept thread | `Node::new` to finish registering listeners | 10 s |
+//! | shm `write_imm` | the sender's thread | ring space, which the receiver's credits bound (a full ring means a stalled receiver) | until the link is dead |
+//! | shm/verbs progress threads | own threads | events (sleep on the doorbell / CQ channel) | woken by events or shutdown |
+//!
+//! Locks: a peer's tx slot may be held while taking `rdv` or `links`
+//! (connecting), never the reverse; `peers.table` is held only for map
+//! updates, never while taking another lock. No callback is invoked while
+//! any of them is held.
 
 mod lease;
 mod peers;

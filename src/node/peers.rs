@@ -1,5 +1,22 @@
 //! Peers: which transport serves each, the sender-side connection to it
 //! (made on first use), and watching a peer we only receive from.
+//!
+//! Threads and waits (see the crate docs for the whole list):
+//! - `send` never blocks: with a live connection it queues the write; without
+//!   one it queues the tensor on the peer and returns, and one `rdev-connect`
+//!   thread per peer connects (bounded by RDMA_DEVICE_CONNECT_TIMEOUT_MS)
+//!   and then sends or fails what queued up;
+//! - `connect`, `place_ahead` and `request_placement` block their caller up
+//!   to the connect timeout plus the given timeout (the shim calls them from
+//!   its own pool only);
+//! - `recv` never blocks; a peer we only receive from is watched by one
+//!   `rdev-watch` thread per peer.
+//!
+//! A peer that does not run this transport (nothing listens for it on first
+//! contact, or it refuses our hello because it routes us over gRPC) is
+//! demoted to gRPC for good: queued sends and waiting receives fail with
+//! `NotViable`, which the shim turns into a stock gRPC transfer (or an error
+//! in strict mode), at once rather than after a timeout.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -28,12 +45,26 @@ const LOST_PEER_GRACE: Duration = Duration::from_millis(1500);
 /// The sender-side connection to a peer, once made.
 type TxSlot = Arc<Mutex<Option<(ConnId, Arc<dyn Endpoint>)>>>;
 
+/// A send waiting for its peer's connection.
+struct QueuedSend {
+    key: String,
+    step: u64,
+    meta: TensorMeta,
+    payload: Box<dyn Payload>,
+    done: SendDone,
+}
+
 struct PeerEntry {
     addr: String,
     choice: Option<TransportKind>,
+    /// Why the peer goes over gRPC when `choice` is None.
+    grpc_reason: String,
     /// The sender-side connection; its mutex also serializes connecting.
     tx: TxSlot,
     watching: bool,
+    /// A `rdev-connect` thread is connecting; sends queue in `queued`.
+    connecting: bool,
+    queued: Vec<QueuedSend>,
 }
 
 #[derive(Default)]
@@ -80,11 +111,15 @@ impl Inner {
         let e = t.entry(peer.to_string()).or_insert_with(|| PeerEntry {
             addr: addr.to_string(),
             choice,
+            grpc_reason: String::new(),
             tx: Arc::new(Mutex::new(None)),
             watching: false,
+            connecting: false,
+            queued: Vec::new(),
         });
         e.addr = addr.to_string();
         e.choice = choice;
+        e.grpc_reason = reason.clone();
         PeerChoice { transport: choice, reason }
     }
 
@@ -95,7 +130,7 @@ impl Inner {
             let e = t.get(peer).ok_or_else(|| Error::InvalidArgument(format!("unknown peer {peer}: add it first")))?;
             (e.addr.clone(), e.choice, e.tx.clone())
         };
-        let kind = choice.ok_or_else(|| Error::NotViable(format!("no transport serves {peer}")))?;
+        let kind = choice.ok_or_else(|| self.grpc_route(peer))?;
         let mut held = slot.lock();
         if let Some((id, _)) = held.as_ref() {
             if self.links.lock().contains_key(id) {
@@ -112,17 +147,36 @@ impl Inner {
         // A peer we were connected to and lost gets a short grace: if it has
         // restarted we reach its new life; if it is dead we fail soon rather
         // than after the start-up grace period.
-        let timeout = if self.locked(|r| r.is_lost(peer)) {
+        //
+        // On first contact nobody listening is final: a task's listener is
+        // up before its gRPC server serves anything (the shim starts it in
+        // server Init), so a peer that TF already talks to and that does
+        // not listen does not run this transport.
+        let lost = self.locked(|r| r.is_lost(peer));
+        let timeout = if lost {
             Duration::from_millis(self.cfg.connect_timeout_ms).min(LOST_PEER_GRACE)
         } else {
             Duration::from_millis(self.cfg.connect_timeout_ms)
         };
-        let ep = f.connect(&addr, &hello, events, timeout).map_err(|e| e.context(&format!("connecting to {peer} at {addr}")))?;
-        let reply = Hello::decode(ep.peer_hello())?;
-        if reply.task != peer {
-            ep.close();
-            return Err(Error::NotViable(format!("{addr} is {}, not {peer}", reply.task)));
-        }
+        let connected = f.connect(&addr, &hello, events, timeout, lost).and_then(|ep| match Hello::decode(ep.peer_hello()) {
+            Ok(reply) if reply.task == peer => Ok(ep),
+            Ok(reply) => {
+                ep.close();
+                Err(Error::NotViable(format!("{addr} is {}, not {peer}", reply.task)))
+            }
+            Err(e) => {
+                ep.close();
+                Err(e)
+            }
+        });
+        let ep = match connected {
+            Ok(ep) => ep,
+            Err(Error::NotViable(why)) => {
+                drop(held);
+                return Err(self.demote(peer, &format!("{peer} at {addr} does not take this transport from {}: {why}", self.task)));
+            }
+            Err(e) => return Err(e.context(&format!("connecting to {peer} at {addr}"))),
+        };
         let id = ep.id();
         self.links.lock().insert(id, LinkRef::Tx(ep.clone()));
         self.locked(|r| r.add_tx_link(id, peer));
@@ -135,11 +189,104 @@ impl Inner {
         self.ensure_tx(peer).map(|_| ())
     }
 
-    pub(super) fn send(&self, peer: &str, key: &str, step: u64, meta: TensorMeta, payload: Box<dyn Payload>, done: SendDone) -> Result<()> {
-        let link = self.ensure_tx(peer)?;
-        let acts = self.locked(|r| r.send(link, key, step, meta, payload, done));
+    /// The NotViable error for a peer routed over gRPC.
+    fn grpc_route(&self, peer: &str) -> Error {
+        let t = self.peers.table.lock();
+        match t.get(peer) {
+            Some(e) if !e.grpc_reason.is_empty() => Error::NotViable(format!("{peer} goes over stock gRPC: {}", e.grpc_reason)),
+            _ => Error::NotViable(format!("no transport serves {peer}")),
+        }
+    }
+
+    /// `peer` does not run this transport with us: route it over gRPC from
+    /// now on, and fail its queued sends and waiting receives (NotViable,
+    /// which the shim turns into a gRPC transfer). Returns the error.
+    fn demote(&self, peer: &str, why: &str) -> Error {
+        log::warn!("{}: {why}; its tensors go over stock gRPC", self.task);
+        let err = Error::NotViable(why.to_string());
+        if let Some(e) = self.peers.table.lock().get_mut(peer) {
+            e.choice = None;
+            e.grpc_reason = why.to_string();
+        }
+        Stats::global().set_peer(peer, &format!("grpc ({why})"));
+        let acts = self.locked(|r| r.peer_unreachable(peer, err.clone()));
         self.exec(acts);
+        err
+    }
+
+    /// The live sender connection to `peer`, if any; NotViable when the
+    /// peer is routed over gRPC.
+    fn live_tx(&self, peer: &str) -> Result<Option<ConnId>> {
+        let slot = {
+            let t = self.peers.table.lock();
+            let e = t.get(peer).ok_or_else(|| Error::InvalidArgument(format!("unknown peer {peer}: add it first")))?;
+            if e.choice.is_none() {
+                drop(t);
+                return Err(self.grpc_route(peer));
+            }
+            e.tx.clone()
+        };
+        // try_lock: a connect in progress holds the slot; never wait for it.
+        let Some(held) = slot.try_lock() else { return Ok(None) };
+        Ok(held.as_ref().map(|(id, _)| *id).filter(|id| self.links.lock().contains_key(id)))
+    }
+
+    /// Never blocks (module docs). Errors returned here mean nothing was
+    /// queued; later failures (including NotViable) go to `done`.
+    pub(super) fn send(&self, peer: &str, key: &str, step: u64, meta: TensorMeta, payload: Box<dyn Payload>, done: SendDone) -> Result<()> {
+        if let Some(link) = self.live_tx(peer)? {
+            let acts = self.locked(|r| r.send(link, key, step, meta, payload, done));
+            self.exec(acts);
+            return Ok(());
+        }
+        let spawn = {
+            let mut t = self.peers.table.lock();
+            let e = t.get_mut(peer).ok_or_else(|| Error::InvalidArgument(format!("unknown peer {peer}: add it first")))?;
+            if e.queued.try_reserve(1).is_err() {
+                return Err(Error::ResourceExhausted(format!("queue of sends to {peer}")));
+            }
+            e.queued.push(QueuedSend { key: key.to_string(), step, meta, payload, done });
+            !std::mem::replace(&mut e.connecting, true)
+        };
+        if spawn {
+            let me = self.me.clone();
+            let name = peer.to_string();
+            let spawned = std::thread::Builder::new().name("rdev-connect".into()).spawn(move || {
+                if let Some(n) = me.upgrade() {
+                    n.connect_and_flush(&name);
+                }
+            });
+            if let Err(e) = spawned {
+                log::error!("cannot spawn a connect thread: {e}");
+                self.connect_and_flush(peer); // the one place a send may wait: no thread to spare
+            }
+        }
         Ok(())
+    }
+
+    /// On `rdev-connect`: connect to `peer`, then send or fail what queued.
+    fn connect_and_flush(&self, peer: &str) {
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.ensure_tx(peer)))
+            .unwrap_or_else(|_| Err(Error::Internal(format!("connecting to {peer} panicked"))));
+        let queued = {
+            let mut t = self.peers.table.lock();
+            match t.get_mut(peer) {
+                Some(e) => {
+                    e.connecting = false;
+                    std::mem::take(&mut e.queued)
+                }
+                None => Vec::new(),
+            }
+        };
+        for q in queued {
+            match &res {
+                Ok(link) => {
+                    let acts = self.locked(|r| r.send(*link, &q.key, q.step, q.meta, q.payload, q.done));
+                    self.exec(acts);
+                }
+                Err(e) => (q.done)(Err(e.clone())),
+            }
+        }
     }
 
     /// Does this task route `peer` over stock gRPC (known, no transport)?
@@ -148,6 +295,9 @@ impl Inner {
     }
 
     pub(super) fn recv(&self, peer: &str, key: &str, step: u64, done: LeaseDone) {
+        if self.routes_over_grpc(peer) {
+            return done(Err(self.grpc_route(peer)));
+        }
         let me = self.me.clone();
         let wrapped: crate::rendezvous::RecvDone = Box::new(move |res| match (res, me.upgrade()) {
             (Ok(r), Some(n)) => done(Ok(n.lease(r))),
@@ -183,10 +333,14 @@ impl Inner {
             if let Some(e) = n.peers.table.lock().get_mut(&peer) {
                 e.watching = false;
             }
-            if let Err(e) = res {
-                log::warn!("{}: {peer} is unreachable: {e}", n.task);
-                let acts = n.locked(|r| r.peer_unreachable(&peer, Error::PeerLost(e.to_string())));
-                n.exec(acts);
+            match res {
+                // demote() already failed the waiters, with NotViable.
+                Ok(_) | Err(Error::NotViable(_)) => {}
+                Err(e) => {
+                    log::warn!("{}: {peer} is unreachable: {e}", n.task);
+                    let acts = n.locked(|r| r.peer_unreachable(&peer, Error::PeerLost(e.to_string())));
+                    n.exec(acts);
+                }
             }
         });
         if let Err(e) = spawned {

@@ -76,9 +76,11 @@ def main():
         # Never returns; `server` stays referenced (Server.__del__ stops it).
         serve_commands(server, spec)
     else:
-        import scenarios
+        import importlib
 
-        result = getattr(scenarios, role)(spec, ready=lambda: say("READY"))
+        module, _, name = role.rpartition(".")
+        scenario = getattr(importlib.import_module(module or "scenarios"), name)
+        result = scenario(spec, ready=lambda: say("READY"))
         say("RESULT", result)
         serve_commands(spec=spec)
 

@@ -139,3 +139,22 @@ def test_ps_on_plain_grpc_beside_transport_workers(log_dir, plugin_built):
     # No connect timeout inside any round: at most 1 s over the slowest
     # grpc round (a round is 6 session.run calls plus registration).
     assert max(times) < max(grpc_times) + 1.0, (times, grpc_times)
+
+
+def test_in_process_local_cluster(log_dir, plugin_built):
+    """tf.test.create_local_cluster: three servers in one process."""
+    results = {}
+    for protocol, env in ((harness.PROTOCOL_GRPC, None), (harness.PROTOCOL_RDMA, STRICT)):
+        task = harness.Task(dict(role="more_scenarios.local_cluster", cluster={}, job="chief",
+                                 task=0, protocol=protocol, rounds=ROUNDS), log_dir, env)
+        try:
+            task.wait_ready()
+            try:
+                results[protocol] = task.result(ROUND_DEADLINE_S * 2)
+            except TimeoutError:
+                pytest.fail(f"local cluster under {protocol} hung\n{task.dump_stacks()}")
+        finally:
+            task.close()
+    assert results[harness.PROTOCOL_RDMA]["digest"] == results[harness.PROTOCOL_GRPC]["digest"]
+    c = results[harness.PROTOCOL_RDMA]["stats"]["counters"]
+    assert c["fallback_tensors"] == 0 and c["tensors_pushed"] > 0 and c["tensors_received"] > 0, c

@@ -71,14 +71,18 @@ impl Fabric for ShmFabric {
         hello: &[u8],
         events: Arc<dyn FabricEvents>,
         timeout: Duration,
+        wait_for_listener: bool,
     ) -> Result<Arc<dyn Endpoint>> {
         let name = socket::socket_name(remote)?;
         let deadline = Instant::now() + timeout;
-        // The receiver may still be starting: retry "nobody listens" until
+        // A receiver that may be (re)starting: retry "nobody listens" until
         // the deadline; every other error is final.
         let stream = loop {
             match socket::connect(&name) {
                 Ok(s) => break s,
+                Err(Error::NotViable(m)) if !wait_for_listener => {
+                    return Err(Error::NotViable(format!("no shm listener for {remote} (it does not run this transport): {m}")))
+                }
                 Err(Error::NotViable(m)) if Instant::now() < deadline => {
                     log::debug!("{m}; retrying");
                     std::thread::sleep(Duration::from_millis(10));

@@ -252,7 +252,9 @@ impl Fabric for VerbsFabric {
         Ok(Arc::new(listener::listen(&rt.shared, local, arena, events)?))
     }
 
-    fn connect(&self, remote: &str, hello: &[u8], events: Arc<dyn FabricEvents>, timeout: Duration) -> Result<Arc<dyn Endpoint>> {
+    // rdma_cm makes one attempt either way: a peer with no listener is
+    // reported by a REJECTED/UNREACHABLE event within `timeout`.
+    fn connect(&self, remote: &str, hello: &[u8], events: Arc<dyn FabricEvents>, timeout: Duration, _wait_for_listener: bool) -> Result<Arc<dyn Endpoint>> {
         let rt = self.runtime()?;
         Ok(Arc::new(endpoint::connect(&rt.shared, remote, hello, events, timeout)?))
     }

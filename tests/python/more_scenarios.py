@@ -1,0 +1,108 @@
+"""More client scenarios (task_main role "more_scenarios.<name>"): Keras
+under ParameterServerStrategy, a ps killed under ParameterServerStrategy,
+and an in-process cluster (tf.test.create_local_cluster)."""
+
+import json
+import sys
+
+import numpy as np
+
+from scenarios import Digest, _stats
+
+
+def _pss(spec, tf):
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec["cluster"]), task_type="chief", task_id=0,
+        rpc_layer=spec["protocol"])
+    return tf.distribute.experimental.ParameterServerStrategy(resolver)
+
+
+def keras_pss_fit(spec, ready):
+    """tf_keras `model.fit` under ParameterServerStrategy (the workers run
+    the steps asynchronously, so only the shape of the result is compared
+    across protocols, not its bits)."""
+    import tensorflow as tf
+    import tf_keras as keras
+
+    strategy = _pss(spec, tf)
+    ready()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((512, 32)).astype(np.float32)
+    y = (x @ rng.standard_normal((32, 1)).astype(np.float32)).astype(np.float32)
+
+    def dataset_fn(input_context):
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32)
+
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.layers.Dense(64, activation="relu", input_shape=(32,)),
+            keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    history = model.fit(keras.utils.experimental.DatasetCreator(dataset_fn),
+                        epochs=spec.get("epochs", 3), steps_per_epoch=spec.get("steps", 20),
+                        verbose=0)
+    return {"loss": [float(v) for v in history.history["loss"]],
+            "weights": len(model.get_weights()), "stats": _stats(spec)}
+
+
+def pss_until_ps_killed(spec, ready):
+    """Trains under ParameterServerStrategy, printing STEP n, until the test
+    kills the ps; reports how TF's ClusterCoordinator classified the error."""
+    import tensorflow as tf
+    from tensorflow.python.distribute.coordinator import cluster_coordinator as cc
+
+    strategy = _pss(spec, tf)
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    ready()
+    with strategy.scope():
+        w = tf.Variable(np.full((64, 64), 0.01, np.float32), name="w")
+
+    @tf.function
+    def step_fn():
+        h = tf.matmul(w, w)
+        w.assign_sub(1e-4 * h)
+        return tf.reduce_sum(h)
+
+    step = 0
+    try:
+        while True:
+            coordinator.schedule(step_fn).fetch()
+            step += 1
+            sys.stdout.write(f"STEP {json.dumps(step)}\n")
+            sys.stdout.flush()
+    except Exception as e:  # what the coordinator raised to the user
+        return {"steps": step, "type": type(e).__name__,
+                "is_ps_failure": bool(cc._is_ps_failure(e)),
+                "is_worker_failure": bool(cc._is_worker_failure(e)),
+                "message": str(e)[:1500]}
+
+
+def local_cluster(spec, ready):
+    """Three servers in this one process (tf.test.create_local_cluster):
+    ROUNDS sessions, each a new graph, variables on the ps, compute on
+    worker 1, the client on worker 0."""
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+    workers, _ = tf.test.create_local_cluster(2, 1, protocol=spec["protocol"])
+    ready()
+    digest = Digest()
+    options = tf.compat.v1.RunOptions(timeout_in_ms=60000)
+    for rnd in range(spec.get("rounds", 10)):
+        graph = tf.Graph()
+        with graph.as_default():
+            with tf.device("/job:ps/task:0"):
+                w = tf.compat.v1.get_variable(
+                    f"w{rnd}", initializer=np.full((48, 48), 0.02, np.float32))
+            with tf.device("/job:worker/task:1"):
+                loss = tf.reduce_mean(tf.square(tf.matmul(w, w)))
+                (g,) = tf.gradients(loss, [w])
+            with tf.device("/job:ps/task:0"):
+                train = w.assign_sub(0.1 * g)
+            init = tf.compat.v1.variables_initializer([w])
+        with tf.compat.v1.Session(workers[0].target, graph=graph) as sess:
+            sess.run(init, options=options)
+            for _ in range(5):
+                digest.add(sess.run([loss, train], options=options)[0])
+            digest.add(sess.run(w, options=options))
+    return {"digest": digest.hexdigest(), "stats": _stats(spec)}
