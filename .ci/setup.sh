@@ -43,6 +43,8 @@ if ! "$VENV/bin/python" -c "import tensorflow as tf, sys; sys.exit(tf.__version_
   "$VENV/bin/pip" install -q "tensorflow-cpu==$TF_VERSION" "tf_keras==$TF_VERSION" pytest portpicker
 fi
 "$VENV/bin/python" -c "import pytest, portpicker" 2>/dev/null || "$VENV/bin/pip" install -q pytest portpicker
+# matplotlib: the evaluation suite's plots (python -m rdma_device.bench suite)
+"$VENV/bin/python" -c "import matplotlib" 2>/dev/null || "$VENV/bin/pip" install -q matplotlib
 
 # --- the plugin, built against that venv's TensorFlow ------------------------
 log "building the TensorFlow plugin and installing the rdma_device package into $VENV"

@@ -58,7 +58,9 @@ def free_ports(n):
 class LocalCluster:
     """Tasks ``jobs`` (e.g. {"worker": 2}) under ``protocol``, as processes."""
 
-    def __init__(self, protocol, jobs, env=None, timeout=120):
+    def __init__(self, protocol, jobs, env=None, timeout=120, log_dir=None, name=None):
+        """``log_dir``: write each task's stderr to ``log_dir/NAME-JOB-I.log``
+        instead of this process's stderr."""
         self.protocol = protocol
         names = [(job, i) for job, n in jobs.items() for i in range(n)]
         ports = free_ports(len(names))
@@ -69,11 +71,16 @@ class LocalCluster:
         penv = dict(os.environ)
         penv.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         penv.update(env or {})
+        self._logs = []
         for job, i in names:
             arg = json.dumps([self.spec, job, i, protocol])
+            err = None
+            if log_dir:
+                err = open(os.path.join(log_dir, f"{name or protocol}-{job}-{i}.log"), "w")
+                self._logs.append(err)
             self.procs[(job, i)] = subprocess.Popen(
                 [sys.executable, "-c", _TASK_MAIN, arg], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, text=True, env=penv)
+                stdout=subprocess.PIPE, stderr=err, text=True, env=penv)
         deadline = time.time() + timeout
         for key, p in self.procs.items():
             line = p.stdout.readline()
@@ -117,6 +124,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for f in getattr(self, "_logs", []):
+            f.close()
 
     def __enter__(self):
         return self

@@ -2,6 +2,16 @@
 
     python -m rdma_device.bench transfer [--sizes 4K,1M,16M,64M] [--reps 15] [--json]
     python -m rdma_device.bench train    [--steps 100] [--json]
+    python -m rdma_device.bench suite    [--quick] [--out DIR] [--json]
+
+``suite``: six workloads (AlexNet- and ResNet-class CNNs, an LSTM language
+model, a Transformer encoder, wide & deep with sparse embedding lookups, a
+model-parallel pipeline) with one parameter server and 1/2/4 workers,
+under every mode (stock grpc, grpc+rdma_device and, where the transport
+offers it, the RPC-over-RDMA ablation), interleaved; the
+communication/compute breakdown, tensor sizes, CPU cost and a transfer
+sweep; writes DIR/results.json, DIR/transfer.json, DIR/summary.md and
+colour plots (DIR/*.png).
 
 ``transfer``: a tensor of each size moves task→task in a TF1 session (task 1
 holds a variable, task 0 consumes it), on two local clusters started side by
@@ -26,6 +36,7 @@ import sys
 import time
 
 from rdma_device._cluster import LocalCluster
+from rdma_device._suite import cpu_seconds
 
 PROTOCOLS = ("grpc", "grpc+rdma_device")
 # A third cluster for first steps only: placement on first use.
@@ -49,11 +60,13 @@ def _transfer_graph(tf, cluster, size):
         with tf.device(cluster.device("worker", 1)):
             v = tf.Variable(tf.random.uniform([size // 4], seed=size), name="v")
         with tf.device(cluster.device("worker", 0)):
-            # A cheap op on task 0 that needs the whole tensor from task 1.
+            # An op on task 0 that needs the whole tensor from task 1.
             # (tf.gather on the variable itself would become a ResourceGather
             # colocated with the variable, moving only one element.)
+            # reduce_sum reads every byte received (a consumer of one
+            # element would let a zero-copy receive skip the payload).
             whole = tf.identity(v.value())
-            out = whole[size // 8]
+            out = tf.reduce_sum(whole)
         init = tf.compat.v1.global_variables_initializer()
     return g, init, out
 
@@ -83,14 +96,18 @@ def transfer(args):
                 else:
                     s.close()
             times = {p: [] for p in PROTOCOLS}
+            cpu = {p: 0.0 for p in PROTOCOLS}
             for _ in range(args.reps):
                 for p in PROTOCOLS:  # interleaved, in blocks of --block steps
                     s, out = sessions[p]
-                    for i in range(args.block + 1):
+                    s.run(out)  # the block's first step absorbs the switch: not counted
+                    c0 = cpu_seconds([clusters[p]])
+                    for i in range(args.block):
                         t = time.perf_counter()
                         s.run(out)
-                        if i > 0:  # the block's first step absorbs the switch
-                            times[p].append((time.perf_counter() - t) * 1e3)
+                        times[p].append((time.perf_counter() - t) * 1e3)
+                    cpu[p] += cpu_seconds([clusters[p]]) - c0
+            gb = size * args.reps * args.block / 1e9
             for s, _ in sessions.values():
                 s.close()
             med = {p: statistics.median(v) for p, v in times.items()}
@@ -101,6 +118,8 @@ def transfer(args):
                 "ratio": round(med["grpc"] / med["grpc+rdma_device"], 2),
                 "grpc_gbps": round(size / med["grpc"] / 1e6, 3),
                 "rdma_device_gbps": round(size / med["grpc+rdma_device"] / 1e6, 3),
+                "grpc_cpu_s_per_gb": round(cpu["grpc"] / gb, 3),
+                "rdma_device_cpu_s_per_gb": round(cpu["grpc+rdma_device"] / gb, 3),
                 "first_step_grpc_ms": round(first["grpc"], 3),
                 "first_step_rdma_device_ms": round(first["grpc+rdma_device"], 3),
                 "first_step_rdma_device_traced_ms": round(first[TRACED], 3),
@@ -113,15 +132,18 @@ def transfer(args):
         for c in clusters.values():
             c.close()
     if not args.json:
+        print("consumer: reduce_sum on task 0 (reads every byte); CPU s/GB: CPU time of the protocol's task "
+              "process and this client, per GB moved")
         print(f"transfer task1 -> task0 in a TF1 session: median of {args.reps * args.block} steps per protocol, "
               f"in {args.reps} interleaved blocks of {args.block} (+1 uncounted)")
         print("first step of each fresh graph (ms, includes graph registration): 1st grpc, 1st rdma "
               "(static placement), 1st traced (RDMA_DEVICE_STATIC_PLACEMENT=0)")
         print(f"{'size':>8} {'grpc ms':>9} {'rdma ms':>9} {'ratio':>6} {'grpc GB/s':>10} {'rdma GB/s':>10} "
-              f"{'1st grpc':>9} {'1st rdma':>9} {'1st traced':>10}")
+              f"{'grpc CPU s/GB':>13} {'rdma CPU s/GB':>13} {'1st grpc':>9} {'1st rdma':>9} {'1st traced':>10}")
         for r in results:
             print(f"{_human(r['size']):>8} {r['grpc_ms']:>9.2f} {r['rdma_device_ms']:>9.2f} {r['ratio']:>6.2f} "
-                  f"{r['grpc_gbps']:>10.2f} {r['rdma_device_gbps']:>10.2f} {r['first_step_grpc_ms']:>9.2f} "
+                  f"{r['grpc_gbps']:>10.2f} {r['rdma_device_gbps']:>10.2f} {r['grpc_cpu_s_per_gb']:>13.2f} "
+                  f"{r['rdma_device_cpu_s_per_gb']:>13.2f} {r['first_step_grpc_ms']:>9.2f} "
                   f"{r['first_step_rdma_device_ms']:>9.2f} {r['first_step_rdma_device_traced_ms']:>10.2f}")
         _print_transport(stats)
     return results
@@ -227,8 +249,36 @@ def main(argv=None):
     r.add_argument("--steps", type=int, default=100)
     r.add_argument("--json", action="store_true")
     r.add_argument("--no-strict", dest="strict", action="store_false")
+    u = sub.add_parser("suite", help="workloads x modes x workers, breakdown, tensor sizes, plots")
+    u.add_argument("--quick", action="store_true", help="small models and few steps (a 2-vCPU machine: minutes)")
+    u.add_argument("--out", default="rdma_device_suite", help="output directory (default ./rdma_device_suite)")
+    u.add_argument("--json", action="store_true", help="print results.json's rows on stdout instead of the table")
+    u.add_argument("--workloads", default="", help="comma-separated subset (default: all)")
+    u.add_argument("--workers", default="1,2,4", help="worker counts (default 1,2,4; the pipeline needs 2+)")
+    u.add_argument("--reps", type=int, default=None, help="interleaved blocks per mode (default 3 quick, 5)")
+    u.add_argument("--block", type=int, default=None, help="counted steps per block (default 3 quick, 10)")
+    u.add_argument("--warmup", type=int, default=2, help="uncounted steps per mode first")
+    u.add_argument("--no-sweep", action="store_true", help="skip the transfer sweep")
+    u.add_argument("--sweep-sizes", default="", help="transfer sweep sizes, e.g. 64K,16M (default: by --quick)")
     args = ap.parse_args(argv)
-    {"transfer": transfer, "train": train}[args.cmd](args)
+    {"transfer": transfer, "train": train, "suite": suite}[args.cmd](args)
+
+
+def suite(args):
+    from rdma_device import _report, _suite
+
+    if args.reps is None:
+        args.reps = 3 if args.quick else 5
+    if args.block is None:
+        args.block = 3 if args.quick else 10
+    res = _suite.run(args)
+    md, pngs = _report.write(res, args.out)
+    if args.json:
+        print(json.dumps(res["rows"]))
+    else:
+        print(md)
+        print("plots:", ", ".join(pngs))
+    return res
 
 
 if __name__ == "__main__":

@@ -1,0 +1,243 @@
+"""``python -m rdma_device.bench suite``: every workload under every mode,
+interleaved, with the communication/compute breakdown, tensor sizes, CPU
+cost, a transfer sweep, ``results.json``, ``summary.md`` and colour plots.
+
+Runs on the client thread of this process; the tasks are local
+subprocesses (``LocalCluster``), one cluster per mode, all started once and
+reused by every workload (graphs with fewer workers use a subset). The
+tasks' logs go to DIR/logs/. CPU time is counted per mode on that mode's
+tasks and this client.
+
+Modes: ``grpc`` (stock), ``grpc+rdma_device`` (one-sided writes into
+receiver-placed slots), ``rpc`` (``grpc+rdma_device`` with
+``RDMA_DEVICE_MODE=rpc``: the receiver requests each tensor, the sender
+copies it into a bounce buffer; listed only when the installed transport
+knows that setting).
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+from rdma_device import _workloads
+from rdma_device._cluster import LocalCluster
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def modes_available():
+    """(name, protocol, env) for each mode the installed transport offers."""
+    import rdma_device
+
+    out = [("grpc", "grpc", {}), ("grpc+rdma_device", "grpc+rdma_device", {})]
+    if any(row.get("name") == "RDMA_DEVICE_MODE" for row in _config_rows(rdma_device)):
+        out.append(("rpc", "grpc+rdma_device", {"RDMA_DEVICE_MODE": "rpc"}))
+    return out
+
+
+def _config_rows(rdma_device):
+    try:
+        cfg = rdma_device.config()
+    except Exception:  # noqa: BLE001 - an old transport without config(): two modes
+        return []
+    return cfg if isinstance(cfg, list) else [{"name": k} for k in cfg]
+
+
+class Progress:
+    """One line on stderr, rewritten: ``[####....] 12/40 what``."""
+
+    def __init__(self, total, enabled=True):
+        self.total, self.done, self.enabled = max(total, 1), 0, enabled and sys.stderr.isatty()
+        self.t0 = time.time()
+
+    def step(self, what):
+        self.done += 1
+        if not self.enabled:
+            print(f"[{self.done}/{self.total}] {what}", file=sys.stderr, flush=True)
+            return
+        n = 30 * self.done // self.total
+        line = f"\r[{'#' * n}{'.' * (30 - n)}] {self.done}/{self.total} {time.time() - self.t0:5.0f}s {what}"
+        print(f"{line[:110]:<110}", end="", file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.enabled:
+            print(file=sys.stderr, flush=True)
+
+
+def cpu_seconds(clusters):
+    """CPU seconds used so far by every thread of every task process of
+    ``clusters`` (``/proc/PID/task/*/schedstat``, nanoseconds) plus this
+    client process."""
+    total = time.process_time()
+    for c in clusters:
+        for p in c.procs.values():
+            base = f"/proc/{p.pid}/task"
+            try:
+                tids = os.listdir(base)
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"{base}/{tid}/schedstat") as f:
+                        total += int(f.read().split()[0]) / 1e9
+                except (OSError, IndexError, ValueError):
+                    pass
+    return total
+
+
+def _transport_count(stats):
+    """(tensors, bytes) the transport carried, summed over tasks (received,
+    whether pushed or inline, plus fallbacks to gRPC)."""
+    t = b = 0
+    for st in stats.values():
+        c = st.get("counters", {})
+        t += c.get("tensors_received", 0) + c.get("fallback_tensors", 0)
+        b += c.get("bytes_received", 0) + c.get("fallback_bytes", 0)
+    return t, b
+
+
+def cross_task_tensors(tf, sess, op):
+    """Graph analysis: run one step asking for the partition graphs; every
+    _Send between different tasks is one tensor per step. Returns the byte
+    sizes of those tensors (evaluated once; resource/variant edges skipped)."""
+    meta = tf.compat.v1.RunMetadata()
+    opts = tf.compat.v1.RunOptions(output_partition_graphs=True)
+    sess.run(op, options=opts, run_metadata=meta)
+    g = sess.graph
+    names = set()
+    for pg in meta.partition_graphs:
+        for node in pg.node:
+            if node.op not in ("_Send", "_HostSend") or node.attr["client_terminated"].b:
+                continue
+            src, dst = node.attr["send_device"].s.decode(), node.attr["recv_device"].s.decode()
+            if src.split("/device:")[0] == dst.split("/device:")[0]:
+                continue
+            inp = node.input[0]
+            if inp.startswith("^"):
+                continue
+            names.add(inp if ":" in inp else inp + ":0")
+    tensors = []
+    for n in sorted(names):
+        try:
+            t = g.get_tensor_by_name(n)
+        except (KeyError, ValueError):
+            continue
+        if t.dtype in (tf.resource, tf.variant, tf.string):
+            continue
+        tensors.append(t)
+    values = sess.run(tensors) if tensors else []
+    return sorted(int(getattr(v, "nbytes", 0)) for v in values)
+
+
+def _steps(sess, op, n):
+    for _ in range(n):
+        sess.run(op)
+
+
+def run_workload(tf, name, n, modes, clusters, compute_cluster, args):
+    """Interleaved blocks of every mode and of the compute-only layout for
+    one (workload, workers). Returns one row per mode."""
+    runs = {}
+    for mode, *_ in modes:
+        g, init, op, _ = _workloads.build(tf, name, clusters[mode], n, "ps", args.quick)
+        s = tf.compat.v1.Session(clusters[mode].target(), graph=g)
+        s.run(init)
+        runs[mode] = (s, op)
+    g, init, op, _ = _workloads.build(tf, name, compute_cluster, n, "local", args.quick)
+    s = tf.compat.v1.Session(compute_cluster.target(), graph=g)
+    s.run(init)
+    runs["compute"] = (s, op)
+    sizes = cross_task_tensors(tf, *runs["grpc"])
+    for s, op in runs.values():
+        _steps(s, op, args.warmup)
+    before = {m: _transport_count(clusters[m].stats()) for m, *_ in modes if m != "grpc"}
+    steps_run = {m: 0 for m in runs}
+    times = {m: [] for m in runs}
+    cpu = {m: 0.0 for m in runs}
+    own = dict(clusters, compute=compute_cluster)  # CPU counted on the running mode's tasks only
+    for _ in range(args.reps):
+        for m, (s, op) in runs.items():
+            s.run(op)  # the block's first step absorbs the switch; not counted
+            c0 = cpu_seconds([own[m]])
+            for _ in range(args.block):
+                t = time.perf_counter()
+                s.run(op)
+                times[m].append((time.perf_counter() - t) * 1e3)
+            cpu[m] += cpu_seconds([own[m]]) - c0
+            steps_run[m] += args.block + 1
+    after = {m: _transport_count(clusters[m].stats()) for m in before}
+    for s, _ in runs.values():
+        s.close()
+    compute_ms = statistics.median(times["compute"])
+    rows = []
+    graph_t, graph_b = len(sizes), sum(sizes)
+    for mode, *_ in modes:
+        step = statistics.median(times[mode])
+        if mode in before:
+            dt = (after[mode][0] - before[mode][0]) / steps_run[mode]
+            db = (after[mode][1] - before[mode][1]) / steps_run[mode]
+            src = "transport counters"
+        else:
+            dt, db, src = graph_t, graph_b, "graph analysis"
+        rows.append({
+            "workload": name, "mode": mode, "workers": n,
+            "samples_per_s": round(_workloads.samples_per_step(name, n) / step * 1e3, 2),
+            "step_ms": round(step, 3), "compute_ms": round(compute_ms, 3),
+            "comm_ms": round(max(step - compute_ms, 0.0), 3),
+            "tensors_per_step": round(dt, 2), "bytes_per_step": int(db),
+            "avg_tensor_bytes": int(db / dt) if dt else 0,
+            "median_tensor_bytes": int(statistics.median(sizes)) if sizes else 0,
+            "cpu_s_per_step": round(cpu[mode] / (args.reps * args.block), 5),
+            "tensors_source": src, "tensor_sizes": sizes,
+        })
+    return rows
+
+
+def plan(args):
+    names = [w.strip() for w in args.workloads.split(",")] if args.workloads else list(_workloads.WORKLOADS)
+    for w in names:
+        if w not in _workloads.WORKLOADS:
+            raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(_workloads.WORKLOADS)}")
+    workers = [int(x) for x in args.workers.split(",")]
+    return [(w, n) for w in names for n in workers if n >= _workloads.WORKLOADS[w].min_workers]
+
+
+def run(args):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+
+    tf.get_logger().setLevel("ERROR")
+    tf.compat.v1.disable_eager_execution()
+    from rdma_device import _sweep
+
+    modes = modes_available()
+    todo = plan(args)
+    max_w = max(n for _, n in todo)
+    prog = Progress(len(modes) + 1 + len(todo) + (0 if args.no_sweep else 1))
+    logs = os.path.join(args.out, "logs")  # the tasks' TensorFlow logs, off the terminal
+    os.makedirs(logs, exist_ok=True)
+    clusters = {}
+    compute_cluster = None
+    rows, sweep = [], []
+    t0 = time.time()
+    try:
+        for mode, proto, env in modes:
+            clusters[mode] = LocalCluster(proto, {"ps": 1, "worker": max_w}, env=env, log_dir=logs,
+                                          name=mode.replace("+", "_"))
+            prog.step(f"started the {mode} cluster")
+        compute_cluster = LocalCluster("grpc", {"ps": 1, "worker": max_w}, log_dir=logs, name="compute")
+        prog.step("started the compute-only cluster")
+        for name, n in todo:
+            rows += run_workload(tf, name, n, modes, clusters, compute_cluster, args)
+            prog.step(f"{name}, {n} worker(s)")
+        if not args.no_sweep:
+            sweep = _sweep.sweep(tf, modes, clusters, args)
+            prog.step("transfer sweep")
+    finally:
+        prog.close()
+        for c in list(clusters.values()) + [compute_cluster]:
+            if c is not None:
+                c.close()
+    return {"rows": rows, "sweep": sweep, "modes": [m for m, *_ in modes], "seconds": round(time.time() - t0, 1)}

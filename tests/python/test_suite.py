@@ -1,0 +1,57 @@
+"""The evaluation suite's plumbing, in a tiny configuration: one workload,
+two workers, a few steps, a one-size transfer sweep. No number is asserted
+(speed belongs to benchmarks); what is asserted is what a reader of the
+outputs relies on: every mode has a row with every key, the transport's
+counters saw the tensors the partition graphs say cross tasks, and the
+summary and the colour plots are written.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import rdma_device
+from rdma_device import _suite
+
+KEYS = {"workload", "mode", "workers", "samples_per_s", "step_ms", "compute_ms", "comm_ms",
+        "tensors_per_step", "bytes_per_step", "avg_tensor_bytes", "cpu_s_per_step"}
+
+
+def test_suite_tiny(tmp_path, plugin_built):
+    out = tmp_path / "suite"
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(rdma_device.__file__)))
+    cmd = [sys.executable, "-m", "rdma_device.bench", "suite", "--quick", "--out", str(out),
+           "--workloads", "wide_deep", "--workers", "2", "--reps", "1", "--block", "2", "--warmup", "1",
+           "--sweep-sizes", "256K"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())
+    modes = [m for m, *_ in _suite.modes_available()]
+    assert sorted(r["mode"] for r in rows) == sorted(modes)
+    for r in rows:
+        assert KEYS <= set(r), KEYS - set(r)
+        assert r["workload"] == "wide_deep" and r["workers"] == 2
+        assert r["step_ms"] > 0 and r["compute_ms"] > 0 and r["cpu_s_per_step"] > 0
+        # wide & deep moves embedding rows, dense weights and IndexedSlices
+        # gradients between the ps and each worker: dozens of tensors.
+        assert r["tensors_per_step"] >= 10, r
+        assert r["bytes_per_step"] > 0 and r["avg_tensor_bytes"] > 0
+    # The transport counted at least what the partition graphs say crosses
+    # tasks (it also carries the client's fetches and the steps' control edges).
+    graph = next(r for r in rows if r["mode"] == "grpc")
+    ours = next(r for r in rows if r["mode"] == "grpc+rdma_device")
+    assert ours["tensors_source"] == "transport counters"
+    assert ours["tensors_per_step"] >= graph["tensors_per_step"], (ours, graph)
+    sweep = json.loads((out / "transfer.json").read_text())
+    assert sorted(s["mode"] for s in sweep) == sorted(modes)
+    assert all(s["size"] == 256 << 10 and s["gbps"] > 0 and s["cpu_s_per_gb"] > 0 for s in sweep)
+    summary = (out / "summary.md").read_text()
+    assert "| wide_deep | 2 | grpc+rdma_device |" in summary
+    pngs = sorted(f for f in os.listdir(out) if f.endswith(".png"))
+    assert len(pngs) >= 5, pngs
+    for f in pngs:
+        with open(out / f, "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n", f
+        assert (out / f).stat().st_size > 5000, f
+    assert "plots:" in p.stdout
