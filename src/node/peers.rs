@@ -5,7 +5,9 @@
 //! - `send` never blocks: with a live connection it queues the write; without
 //!   one it queues the tensor on the peer and returns, and one `rdev-connect`
 //!   thread per peer connects (bounded by RDMA_DEVICE_CONNECT_TIMEOUT_MS)
-//!   and then sends or fails what queued up;
+//!   and then sends or fails what queued up. Sends to one peer are not kept
+//!   in order across a connect (a send issued as the queue is flushed may
+//!   go first): tensors are matched by (key, step), never by order;
 //! - `connect`, `place_ahead` and `request_placement` block their caller up
 //!   to the connect timeout plus the given timeout (the shim calls them from
 //!   its own pool only);
@@ -62,6 +64,9 @@ struct PeerEntry {
     /// The sender-side connection; its mutex also serializes connecting.
     tx: TxSlot,
     watching: bool,
+    /// The sender connection once made (may have died since: check
+    /// `links`); read without touching the slot's connect lock.
+    live: Option<ConnId>,
     /// A `rdev-connect` thread is connecting; sends queue in `queued`.
     connecting: bool,
     queued: Vec<QueuedSend>,
@@ -114,6 +119,7 @@ impl Inner {
             grpc_reason: String::new(),
             tx: Arc::new(Mutex::new(None)),
             watching: false,
+            live: None,
             connecting: false,
             queued: Vec::new(),
         });
@@ -181,6 +187,9 @@ impl Inner {
         self.links.lock().insert(id, LinkRef::Tx(ep.clone()));
         self.locked(|r| r.add_tx_link(id, peer));
         *held = Some((id, ep));
+        if let Some(e) = self.peers.table.lock().get_mut(peer) {
+            e.live = Some(id);
+        }
         log::info!("{}: connected to {peer} at {addr} over {}", self.task, kind.name());
         Ok(id)
     }
@@ -217,18 +226,21 @@ impl Inner {
     /// The live sender connection to `peer`, if any; NotViable when the
     /// peer is routed over gRPC.
     fn live_tx(&self, peer: &str) -> Result<Option<ConnId>> {
-        let slot = {
+        let live = {
             let t = self.peers.table.lock();
             let e = t.get(peer).ok_or_else(|| Error::InvalidArgument(format!("unknown peer {peer}: add it first")))?;
             if e.choice.is_none() {
                 drop(t);
                 return Err(self.grpc_route(peer));
             }
-            e.tx.clone()
+            // While a connect runs, sends queue behind the ones waiting.
+            if e.connecting {
+                None
+            } else {
+                e.live
+            }
         };
-        // try_lock: a connect in progress holds the slot; never wait for it.
-        let Some(held) = slot.try_lock() else { return Ok(None) };
-        Ok(held.as_ref().map(|(id, _)| *id).filter(|id| self.links.lock().contains_key(id)))
+        Ok(live.filter(|id| self.links.lock().contains_key(id)))
     }
 
     /// Never blocks (module docs). Errors returned here mean nothing was
