@@ -1,24 +1,32 @@
 //! A received tensor handed to the application: its bytes in place in the
 //! arena (or in a buffer, for the inline path); dropping it gives the slot
 //! back to the sender.
+//!
+//! A lease in place holds an `Arc` of the arena, so the mapping outlives
+//! the node: a tensor TensorFlow still holds after `rdev_context_free`
+//! reads valid (if no longer refreshed) memory, never an unmapped page.
 
-use std::sync::Weak;
+use std::sync::{Arc, Weak};
 
 use super::Inner;
+use crate::fabric::Arena;
 use crate::rendezvous::{Data, TensorMeta};
 
 /// A received tensor. Its bytes stay valid (and its slot stays with us)
 /// until it is dropped; dropping it hands the slot back to the sender.
 pub struct Lease {
     node: Weak<Inner>,
+    /// Keeps the mapping `ptr` points into alive (in-place leases only).
+    _arena: Option<Arc<Arena>>,
     meta: TensorMeta,
     data: Data,
     ptr: *const u8,
     len: usize,
 }
 
-// SAFETY: `ptr` points into the node's arena (kept alive by the slot
-// ownership protocol until release) or into `data`'s own Vec.
+// SAFETY: `ptr` points into the arena (its mapping kept alive by `_arena`,
+// its slot kept ours by the slot ownership protocol until release) or into
+// `data`'s own Vec.
 unsafe impl Send for Lease {}
 // SAFETY: as above; the bytes are only read.
 unsafe impl Sync for Lease {}
@@ -30,8 +38,8 @@ impl std::fmt::Debug for Lease {
 }
 
 impl Lease {
-    pub(super) fn new(node: Weak<Inner>, meta: TensorMeta, data: Data, ptr: *const u8, len: usize) -> Lease {
-        Lease { node, meta, data, ptr, len }
+    pub(super) fn new(node: Weak<Inner>, arena: Option<Arc<Arena>>, meta: TensorMeta, data: Data, ptr: *const u8, len: usize) -> Lease {
+        Lease { node, _arena: arena, meta, data, ptr, len }
     }
 
     pub fn meta(&self) -> &TensorMeta {

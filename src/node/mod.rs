@@ -64,6 +64,8 @@ pub(crate) struct Inner {
     listeners: Mutex<HashMap<TransportKind, Arc<dyn Listener>>>,
     rdv: Mutex<Rendezvous>,
     links: Mutex<HashMap<ConnId, LinkRef>>,
+    /// Connections that ended before they were registered in `links`.
+    ended_early: Mutex<std::collections::HashSet<ConnId>>,
     peers: peers::Peers,
     /// Set once every listener is registered: a connection accepted while
     /// `Node::new` is still running waits for it, so replies on it can
@@ -113,6 +115,7 @@ impl Node {
             listeners: Mutex::new(HashMap::new()),
             rdv: Mutex::new(rdv),
             links: Mutex::new(HashMap::new()),
+            ended_early: Mutex::new(std::collections::HashSet::new()),
             peers: peers::Peers::default(),
             ready: (Mutex::new(false), parking_lot::Condvar::new()),
             progress: (Mutex::new(0), parking_lot::Condvar::new()),
@@ -319,10 +322,18 @@ impl FabricEvents for Events {
 
     fn on_disconnect(&self, conn: ConnId, why: Error) {
         let Some(n) = self.node.upgrade() else { return };
-        n.links.lock().remove(&conn);
         Stats::add(&Stats::global().c.peers_lost, 1);
         log::info!("{}: connection {conn} over {} ended: {why}", n.task, self.kind.name());
-        let acts = n.locked(|r| r.on_link_lost(conn, why));
+        // Under `links` (lock order: links, then the protocol state), so a
+        // connection still being registered (`ensure_tx`) either sees this
+        // loss or is fully registered before it is processed.
+        let acts = {
+            let mut links = n.links.lock();
+            if links.remove(&conn).is_none() {
+                n.ended_early.lock().insert(conn);
+            }
+            n.locked(|r| r.on_link_lost(conn, why))
+        };
         n.exec(acts);
         n.notify_progress();
     }
@@ -404,6 +415,7 @@ impl Inner {
     }
 
     fn send_msg(&self, link: ConnId, msg: &rendezvous::Msg) -> Result<()> {
+        msg.check()?;
         let bytes = msg.encode();
         let target = match self.links.lock().get(&link) {
             Some(LinkRef::Tx(e)) => Ok(e.clone()),
@@ -452,29 +464,14 @@ impl Inner {
                 }
                 Action::Send { link, msg } => {
                     log::trace!("{}: send on {link}: {msg:?}", self.task);
-                    match self.send_msg(link, &msg) {
-                        Ok(()) => {}
-                        // The disconnect event reports the loss itself.
-                        Err(e @ Error::PeerLost(_)) => log::debug!("{}: message on connection {link} not sent: {e}", self.task),
-                        Err(e) => log::warn!("{}: message on connection {link} not sent: {e}", self.task),
+                    if let Err(e) = self.send_msg(link, &msg) {
+                        // A lost Publish or Credit would stall the edge
+                        // forever: the link is unusable, fail it now.
+                        let why = Error::PeerLost(format!("{}: control message {} on connection {link} not sent: {}", self.task, msg.name(), e.message()));
+                        self.fail_link(link, why);
                     }
                 }
-                Action::Close { link, why } => {
-                    log::warn!("{}: closing connection {link}: {why}", self.task);
-                    let l = self.links.lock().get(&link).map(|l| match l {
-                        LinkRef::Tx(e) => Ok(e.clone()),
-                        LinkRef::Rx(k) => Err(*k),
-                    });
-                    match l {
-                        Some(Ok(e)) => e.close(),
-                        Some(Err(k)) => {
-                            if let Some(l) = self.listeners.lock().get(&k).cloned() {
-                                l.close_conn(link);
-                            }
-                        }
-                        None => {}
-                    }
-                }
+                Action::Close { link, why } => self.fail_link(link, why),
                 Action::SendDone { done, result } => done(result),
                 Action::Deliver { done, result } => done(result),
                 Action::Release { link, slot, gen } => {
@@ -487,20 +484,43 @@ impl Inner {
         }
     }
 
+    /// Close `link` and fail everything that depends on it with `why` now
+    /// (the transport's own disconnect event may come later, with a less
+    /// telling reason, and then finds nothing left to fail).
+    fn fail_link(&self, link: ConnId, why: Error) {
+        log::warn!("{}: closing connection {link}: {why}", self.task);
+        let l = self.links.lock().get(&link).map(|l| match l {
+            LinkRef::Tx(e) => Ok(e.clone()),
+            LinkRef::Rx(k) => Err(*k),
+        });
+        match l {
+            Some(Ok(e)) => e.close(),
+            Some(Err(k)) => {
+                if let Some(l) = self.listeners.lock().get(&k).cloned() {
+                    l.close_conn(link);
+                }
+            }
+            None => {}
+        }
+        let acts = self.locked(|r| r.on_link_lost(link, why));
+        self.exec(acts);
+        self.notify_progress();
+    }
+
     fn lease(&self, r: Received) -> Lease {
-        let (ptr, len) = match &r.data {
+        let (ptr, len, arena) = match &r.data {
             Data::Slot { offset, len, .. } => {
                 // The protocol only hands out ranges inside the arena it was
                 // sized for; check anyway, since the bytes reach TensorFlow.
                 let ok = (*offset as usize).checked_add(*len as usize).is_some_and(|e| e <= self.arena.len());
                 if ok {
-                    (self.arena.as_ptr().wrapping_add(*offset as usize) as *const u8, *len as usize)
+                    (self.arena.as_ptr().wrapping_add(*offset as usize) as *const u8, *len as usize, Some(self.arena.clone()))
                 } else {
-                    (std::ptr::null(), 0)
+                    (std::ptr::null(), 0, None)
                 }
             }
-            Data::Owned(v) => (v.as_ptr(), v.len()),
+            Data::Owned(v) => (v.as_ptr(), v.len(), None),
         };
-        Lease::new(self.me.clone(), r.meta, r.data, ptr, len)
+        Lease::new(self.me.clone(), arena, r.meta, r.data, ptr, len)
     }
 }

@@ -184,8 +184,16 @@ impl Inner {
             Err(e) => return Err(e.context(&format!("connecting to {peer} at {addr}"))),
         };
         let id = ep.id();
-        self.links.lock().insert(id, LinkRef::Tx(ep.clone()));
-        self.locked(|r| r.add_tx_link(id, peer));
+        {
+            // Register before any event for the link is processed: its
+            // disconnect may already have fired (see `on_disconnect`).
+            let mut links = self.links.lock();
+            if self.ended_early.lock().remove(&id) {
+                return Err(Error::PeerLost(format!("connection to {peer} at {addr} ended as it was made")));
+            }
+            links.insert(id, LinkRef::Tx(ep.clone()));
+            self.locked(|r| r.add_tx_link(id, peer));
+        }
         *held = Some((id, ep));
         if let Some(e) = self.peers.table.lock().get_mut(peer) {
             e.live = Some(id);
@@ -246,6 +254,9 @@ impl Inner {
     /// Never blocks (module docs). Errors returned here mean nothing was
     /// queued; later failures (including NotViable) go to `done`.
     pub(super) fn send(&self, peer: &str, key: &str, step: u64, meta: TensorMeta, payload: Box<dyn Payload>, done: SendDone) -> Result<()> {
+        if key.len() > crate::rendezvous::wire::MAX_KEY {
+            return Err(Error::InvalidArgument(format!("rendezvous key of {} bytes exceeds {}", key.len(), crate::rendezvous::wire::MAX_KEY)));
+        }
         if let Some(link) = self.live_tx(peer)? {
             let acts = self.locked(|r| r.send(link, key, step, meta, payload, done));
             self.exec(acts);

@@ -17,13 +17,21 @@ impl ArenaAlloc {
         ArenaAlloc { total, free: vec![(0, total)], in_use: 0 }
     }
 
-    pub fn round(len: u64) -> u64 {
-        len.max(1).div_ceil(SLOT_ALIGN as u64) * SLOT_ALIGN as u64
+    /// `len` rounded up to SLOT_ALIGN; None if that overflows (a size a
+    /// peer chose can be anything).
+    pub fn round(len: u64) -> Option<u64> {
+        len.max(1).div_ceil(SLOT_ALIGN as u64).checked_mul(SLOT_ALIGN as u64)
+    }
+
+    /// `HEADER_BYTES + payload` rounded up: the bytes a slot for `payload`
+    /// reserves. None if that overflows or exceeds the whole arena.
+    pub fn slot_bytes(&self, payload: u64) -> Option<u64> {
+        payload.checked_add(crate::constants::HEADER_BYTES as u64).and_then(Self::round).filter(|r| *r <= self.total)
     }
 
     /// Offset of `len` bytes (rounded up to SLOT_ALIGN), or None if no room.
     pub fn alloc(&mut self, len: u64) -> Option<u64> {
-        let len = Self::round(len);
+        let len = Self::round(len)?;
         let i = self.free.iter().position(|&(_, l)| l >= len)?;
         let (off, l) = self.free[i];
         if l == len {
@@ -37,7 +45,7 @@ impl ArenaAlloc {
 
     /// Give back a range returned by `alloc` with the same `len`.
     pub fn free(&mut self, off: u64, len: u64) {
-        let len = Self::round(len);
+        let Some(len) = Self::round(len) else { return };
         let i = self.free.partition_point(|&(o, _)| o < off);
         self.free.insert(i, (off, len));
         // Coalesce with the next, then the previous neighbour.
@@ -79,5 +87,17 @@ mod tests {
         a.free(z, 4096);
         assert_eq!(a.in_use(), 0);
         assert_eq!(a.alloc(16 * 4096), Some(0));
+    }
+
+    #[test]
+    fn sizes_near_u64_max_never_wrap() {
+        let a = ArenaAlloc::new(16 * 4096);
+        for k in [0u64, 1, 255, 256, 4095, 4096, 1 << 20] {
+            assert_eq!(a.slot_bytes(u64::MAX - k), None, "k = {k}");
+        }
+        assert_eq!(ArenaAlloc::round(u64::MAX - 4094), None);
+        assert_eq!(ArenaAlloc::round(u64::MAX - 4095), Some(u64::MAX - 4095));
+        assert_eq!(a.slot_bytes(16 * 4096 - 256), Some(16 * 4096));
+        assert_eq!(a.slot_bytes(16 * 4096 - 255), None);
     }
 }

@@ -7,7 +7,6 @@ use std::collections::HashMap;
 use super::{Action, Data, Entry, LinkId, Received, RecvDone, Rendezvous};
 use crate::constants::HEADER_BYTES;
 use crate::error::{Error, Result};
-use crate::rendezvous::alloc::ArenaAlloc;
 use crate::rendezvous::wire::{Msg, SlotDesc, SlotHeader, TensorMeta};
 
 /// Read access to slot headers in the arena (the caller owns the memory).
@@ -217,11 +216,15 @@ impl Rendezvous {
             }
         };
         if h.incarnation != r.incarnation || h.gen != s.gen {
-            // A write from an earlier life of the peer or into an earlier
-            // placement of the slot: ignore it (it is not this sender's now).
+            // A write stamped with another life of the peer or an earlier
+            // placement of the slot: the writer does not follow the
+            // protocol, so nothing else it writes can be trusted either.
             self.tally.rejected_writes += 1;
-            log::warn!("rejected a stale write into slot {imm} (generation {} vs {}, incarnation {:#x} vs {:#x})", h.gen, s.gen, h.incarnation, r.incarnation);
-            return Vec::new();
+            let why = Error::Protocol(format!(
+                "stale write into slot {imm} (generation {} vs {}, incarnation {:#x} vs {:#x})",
+                h.gen, s.gen, h.incarnation, r.incarnation
+            ));
+            return vec![Action::Close { link, why }];
         }
         if h.slot != imm || h.edge_id != s.edge_id || h.len > s.capacity {
             self.tally.rejected_writes += 1;
@@ -313,7 +316,12 @@ impl Rendezvous {
                 s.retired = true;
             }
         }
-        let reserved = ArenaAlloc::round(HEADER_BYTES as u64 + need);
+        // `need` is the peer's: a size that cannot fit the arena at all
+        // (or overflows with the header) is refused like a full arena.
+        let Some(reserved) = self.alloc.slot_bytes(need) else {
+            log::warn!("{key}: {need} bytes cannot fit a receive arena of {} bytes; it takes the slower chunked path", self.alloc.total());
+            return Ok(vec![Action::Send { link, msg: Msg::NoSpace { key, need } }]);
+        };
         let mut placed = Vec::new();
         for _ in 0..n {
             match self.alloc.alloc(reserved) {
@@ -381,7 +389,9 @@ impl Rendezvous {
         }
         let e = r.edge_info.get(&edge_id).expect("edge");
         let cap = e.set.iter().filter_map(|id| r.slots.get(id)).map(|s| s.capacity).max().unwrap_or(0).max(need);
-        let reserved = ArenaAlloc::round(HEADER_BYTES as u64 + cap);
+        let Some(reserved) = self.alloc.slot_bytes(cap) else {
+            return Ok(vec![Action::Send { link, msg: Msg::NoMore { edge_id } }]);
+        };
         let off = if e.set.len() < crate::constants::MAX_SLOTS_PER_EDGE { self.alloc.alloc(reserved) } else { None };
         let Some(off) = off else {
             let mut acts = self.reclaim_cold(link, edge_id, reserved);
@@ -472,7 +482,13 @@ impl Rendezvous {
             return Err(Error::Protocol(format!("inline chunk for {key} step {step} out of order or inconsistent")));
         }
         if a.buf.is_empty() {
-            a.buf.reserve_exact(total as usize);
+            // The peer chose `total`: an allocation failure is its error,
+            // never an abort of this process.
+            let want = usize::try_from(total).unwrap_or(usize::MAX);
+            if let Err(e) = a.buf.try_reserve_exact(want) {
+                r.inline.remove(&k);
+                return Err(Error::Protocol(format!("inline tensor {key} of {total} bytes: cannot allocate: {e}")));
+            }
         }
         a.buf.extend_from_slice(&bytes);
         if (a.buf.len() as u64) < total {

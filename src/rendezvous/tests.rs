@@ -261,7 +261,7 @@ fn aborted_step_fails_waiters_and_drops_late_pushes() {
 }
 
 #[test]
-fn stale_generation_is_rejected() {
+fn stale_generation_fails_the_link() {
     let mut s = Sim::new(1 << 20, 1, 4);
     s.send("k", 1, vec![9; 100]);
     s.settle();
@@ -279,7 +279,10 @@ fn stale_generation_is_rejected() {
     let h = SlotHeader { edge_id: 1, slot, gen, incarnation: 999, step: 2, len: 1, meta: TensorMeta::default() };
     s.mem.lock().unwrap()[off as usize..off as usize + HEADER_BYTES].copy_from_slice(&h.encode());
     let acts = s.rx.on_write_imm(LINK, slot, &Mem(s.mem.clone()));
-    assert!(acts.is_empty(), "a stale write is dropped quietly: {acts:?}");
+    assert!(
+        matches!(&acts[..], [Action::Close { why: Error::Protocol(m), .. }] if m.contains("stale write")),
+        "a stale write fails the link: {acts:?}"
+    );
     assert_eq!(s.rx.tally.rejected_writes, 1);
 }
 

@@ -93,6 +93,8 @@ impl W {
     fn u32(&mut self, v: u32) { self.0.extend_from_slice(&v.to_le_bytes()) }
     fn u64(&mut self, v: u64) { self.0.extend_from_slice(&v.to_le_bytes()) }
     fn bytes(&mut self, b: &[u8]) { self.u32(b.len() as u32); self.0.extend_from_slice(b) }
+    /// Free text (a reason): cut to what the peer accepts, on a char boundary.
+    fn text(&mut self, s: &str) { self.bytes(truncate(s, MAX_KEY).as_bytes()) }
     fn meta(&mut self, m: &TensorMeta) {
         self.u32(m.dtype);
         self.u32(m.flags);
@@ -145,7 +147,54 @@ impl<'a> R<'a> {
     }
 }
 
+/// The longest prefix of `s` of at most `max` bytes that ends on a char
+/// boundary.
+pub fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
 impl Msg {
+    /// The message's type, for logs and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Msg::Announce { .. } => "Announce",
+            Msg::Publish { .. } => "Publish",
+            Msg::Credit { .. } => "Credit",
+            Msg::ReturnSlot { .. } => "ReturnSlot",
+            Msg::NoSpace { .. } => "NoSpace",
+            Msg::Revoke { .. } => "Revoke",
+            Msg::More { .. } => "More",
+            Msg::NoMore { .. } => "NoMore",
+            Msg::Grow { .. } => "Grow",
+            Msg::PlaceFor { .. } => "PlaceFor",
+            Msg::PlaceDone { .. } => "PlaceDone",
+            Msg::Abort { .. } => "Abort",
+            Msg::Inline { .. } => "Inline",
+        }
+    }
+
+    /// Would the peer accept this message's fields? Keys longer than
+    /// `MAX_KEY` are refused here, at the sender, rather than closing the
+    /// link at the receiver (reasons are truncated by `encode` instead).
+    pub fn check(&self) -> Result<()> {
+        let keys: &[&str] = match self {
+            Msg::Announce { key, .. } | Msg::Publish { key, .. } | Msg::NoSpace { key, .. } | Msg::Inline { key, .. } => &[key],
+            Msg::PlaceFor { receiver, key, .. } => &[receiver, key],
+            _ => &[],
+        };
+        match keys.iter().find(|k| k.len() > MAX_KEY) {
+            Some(k) => Err(Error::InvalidArgument(format!("key of {} bytes exceeds {MAX_KEY}: {}...", k.len(), truncate(k, 64)))),
+            None => Ok(()),
+        }
+    }
+
     pub fn encode(&self) -> Vec<u8> {
         let mut w = W(Vec::with_capacity(64));
         match self {
@@ -167,8 +216,8 @@ impl Msg {
             Msg::NoMore { edge_id } => { w.u8(T_NOMORE); w.u32(*edge_id) }
             Msg::Grow { edge_id, slot: s } => { w.u8(T_GROW); w.u32(*edge_id); w.u32(s.id); w.u32(s.gen); w.u64(s.offset); w.u64(s.capacity) }
             Msg::PlaceFor { req, receiver, key, bytes } => { w.u8(T_PLACE_FOR); w.u64(*req); w.bytes(receiver.as_bytes()); w.bytes(key.as_bytes()); w.u64(*bytes) }
-            Msg::PlaceDone { req, outcome, error } => { w.u8(T_PLACE_DONE); w.u64(*req); w.u32(*outcome); w.bytes(error.as_bytes()) }
-            Msg::Abort { step, reason } => { w.u8(T_ABORT); w.u64(*step); w.bytes(reason.as_bytes()) }
+            Msg::PlaceDone { req, outcome, error } => { w.u8(T_PLACE_DONE); w.u64(*req); w.u32(*outcome); w.text(error) }
+            Msg::Abort { step, reason } => { w.u8(T_ABORT); w.u64(*step); w.text(reason) }
             Msg::Inline { key, step, meta, total, offset, bytes } => {
                 w.u8(T_INLINE); w.bytes(key.as_bytes()); w.u64(*step); w.meta(meta);
                 w.u64(*total); w.u64(*offset); w.bytes(bytes)

@@ -96,6 +96,16 @@ impl Fabric for ShmFabric {
                 Err(e) => return Err(e),
             }
         };
+        // The name is abstract: any local user can bind it first. Talk only
+        // to a listener of our own uid (the listener checks us likewise).
+        let uid = socket::peer_uid(&stream)?;
+        // SAFETY: getuid has no preconditions.
+        let me = unsafe { libc::getuid() };
+        if uid != me {
+            return Err(Error::NotViable(format!(
+                "the shm listener for {remote} belongs to uid {uid}, not ours ({me}): refusing to connect"
+            )));
+        }
         let pool = copy::CopyPool::get(self.copy_threads);
         Ok(ShmEndpoint::handshake(stream, remote, hello, events, deadline, pool)?)
     }

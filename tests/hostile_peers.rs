@@ -1,0 +1,325 @@
+//! Memory safety, isolation and a control plane that cannot stall, against
+//! real shared memory, real sockets and (for the uid checks) real processes
+//! of another user.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use rdma_device::fabric::conformance::{Ev, Recorder};
+use rdma_device::fabric::shm::ShmFabric;
+use rdma_device::fabric::{Endpoint, Fabric};
+use rdma_device::node::Node;
+use rdma_device::rendezvous::{Hello, Msg, TensorMeta};
+
+const EVIL: &str = "/job:evil/replica:0/task:0";
+/// `nobody` on Debian: a uid other than ours (tests run as root or a user).
+const OTHER_UID: u32 = 65534;
+
+fn meta(n: usize) -> TensorMeta {
+    TensorMeta { dtype: 4, flags: 0, dims: vec![n as i64] }
+}
+
+fn pair() -> (Node, Node, String) {
+    let (pa, pb) = (free_port(), free_port());
+    let (aa, ba) = (format!("localhost:{pa}"), format!("localhost:{pb}"));
+    let a = Node::new(small_config(), &task(0), &aa).unwrap();
+    let b = Node::new(small_config(), &task(1), &ba).unwrap();
+    a.add_peer(&task(1), &ba);
+    b.add_peer(&task(0), &aa);
+    b.add_peer(EVIL, "localhost:1");
+    (a, b, ba)
+}
+
+fn evil(b_addr: &str) -> (Arc<dyn Endpoint>, Arc<Recorder>) {
+    let ev = Recorder::new(b"", None);
+    let hello = Hello { task: EVIL.into(), incarnation: 7, target: task(1) }.encode();
+    let ep = ShmFabric::new(Duration::ZERO).connect(b_addr, &hello, ev.clone(), Duration::from_secs(5), true).unwrap();
+    (ep, ev)
+}
+
+fn replies(ev: &Recorder, n: usize) -> Vec<Msg> {
+    let evs = ev.wait_for("replies", |e| e.iter().filter(|x| matches!(x, Ev::Msg(..))).count() >= n);
+    evs.iter().filter_map(|x| if let Ev::Msg(_, m) = x { Some(Msg::decode(m).unwrap()) } else { None }).collect()
+}
+
+#[test]
+fn lease_is_readable_after_the_node_is_freed() {
+    let (a, b, _) = pair();
+    let data = pattern(11, 1 << 20);
+    let r = recv_async(&b, &task(0), "held", 1);
+    send_wait(&a, &task(1), "held", 1, meta(1 << 18), data.clone()).unwrap();
+    let lease = r.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
+    assert!(lease.in_place(), "the tensor must alias the arena for this test to mean anything");
+    drop(a);
+    drop(b);
+    // The node (and its listener, rings, endpoints) is gone; the lease
+    // keeps the arena mapped, so its bytes are still the tensor's.
+    assert_eq!(checksum(lease.bytes()), checksum(&data));
+    drop(lease);
+}
+
+#[test]
+fn announce_of_a_size_near_u64_max_is_refused_and_the_link_survives() {
+    let (a, b, b_addr) = pair();
+    let (ep, ev) = evil(&b_addr);
+    let ks = [0u64, 1, 2, 255, 256, 257, 4095, 4096, 4097, 1 << 20];
+    for (i, k) in ks.iter().enumerate() {
+        let key = format!("huge{i}");
+        ep.send_msg(&Msg::Announce { key: key.clone(), step: 1, need: u64::MAX - k, returned: vec![] }.encode()).unwrap();
+        let got = replies(&ev, i + 1);
+        match &got[i] {
+            Msg::NoSpace { key: k2, need } => assert_eq!((k2, *need), (&key, u64::MAX - k)),
+            m => panic!("need = u64::MAX - {k}: expected NoSpace, got {m:?}"),
+        }
+    }
+    // The link is still up and a sane size is placed within the arena.
+    ep.send_msg(&Msg::Announce { key: "sane".into(), step: 1, need: 64, returned: vec![] }.encode()).unwrap();
+    let got = replies(&ev, ks.len() + 1);
+    let Msg::Publish { slots, .. } = &got[ks.len()] else { panic!("expected a publish, got {:?}", got[ks.len()]) };
+    for s in slots {
+        assert!(s.offset + s.capacity <= small_config().arena_bytes as u64, "{s:?}");
+    }
+    assert!(!ev.events().iter().any(|e| matches!(e, Ev::Disconnect(..))));
+    // And the node still moves tensors between well-behaved peers.
+    let r = recv_async(&b, &task(0), "good", 2);
+    send_wait(&a, &task(1), "good", 2, meta(100), pattern(2, 400)).unwrap();
+    assert_eq!(r.recv_timeout(Duration::from_secs(10)).unwrap().unwrap().bytes(), &pattern(2, 400)[..]);
+}
+
+/// Raw shm handshake as `EVIL`: returns the socket after the accept frame
+/// (its descriptors are discarded by the plain read).
+fn raw_handshake(b_addr: &str) -> UnixStream {
+    let port = b_addr.rsplit(':').next().unwrap();
+    // SAFETY: getuid has no preconditions.
+    let name = format!("rdma_device.{}.{port}", unsafe { libc::getuid() });
+    let mut s = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name.as_bytes()).unwrap()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let hello = Hello { task: EVIL.into(), incarnation: 9, target: task(1) }.encode();
+    write_frame(&mut s, 1, &hello);
+    let mut head = [0u8; 5];
+    s.read_exact(&mut head).unwrap();
+    assert_eq!(head[4], 2, "expected the accept frame");
+    let mut body = vec![0u8; u32::from_le_bytes(head[..4].try_into().unwrap()) as usize - 1];
+    s.read_exact(&mut body).unwrap();
+    s
+}
+
+fn write_frame(s: &mut UnixStream, kind: u8, body: &[u8]) {
+    let mut f = ((body.len() + 1) as u32).to_le_bytes().to_vec();
+    f.push(kind);
+    f.extend_from_slice(body);
+    s.write_all(&f).unwrap();
+}
+
+#[test]
+fn a_failed_control_send_fails_the_link_and_its_waiters() {
+    let (_a, b, b_addr) = pair();
+    let mut s = raw_handshake(&b_addr);
+    let waiter = recv_async(&b, EVIL, "never", 1);
+    // We stop reading: the receiver's Publish cannot be delivered.
+    s.shutdown(std::net::Shutdown::Read).unwrap();
+    let t0 = Instant::now();
+    write_frame(&mut s, 4, &Msg::Announce { key: "k".into(), step: 1, need: 64, returned: vec![] }.encode());
+    let res = waiter.recv_timeout(Duration::from_secs(5)).expect("the waiter must fail, not hang");
+    let e = res.expect_err("the waiter must fail");
+    assert!(e.to_string().contains("Publish") && e.to_string().contains("not sent"), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    drop(s);
+}
+
+#[test]
+fn a_stale_write_fails_the_link() {
+    let (_a, b, b_addr) = pair();
+    let (ep, ev) = evil(&b_addr);
+    ep.send_msg(&Msg::Announce { key: "s".into(), step: 1, need: 64, returned: vec![] }.encode()).unwrap();
+    let Msg::Publish { slots, edge_id, .. } = replies(&ev, 1).remove(0) else { panic!("expected a publish") };
+    let s = slots[0];
+    let waiter = recv_async(&b, EVIL, "s", 1);
+    // A header from another life of the sender (incarnation 8, not 7).
+    let h = rdma_device::rendezvous::SlotHeader { edge_id, slot: s.id, gen: s.gen, incarnation: 8, step: 1, len: 8, meta: meta(2) };
+    let (tx, rx) = std::sync::mpsc::channel();
+    ep.write_imm(s.offset, vec![Box::new(h.encode())], s.id, Box::new(move |r| tx.send(r).unwrap()));
+    rx.recv_timeout(Duration::from_secs(5)).unwrap().unwrap();
+    ev.wait_for("the node to close the connection", |e| e.iter().any(|x| matches!(x, Ev::Disconnect(..))));
+    let e = waiter.recv_timeout(Duration::from_secs(5)).unwrap().expect_err("the waiter must fail");
+    assert!(e.to_string().contains("stale write"), "{e}");
+}
+
+#[test]
+fn a_key_longer_than_the_wire_allows_is_refused_at_the_sender() {
+    let (a, _b, _) = pair();
+    let key = "k".repeat(rdma_device::rendezvous::wire::MAX_KEY + 1);
+    let r = a.send(&task(1), &key, 1, meta(1), Box::new(vec![0u8; 4]), Box::new(|_| panic!("done must not run")));
+    assert!(matches!(r, Err(rdma_device::Error::InvalidArgument(_))), "{r:?}");
+}
+
+#[test]
+fn ten_thousand_writes_wrap_the_doorbell_ring() {
+    let (a, b, _) = pair();
+    let n = rdma_device::constants::RING_ENTRIES as u64 + 2000;
+    assert!(n > 10_000);
+    for step in 1..=n {
+        let data = (step as u32).to_le_bytes().repeat(16);
+        let r = recv_async(&b, &task(0), "wrap", step);
+        send_wait(&a, &task(1), "wrap", step, meta(16), data.clone()).unwrap();
+        let l = r.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
+        assert_eq!(l.bytes(), &data[..], "step {step}");
+        assert!(l.in_place());
+    }
+    let (ta, tb) = (a.counters(), b.counters());
+    assert_eq!(ta.tensors_pushed, n);
+    assert_eq!(ta.inline_tensors, 0);
+    assert_eq!(tb.tensors_received, n);
+    assert_eq!(tb.rejected_writes, 0);
+}
+
+// ---- uid checks, with a real process of another user ----
+
+fn abstract_addr(name: &[u8]) -> (libc::sockaddr_un, libc::socklen_t) {
+    // SAFETY: sockaddr_un is plain old data.
+    let mut sa: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    sa.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (i, b) in name.iter().enumerate() {
+        sa.sun_path[i + 1] = *b as libc::c_char;
+    }
+    (sa, (std::mem::size_of::<libc::sa_family_t>() + 1 + name.len()) as libc::socklen_t)
+}
+
+/// Run `body` in a forked child as `OTHER_UID`; its return value is the
+/// child's exit status. `body` may only make raw system calls (no
+/// allocation: the parent has other threads).
+fn fork_as_other_user(body: impl FnOnce() -> i32) -> libc::pid_t {
+    // SAFETY: the child only makes async-signal-safe calls and _exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork");
+    if pid == 0 {
+        // SAFETY: raw system calls in the child.
+        unsafe {
+            if libc::setgid(OTHER_UID) != 0 || libc::setuid(OTHER_UID) != 0 {
+                libc::_exit(90);
+            }
+            libc::_exit(body());
+        }
+    }
+    pid
+}
+
+fn wait_exit(pid: libc::pid_t) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut st = 0;
+        // SAFETY: our own child.
+        let r = unsafe { libc::waitpid(pid, &mut st, libc::WNOHANG) };
+        if r == pid {
+            return if libc::WIFEXITED(st) { libc::WEXITSTATUS(st) } else { -1 };
+        }
+        if Instant::now() > deadline {
+            // SAFETY: our own child.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("child {pid} did not finish");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn skip_unless_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root {
+        eprintln!("not root: cannot start a process of another user; the uid tests need root (CI runs as root)");
+    }
+    !root
+}
+
+#[test]
+fn a_listener_refuses_a_process_of_another_user() {
+    if skip_unless_root() {
+        return;
+    }
+    let (_a, b, b_addr) = pair();
+    let port = b_addr.rsplit(':').next().unwrap();
+    // SAFETY: getuid has no preconditions.
+    let (sa, len) = abstract_addr(format!("rdma_device.{}.{port}", unsafe { libc::getuid() }).as_bytes());
+    let hello = Hello { task: EVIL.into(), incarnation: 5, target: task(1) }.encode();
+    let mut frame = ((hello.len() + 1) as u32).to_le_bytes().to_vec();
+    frame.push(1);
+    frame.extend_from_slice(&hello);
+    let pid = fork_as_other_user(|| {
+        // SAFETY: raw socket calls on buffers prepared before the fork.
+        unsafe {
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            if fd < 0 || libc::connect(fd, (&sa as *const libc::sockaddr_un).cast(), len) != 0 {
+                return 91;
+            }
+            libc::send(fd, frame.as_ptr().cast(), frame.len(), libc::MSG_NOSIGNAL);
+            let mut head = [0u8; 5];
+            let mut got = 0;
+            while got < 5 {
+                let n = libc::recv(fd, head.as_mut_ptr().add(got).cast(), 5 - got, 0);
+                if n <= 0 {
+                    return 92;
+                }
+                got += n as usize;
+            }
+            // 3: KIND_REFUSE; 2 (accept, with the arena) would be a breach.
+            if head[4] == 3 { 0 } else { 1 }
+        }
+    });
+    assert_eq!(wait_exit(pid), 0, "the listener must refuse a peer of another uid");
+    assert!(!b.describe().contains(EVIL), "no link may exist for the refused peer:\n{}", b.describe());
+}
+
+#[test]
+fn a_connector_refuses_a_listener_of_another_user() {
+    if skip_unless_root() {
+        return;
+    }
+    let port = free_port();
+    // Another user squats the name our listener at `port` would have.
+    // SAFETY: getuid has no preconditions.
+    let (sa, len) = abstract_addr(format!("rdma_device.{}.{port}", unsafe { libc::getuid() }).as_bytes());
+    let mut pipe = [0i32; 2];
+    // SAFETY: pipe writes two fds into the array.
+    assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+    let pid = fork_as_other_user(|| {
+        // SAFETY: raw socket calls on buffers prepared before the fork.
+        unsafe {
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            if fd < 0 || libc::bind(fd, (&sa as *const libc::sockaddr_un).cast(), len) != 0 || libc::listen(fd, 4) != 0 {
+                return 91;
+            }
+            libc::write(pipe[1], b"x".as_ptr().cast(), 1);
+            let c = libc::accept(fd, std::ptr::null_mut(), std::ptr::null_mut());
+            if c < 0 {
+                return 92;
+            }
+            let mut p = libc::pollfd { fd: c, events: libc::POLLIN, revents: 0 };
+            if libc::poll(&mut p, 1, 10_000) <= 0 {
+                return 93;
+            }
+            let mut b = [0u8; 64];
+            // 0: the connector hung up without saying anything (no hello,
+            // no task name, no incarnation); > 0: it talked to a squatter.
+            if libc::recv(c, b.as_mut_ptr().cast(), b.len(), 0) == 0 { 0 } else { 1 }
+        }
+    });
+    let mut x = [0u8; 1];
+    // SAFETY: reading one byte from our pipe.
+    assert_eq!(unsafe { libc::read(pipe[0], x.as_mut_ptr().cast(), 1) }, 1, "squatter did not start");
+    let hello = Hello { task: task(0), incarnation: 1, target: task(1) }.encode();
+    let r = ShmFabric::new(Duration::ZERO).connect(&format!("localhost:{port}"), &hello, Recorder::new(b"", None), Duration::from_secs(3), true);
+    let e = r.err().expect("connecting to a listener of another uid must fail");
+    assert!(e.to_string().contains("uid"), "{e}");
+    assert_eq!(wait_exit(pid), 0, "the connector must not talk to another user's listener");
+    // SAFETY: closing our pipe ends.
+    unsafe {
+        libc::close(pipe[0]);
+        libc::close(pipe[1]);
+    }
+}
