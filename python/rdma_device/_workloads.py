@@ -238,7 +238,7 @@ def _pipeline(tf, cluster, n, layout, quick, batch, micro=4):
     flat = [w for ws in params for w in ws]
     with tf.device(stage_dev[-1]):
         loss = tf.add_n(losses) / micro
-    grads = tf.gradients(loss, flat, colocate_gradients_with_ops=True)
+    grads = tf.compat.v1.gradients(loss, flat, colocate_gradients_with_ops=True)
     opt = tf.compat.v1.train.GradientDescentOptimizer(0.01)
     applies = []
     for s in range(n):
