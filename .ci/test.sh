@@ -13,6 +13,9 @@ cargo test --features verbs
 echo "== the shm-only build (no rdma-core needed) still compiles"
 cargo check --quiet --lib --bins
 
+echo "== coverage-guided fuzzing of every peer-fed decoder and the protocol state machine (60 s)"
+bash tests/fuzz/run.sh 60
+
 echo "== TensorFlow cluster tests (pytest)"
 "$VENV/bin/python" -m pytest -q tests/python
 

@@ -17,3 +17,9 @@ pub use error::{Error, Result};
 pub mod rendezvous;
 pub mod node;
 pub mod ffi;
+
+/// Entry points for the coverage-guided fuzz targets (tests/fuzz), which
+/// reach decoders that are otherwise private. Built only with `--cfg fuzzing`.
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub mod fuzzing;

@@ -309,3 +309,32 @@ fn propagated_abort_fails_the_peers_waiters() {
     s.settle();
     assert!(s.got.lock().unwrap()[2].1.is_ok());
 }
+
+/// Found by the `rx` fuzz target: an Announce whose `need` is near
+/// `u64::MAX` overflowed the slot size arithmetic (a panic in debug builds,
+/// a wrapped tiny slot in release). It must take the chunked path instead,
+/// with nothing placed.
+#[test]
+fn announce_of_absurd_size_is_refused_not_wrapped() {
+    let p = Params { slots_per_edge: 2, max_outstanding_writes: 4, incarnation: 22 };
+    let arena = 1u64 << 20;
+    let mut rx = Rendezvous::new(p, arena);
+    rx.add_rx_link(LINK, "tx", 11);
+    let sizes = [u64::MAX, u64::MAX - 1, u64::MAX - 255, u64::MAX - 256, u64::MAX - 4096, u64::MAX - 4097, arena, arena - HEADER_BYTES as u64 + 1];
+    for (i, need) in sizes.into_iter().enumerate() {
+        let key = format!("edge{i}");
+        let m = Msg::Announce { key: key.clone(), step: 1, need, returned: vec![] };
+        let acts = rx.on_message(LINK, &m.encode());
+        assert!(
+            matches!(acts.as_slice(), [Action::Send { msg: Msg::NoSpace { key: k, need: n }, .. }] if *k == key && *n == need),
+            "need {need}: {acts:?}"
+        );
+        assert_eq!(rx.arena_in_use(), 0, "need {need} placed something");
+    }
+    // The largest size that fits is placed.
+    let fits = arena - HEADER_BYTES as u64;
+    let acts = rx.on_message(LINK, &Msg::Announce { key: "fits".into(), step: 1, need: fits, returned: vec![] }.encode());
+    let Some(Action::Send { msg: Msg::Publish { slots, .. }, .. }) = acts.first() else { panic!("{acts:?}") };
+    assert_eq!(slots.len(), 1);
+    assert_eq!(rx.arena_in_use(), arena);
+}

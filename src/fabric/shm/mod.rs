@@ -10,8 +10,8 @@
 mod copy;
 mod endpoint;
 mod listener;
-mod ring;
-mod socket;
+pub(crate) mod ring;
+pub(crate) mod socket;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

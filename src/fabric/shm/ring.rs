@@ -96,7 +96,8 @@ impl Ring {
             return None;
         }
         self.entry(tail).store(imm, Ordering::Relaxed);
-        self.word64(TAIL_OFF).store(tail + 1, Ordering::SeqCst);
+        // Both words live in memory the peer can write: wrap, never panic.
+        self.word64(TAIL_OFF).store(tail.wrapping_add(1), Ordering::SeqCst);
         Some(self.word32(SLEEP_OFF).load(Ordering::SeqCst) != 0)
     }
 
@@ -110,10 +111,10 @@ impl Ring {
         // A corrupt tail from a misbehaving peer must not make us spin
         // through billions of entries: never read more than one ring's worth.
         let n = tail.wrapping_sub(head).min(RING_ENTRIES as u64);
-        for i in head..head + n {
-            f(self.entry(i).load(Ordering::Relaxed));
+        for i in 0..n {
+            f(self.entry(head.wrapping_add(i)).load(Ordering::Relaxed));
         }
-        self.word64(HEAD_OFF).store(head + n, Ordering::Release);
+        self.word64(HEAD_OFF).store(head.wrapping_add(n), Ordering::Release);
         n as usize
     }
 
@@ -124,6 +125,29 @@ impl Ring {
     /// Consumer: announce (or retract) that it is about to sleep.
     pub fn set_sleeping(&self, sleeping: bool) {
         self.word32(SLEEP_OFF).store(sleeping as u32, Ordering::SeqCst);
+    }
+}
+
+/// A word of the ring's shared memory, for the fuzz target that plays a
+/// peer scribbling over all of it.
+#[cfg(fuzzing)]
+pub enum RingWord {
+    Tail,
+    Head,
+    Sleeping,
+    Entry(usize),
+}
+
+#[cfg(fuzzing)]
+impl Ring {
+    /// Overwrite one word of the shared ring as a hostile peer could.
+    pub fn poke(&self, w: RingWord, v: u64) {
+        match w {
+            RingWord::Tail => self.word64(TAIL_OFF).store(v, Ordering::SeqCst),
+            RingWord::Head => self.word64(HEAD_OFF).store(v, Ordering::SeqCst),
+            RingWord::Sleeping => self.word32(SLEEP_OFF).store(v as u32, Ordering::SeqCst),
+            RingWord::Entry(i) => self.entry(i as u64).store(v as u32, Ordering::SeqCst),
+        }
     }
 }
 

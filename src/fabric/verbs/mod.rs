@@ -40,7 +40,7 @@
 //! Send-side strategy: see `conn` and the measurements in
 //! `tests/softroce/README.md`.
 
-mod cm;
+pub(crate) mod cm;
 mod conn;
 pub mod device;
 mod endpoint;

@@ -1,0 +1,217 @@
+//! The protocol state machine fed by a hostile peer: one receiver link and
+//! one sender link on a single `Rendezvous`, driven by arbitrary control
+//! messages (raw bytes and well-formed ones with arbitrary fields), slot
+//! headers written into the arena followed by write immediates, releases,
+//! receives, sends, step ends, aborts and lost links, in any order.
+//! Nothing may panic, and the arena accounting must stay within the arena.
+#![no_main]
+
+use std::collections::VecDeque;
+
+use rdma_device::constants::HEADER_BYTES;
+use rdma_device::error::Error;
+use rdma_device::rendezvous::{Action, Data, Msg, Params, Rendezvous, SlotDesc, SlotHeader, SlotMemory, TensorMeta};
+
+const ARENA: usize = 1 << 20;
+const RX: u64 = 1;
+const TX: u64 = 2;
+const INCARNATION: u64 = 11;
+
+struct Mem(Vec<u8>);
+impl SlotMemory for Mem {
+    fn header(&self, offset: u64) -> Vec<u8> {
+        let o = offset as usize;
+        // The protocol only asks for headers of slots it placed itself.
+        assert!(o.checked_add(HEADER_BYTES).is_some_and(|e| e <= self.0.len()), "header read outside the arena at {offset}");
+        self.0[o..o + HEADER_BYTES].to_vec()
+    }
+}
+
+struct In<'a>(&'a [u8]);
+impl In<'_> {
+    fn n(&mut self, k: usize) -> Option<u64> {
+        if self.0.len() < k {
+            return None;
+        }
+        let (h, t) = self.0.split_at(k);
+        self.0 = t;
+        let mut b = [0u8; 8];
+        b[..k].copy_from_slice(h);
+        Some(u64::from_le_bytes(b))
+    }
+    fn u8(&mut self) -> Option<u8> { self.n(1).map(|v| v as u8) }
+    fn u32(&mut self) -> Option<u32> { self.n(4).map(|v| v as u32) }
+    fn u64(&mut self) -> Option<u64> { self.n(8) }
+    /// A size that is small, near a power of two, or near u64::MAX.
+    fn size(&mut self) -> Option<u64> {
+        let k = self.u8()?;
+        let v = self.u32()? as u64;
+        Some(match k % 4 {
+            0 => v % 4096,
+            1 => 1u64 << (v % 64),
+            2 => u64::MAX - (v % 4096),
+            _ => v,
+        })
+    }
+    fn key(&mut self) -> Option<String> { Some(format!("k{}", self.u8()? % 4)) }
+    fn bytes(&mut self, max: usize) -> Option<&[u8]> {
+        let n = (self.n(2)? as usize).min(max).min(self.0.len());
+        let (h, t) = self.0.split_at(n);
+        self.0 = t;
+        Some(h)
+    }
+}
+
+fn message(i: &mut In) -> Option<Msg> {
+    Some(match i.u8()? % 9 {
+        0 => Msg::Announce { key: i.key()?, step: i.u64()? % 8, need: i.size()?, returned: vec![(i.u32()? % 8, i.u32()? % 4)] },
+        1 => Msg::Publish {
+            key: i.key()?,
+            edge_id: i.u32()? % 8,
+            slots: vec![SlotDesc { id: i.u32()? % 8, gen: i.u32()? % 4, offset: i.size()?, capacity: i.size()? }],
+        },
+        2 => Msg::Credit { edge_id: i.u32()? % 8, slot: i.u32()? % 8, gen: i.u32()? % 4 },
+        3 => Msg::ReturnSlot { slot: i.u32()? % 8, gen: i.u32()? % 4 },
+        4 => Msg::NoSpace { key: i.key()?, need: i.size()? },
+        5 => Msg::Revoke { edge_id: i.u32()? % 8 },
+        6 => Msg::More { edge_id: i.u32()? % 8, need: i.size()? },
+        7 => Msg::Grow { edge_id: i.u32()? % 8, slot: SlotDesc { id: i.u32()? % 8, gen: i.u32()? % 4, offset: i.size()?, capacity: i.size()? } },
+        _ => {
+            let total = i.size()?;
+            let offset = i.size()?;
+            let bytes = i.bytes(4096)?.to_vec();
+            Msg::Inline { key: i.key()?, step: i.u64()? % 8, meta: TensorMeta { dtype: 1, flags: 0, dims: vec![] }, total, offset, bytes }
+        }
+    })
+}
+
+struct World {
+    r: Rendezvous,
+    mem: Mem,
+    /// Slots delivered to us and not yet released.
+    held: VecDeque<(u64, u32, u32)>,
+    /// Writes we were asked to make (as a sender) and have not completed.
+    writes: VecDeque<Box<dyn FnOnce(rdma_device::Result<()>) + Send>>,
+}
+
+impl World {
+    fn run(&mut self, acts: Vec<Action>) {
+        let mut q: VecDeque<Action> = acts.into();
+        while let Some(a) = q.pop_front() {
+            match a {
+                Action::Write { done, .. } => self.writes.push_back(done),
+                Action::Inline { done, .. } => done(Ok(())),
+                Action::SendDone { done, result } => done(result),
+                Action::Deliver { done, result } => {
+                    if let Ok(r) = &result {
+                        if let Data::Slot { link, slot, gen, offset, len } = r.data {
+                            let end = offset.checked_add(len).expect("slot end overflows");
+                            assert!(end <= ARENA as u64, "delivered slot ends past the arena");
+                            self.held.push_back((link, slot, gen));
+                        }
+                    }
+                    done(result);
+                }
+                Action::Release { link, slot, gen } => q.extend(self.r.release(link, slot, gen)),
+                Action::Close { link, why } => q.extend(self.r.on_link_lost(link, why)),
+                Action::Send { .. } | Action::PlaceFor { .. } | Action::PlaceDone { .. } => {}
+            }
+            assert!(self.r.arena_in_use() <= ARENA as u64, "arena accounting exceeds the arena");
+        }
+    }
+}
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    let params = Params { slots_per_edge: 2, max_outstanding_writes: 4, incarnation: 22 };
+    let mut w = World { r: Rendezvous::new(params, ARENA as u64), mem: Mem(vec![0; ARENA]), held: VecDeque::new(), writes: VecDeque::new() };
+    w.r.add_rx_link(RX, "tx", INCARNATION);
+    w.r.add_tx_link(TX, "rx");
+    let mut i = In(data);
+    let mut ops = 0;
+    while let Some(op) = i.u8() {
+        ops += 1;
+        if ops > 256 {
+            break;
+        }
+        let link = if op & 0x80 != 0 { TX } else { RX };
+        let acts = match op % 12 {
+            0 => match i.bytes(4096) {
+                Some(b) => w.r.on_message(link, &b.to_vec()),
+                None => break,
+            },
+            1 => match message(&mut i) {
+                Some(m) => w.r.on_message(link, &m.encode()),
+                None => break,
+            },
+            2 | 3 => {
+                // A slot header written into the arena, then its immediate.
+                let (Some(off), Some(imm), Some(gen), Some(edge), Some(step), Some(len), Some(inc)) =
+                    (i.u32(), i.u32(), i.u32(), i.u32(), i.u64(), i.size(), i.u8())
+                else { break };
+                let h = SlotHeader {
+                    edge_id: edge % 8,
+                    slot: imm % 8,
+                    gen: gen % 4,
+                    incarnation: if inc & 1 == 0 { INCARNATION } else { inc as u64 },
+                    step: step % 8,
+                    len,
+                    meta: TensorMeta { dtype: 1, flags: (inc >> 1) as u32 & 3, dims: vec![len as i64] },
+                };
+                let at = (off as usize % (ARENA / 4096)) * 4096;
+                w.mem.0[at..at + HEADER_BYTES].copy_from_slice(&h.encode());
+                w.r.on_write_imm(link, imm % 8, &w.mem)
+            }
+            4 => match i.u32() {
+                Some(imm) => w.r.on_write_imm(link, imm % 8, &w.mem),
+                None => break,
+            },
+            5 => match w.held.pop_front() {
+                Some((l, s, g)) => w.r.release(l, s, g),
+                None => Vec::new(),
+            },
+            6 => match (i.key(), i.u64()) {
+                (Some(k), Some(step)) => w.r.recv("tx", &k, step % 8, Box::new(|_| {})),
+                _ => break,
+            },
+            7 => match (i.key(), i.u64(), i.bytes(8192)) {
+                (Some(k), Some(step), Some(b)) => {
+                    let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![b.len() as i64] };
+                    w.r.send(TX, &k, step % 8, meta, Box::new(b.to_vec()), Box::new(|_| {}))
+                }
+                _ => break,
+            },
+            8 => match w.writes.pop_front() {
+                Some(done) => {
+                    done(Ok(()));
+                    w.r.write_done(TX)
+                }
+                None => Vec::new(),
+            },
+            9 => match i.u64() {
+                Some(s) => w.r.step_done(s % 8),
+                None => break,
+            },
+            10 => match i.u64() {
+                Some(s) => w.r.abort_step(s % 8, Error::Aborted("fuzz".into()), op & 0x40 != 0),
+                None => break,
+            },
+            _ => {
+                let mut a = w.r.on_link_lost(link, Error::PeerLost("fuzz".into()));
+                if link == RX {
+                    w.r.add_rx_link(RX, "tx", INCARNATION);
+                } else {
+                    a.extend(w.r.abort_all(Error::Aborted("fuzz".into())));
+                    w.r.add_tx_link(TX, "rx");
+                }
+                a
+            }
+        };
+        w.run(acts);
+    }
+    // Everything still held goes back; the arena must then be consistent.
+    while let Some((l, s, g)) = w.held.pop_front() {
+        let a = w.r.release(l, s, g);
+        w.run(a);
+    }
+    assert!(w.r.arena_in_use() <= ARENA as u64);
+});
