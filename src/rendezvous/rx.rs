@@ -481,14 +481,12 @@ impl Rendezvous {
             r.inline.remove(&k);
             return Err(Error::Protocol(format!("inline chunk for {key} step {step} out of order or inconsistent")));
         }
-        if a.buf.is_empty() {
-            // The peer chose `total`: an allocation failure is its error,
-            // never an abort of this process.
-            let want = usize::try_from(total).unwrap_or(usize::MAX);
-            if let Err(e) = a.buf.try_reserve_exact(want) {
-                r.inline.remove(&k);
-                return Err(Error::Protocol(format!("inline tensor {key} of {total} bytes: cannot allocate: {e}")));
-            }
+        // Memory grows with the bytes that actually arrived, never with the
+        // total the peer claims, and a failed allocation fails the link
+        // instead of aborting the process.
+        if a.buf.try_reserve(bytes.len()).is_err() {
+            r.inline.remove(&k);
+            return Err(Error::Protocol(format!("cannot buffer inline tensor {key} step {step} ({total} bytes): out of memory")));
         }
         a.buf.extend_from_slice(&bytes);
         if (a.buf.len() as u64) < total {

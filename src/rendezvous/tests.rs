@@ -338,3 +338,21 @@ fn announce_of_absurd_size_is_refused_not_wrapped() {
     assert_eq!(slots.len(), 1);
     assert_eq!(rx.arena_in_use(), arena);
 }
+
+/// An inline tensor's claimed total is the peer's to choose (up to the
+/// inline cap): the receiver must not reserve it up front, where a claim it
+/// cannot back aborts the process. Memory follows the bytes that arrive.
+#[test]
+fn inline_total_claimed_by_the_peer_is_not_reserved_up_front() {
+    let p = Params { slots_per_edge: 2, max_outstanding_writes: 4, incarnation: 22 };
+    let mut rx = Rendezvous::new(p, 1 << 20);
+    rx.add_rx_link(LINK, "tx", 11);
+    let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![] };
+    for (i, total) in [(1u64 << 36) - 1, 1 << 36, (1 << 35) + 7].into_iter().enumerate() {
+        let m = Msg::Inline { key: format!("big{i}"), step: 1, meta: meta.clone(), total, offset: 0, bytes: vec![7; 1000] };
+        let acts = rx.on_message(LINK, &m.encode());
+        assert!(acts.is_empty(), "total {total}: {acts:?}");
+        let m = Msg::Inline { key: format!("big{i}"), step: 1, meta: meta.clone(), total, offset: 1000, bytes: vec![8; 1000] };
+        assert!(rx.on_message(LINK, &m.encode()).is_empty());
+    }
+}
