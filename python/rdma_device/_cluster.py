@@ -68,28 +68,62 @@ class LocalCluster:
         for (job, i), port in zip(names, ports):
             self.spec.setdefault(job, []).append(f"localhost:{port}")
         self.procs = {}
-        penv = dict(os.environ)
-        penv.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        penv.update(env or {})
+        self._env = dict(os.environ)
+        self._env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        self._env.update(env or {})
+        self._log_dir = log_dir
+        self._name = name
         self._logs = []
         for job, i in names:
-            arg = json.dumps([self.spec, job, i, protocol])
-            err = None
-            if log_dir:
-                err = open(os.path.join(log_dir, f"{name or protocol}-{job}-{i}.log"), "w")
-                self._logs.append(err)
-            self.procs[(job, i)] = subprocess.Popen(
-                [sys.executable, "-c", _TASK_MAIN, arg], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=err, text=True, env=penv)
+            self.procs[(job, i)] = self._spawn(job, i)
         deadline = time.time() + timeout
-        for key, p in self.procs.items():
-            line = p.stdout.readline()
-            if line.strip() != "READY":
-                self.close()
-                raise RuntimeError(f"task {key} of the {protocol} cluster did not start (exit {p.poll()})")
-            if time.time() > deadline:
-                self.close()
-                raise RuntimeError("cluster start timed out")
+        for key in self.procs:
+            self._wait_ready(key, deadline)
+
+    def _spawn(self, job, i):
+        arg = json.dumps([self.spec, job, i, self.protocol])
+        err = None
+        if self._log_dir:
+            # Appended to: a restarted task's log follows its first life's.
+            err = open(os.path.join(self._log_dir, f"{self._name or self.protocol}-{job}-{i}.log"), "a")
+            self._logs.append(err)
+        return subprocess.Popen([sys.executable, "-c", _TASK_MAIN, arg], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=self._env)
+
+    def _wait_ready(self, key, deadline):
+        # A task that dies before READY closes its stdout: readline returns.
+        p = self.procs[key]
+        line = p.stdout.readline()
+        if line.strip() != "READY":
+            self.close()
+            raise RuntimeError(f"task {key} of the {self.protocol} cluster did not start (exit {p.poll()})")
+        if time.time() > deadline:
+            self.close()
+            raise RuntimeError("cluster start timed out")
+
+    def kill(self, job, index, sig=9):
+        """Kill one task (SIGKILL by default) and reap it."""
+        p = self.procs[(job, index)]
+        p.send_signal(sig)
+        p.wait(timeout=30)
+
+    def restart(self, job, index, timeout=120):
+        """Start a killed task again, on the same address."""
+        self.procs[(job, index)] = self._spawn(job, index)
+        self._wait_ready((job, index), time.time() + timeout)
+
+    def pid(self, job, index):
+        return self.procs[(job, index)].pid
+
+    def rss_mb(self, job, index, field="VmRSS"):
+        """Resident memory of one task's process in MiB: VmRSS (all),
+        RssAnon (private memory: heap, stacks) or RssShmem (shared memory,
+        such as receive arenas)."""
+        with open(f"/proc/{self.pid(job, index)}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024.0
+        return 0.0
 
     def target(self, job="worker", index=0):
         return "grpc://" + self.spec[job][index]

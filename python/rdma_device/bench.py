@@ -3,6 +3,7 @@
     python -m rdma_device.bench transfer [--sizes 4K,1M,16M,64M] [--reps 15] [--json]
     python -m rdma_device.bench train    [--steps 100] [--json]
     python -m rdma_device.bench suite    [--quick] [--out DIR] [--json]
+    python -m rdma_device.bench soak     [--steps 1000] [--json]   (see rdma_device.soak)
 
 ``suite``: six workloads (AlexNet- and ResNet-class CNNs, an LSTM language
 model, a Transformer encoder, wide & deep with sparse embedding lookups, a
@@ -260,8 +261,10 @@ def main(argv=None):
     u.add_argument("--warmup", type=int, default=2, help="uncounted steps per mode first")
     u.add_argument("--no-sweep", action="store_true", help="skip the transfer sweep")
     u.add_argument("--sweep-sizes", default="", help="transfer sweep sizes, e.g. 64K,16M (default: by --quick)")
+    from rdma_device import soak
+    run_soak = soak.add_parser(sub)
     args = ap.parse_args(argv)
-    {"transfer": transfer, "train": train, "suite": suite}[args.cmd](args)
+    {"transfer": transfer, "train": train, "suite": suite, "soak": run_soak}[args.cmd](args)
 
 
 def suite(args):
