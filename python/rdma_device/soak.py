@@ -14,7 +14,9 @@ checksum (or the final shape) differs from the sender's is ``corrupt``; a
 tensor whose step never succeeds (``--retries`` more attempts, each with a
 deadline) is ``lost``. At step N/2 worker:1 is killed and started again on
 the same address; the step that meets the dead task fails and is retried on
-a fresh session (``failed_attempts``).
+a fresh session (``failed_attempts``). ``--kill-at -1`` runs without the
+kill; ``--protocol grpc`` runs the same soak on stock gRPC (a baseline for
+the memory numbers).
 
 RSS is read from /proc for each task: after the first step, at the
 baseline (step 1000, or N/10 when N < 10,000; for the restarted task the
@@ -135,18 +137,18 @@ def soak(args):
     env = {"RDMA_DEVICE_ARENA_BYTES": args.arena} if args.arena else {}
     steps = args.steps
     base_at = 1000 if steps >= 10000 else max(1, steps // 10)
-    kill_at = steps // 2
-    res = dict(steps=steps, lanes=args.lanes, tensors=0, empty_tensors=0, hops=0, lost=0, corrupt=0, bytes=0,
+    kill_at = steps // 2 if args.kill_at is None else args.kill_at
+    res = dict(protocol=args.protocol, steps=steps, lanes=args.lanes, tensors=0, empty_tensors=0, hops=0, lost=0, corrupt=0, bytes=0,
                failed_attempts=0, errors=[], restarted_at_step=None)
     t0 = time.time()
-    cluster = LocalCluster("grpc+rdma_device", {"ps": 1, "worker": 2}, env=env)
+    cluster = LocalCluster(args.protocol, {"ps": 1, "worker": 2}, env=env)
     rss = _Rss(cluster)
     options = tf.compat.v1.RunOptions(timeout_in_ms=args.step_timeout_ms)
     g, lanes = _graph(tf, cluster)
     sess = tf.compat.v1.Session(cluster.target("worker", 0), graph=g)
     try:
         for step in range(steps):
-            if step == kill_at and steps >= 2:
+            if step == kill_at and step > 0:
                 cluster.kill(*VICTIM)
                 cluster.restart(*VICTIM)
                 res["restarted_at_step"] = step
@@ -248,6 +250,10 @@ def add_parser(sub):
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--retries", type=int, default=3, help="attempts after a failed step before its tensors count as lost")
     s.add_argument("--step-timeout-ms", type=int, default=60000)
+    s.add_argument("--kill-at", type=int, default=None,
+                   help="step at which worker:1 is killed and restarted (default N/2; -1: never)")
+    s.add_argument("--protocol", default="grpc+rdma_device",
+                   help="the tasks' protocol; \"grpc\" runs the same soak on stock gRPC as a baseline")
     s.add_argument("--arena", default=None, help="RDMA_DEVICE_ARENA_BYTES for the tasks (default: the library's)")
     s.add_argument("--progress", type=int, default=0, help="print a line every this many steps")
     s.add_argument("--json", action="store_true")
