@@ -17,9 +17,9 @@
 //! | `Node::connect` | the shim's pool | the connection | RDMA_DEVICE_CONNECT_TIMEOUT_MS (1.5 s for a lost peer) |
 //! | `Node::place_ahead` | the shim's pool | connect + the receiver's Publish | connect + `timeout` |
 //! | `Node::request_placement` | the shim's pool | connect + the sender's PlaceDone | connect + `timeout` |
-//! | placement for a peer (`place_for`) | one `rdev-place` thread per request | as `place_ahead` | connect + connect timeout |
-//! | `rdev-connect` (per peer) | own thread | `Fabric::connect` | connect timeout |
-//! | `rdev-watch` (per peer we only receive from) | own thread | `Fabric::connect` | connect timeout |
+//! | placement for a peer (`place_for`) | the `rdev-place` pool (4 threads, queued) | as `place_ahead` | connect + connect timeout |
+//! | connect and flush queued sends (one per peer at a time) | the `rdev-connect` pool (4 threads, queued) | `Fabric::connect` | connect timeout |
+//! | watching a peer we only receive from (one per peer at a time) | the `rdev-connect` pool | `Fabric::connect` | connect timeout |
 //! | `Events::on_accept` | a backend's accept thread | `Node::new` to finish registering listeners | 10 s |
 //! | shm `write_imm` | the sender's thread | ring space, which the receiver's credits bound (a full ring means a stalled receiver) | until the link is dead |
 //! | shm/verbs progress threads | own threads | events (sleep on the doorbell / CQ channel) | woken by events or shutdown |
@@ -31,6 +31,7 @@
 
 mod lease;
 mod peers;
+mod pool;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};

@@ -3,16 +3,20 @@
 //!
 //! Threads and waits (see the crate docs for the whole list):
 //! - `send` never blocks: with a live connection it queues the write; without
-//!   one it queues the tensor on the peer and returns, and one `rdev-connect`
-//!   thread per peer connects (bounded by RDMA_DEVICE_CONNECT_TIMEOUT_MS)
-//!   and then sends or fails what queued up. Sends to one peer are not kept
+//!   one it queues the tensor on the peer and returns, and a thread of the
+//!   bounded `rdev-connect` pool (`pool.rs`; one connect per peer at a time)
+//!   connects (bounded by RDMA_DEVICE_CONNECT_TIMEOUT_MS) and then sends or
+//!   fails what queued up. Sends to one peer are not kept
 //!   in order across a connect (a send issued as the queue is flushed may
 //!   go first): tensors are matched by (key, step), never by order;
 //! - `connect`, `place_ahead` and `request_placement` block their caller up
 //!   to the connect timeout plus the given timeout (the shim calls them from
 //!   its own pool only);
-//! - `recv` never blocks; a peer we only receive from is watched by one
-//!   `rdev-watch` thread per peer.
+//! - `recv` never blocks; a peer we only receive from is watched from the
+//!   `rdev-connect` pool (one watch per peer at a time);
+//! - `place_for` (a peer asks us to place an edge we send) runs
+//!   `place_ahead` on the bounded `rdev-place` pool, never on the progress
+//!   thread that read the request.
 //!
 //! A peer that does not run this transport (nothing listens for it on first
 //! contact, or it refuses our hello because it routes us over gRPC) is
@@ -274,15 +278,11 @@ impl Inner {
         if spawn {
             let me = self.me.clone();
             let name = peer.to_string();
-            let spawned = std::thread::Builder::new().name("rdev-connect".into()).spawn(move || {
+            super::pool::CONNECT.schedule(move || {
                 if let Some(n) = me.upgrade() {
                     n.connect_and_flush(&name);
                 }
             });
-            if let Err(e) = spawned {
-                log::error!("cannot spawn a connect thread: {e}");
-                self.connect_and_flush(peer); // the one place a send may wait: no thread to spare
-            }
         }
         Ok(())
     }
@@ -350,7 +350,7 @@ impl Inner {
         }
         let me = self.me.clone();
         let peer = peer.to_string();
-        let spawned = std::thread::Builder::new().name("rdev-watch".into()).spawn(move || {
+        super::pool::CONNECT.schedule(move || {
             let Some(n) = me.upgrade() else { return };
             let res = n.ensure_tx(&peer);
             if let Some(e) = n.peers.table.lock().get_mut(&peer) {
@@ -366,9 +366,6 @@ impl Inner {
                 }
             }
         });
-        if let Err(e) = spawned {
-            log::error!("cannot spawn a watcher thread: {e}");
-        }
     }
 
     /// Sender side: have `peer` place `key` for `bytes` now, before the
@@ -419,11 +416,11 @@ impl Inner {
         }
     }
 
-    /// A peer asks us to place an edge we send: do it on a thread of its
-    /// own (it waits for the receiver) and answer on the same link.
+    /// A peer asks us to place an edge we send: do it on the `rdev-place`
+    /// pool (it waits for the receiver) and answer on the same link.
     pub(super) fn place_for(&self, link: ConnId, req: u64, receiver: String, key: String, bytes: u64) {
         let me = self.me.clone();
-        let spawned = std::thread::Builder::new().name("rdev-place".into()).spawn(move || {
+        super::pool::PLACE.schedule(move || {
             let Some(n) = me.upgrade() else { return };
             let timeout = Duration::from_millis(n.cfg.connect_timeout_ms);
             let (outcome, error) = match n.place_ahead(&receiver, &key, bytes, timeout) {
@@ -435,9 +432,6 @@ impl Inner {
                 log::debug!("{}: placement answer not sent: {e}", n.task);
             }
         });
-        if let Err(e) = spawned {
-            log::warn!("cannot spawn a placement thread: {e}");
-        }
     }
 
     pub(super) fn placement_answered(&self, req: u64, outcome: u32, error: String) {
