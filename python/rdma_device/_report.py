@@ -17,6 +17,10 @@ def _kib(n):
     return f"{n / 1024:.1f}"
 
 
+def _size(n):
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
 def _by(rows, **kw):
     return [r for r in rows if all(r[k] == v for k, v in kw.items())]
 
@@ -31,7 +35,7 @@ def summary_md(res, machine):
            "Median step times, modes interleaved in blocks in one run. compute = the same step with every "
            "variable on its worker (no tensor crosses tasks); comm = step − compute. Tensors per step come "
            "from the transport's counters (rdma_device modes) or from the partition graphs (grpc); "
-           "CPU is user+system seconds of every task process and the client, per step.", "",
+           "CPU is the CPU time of the mode's task processes and the client, per counted step.", "",
            "| workload | workers | mode | samples/s | step ms | compute ms | comm ms | vs grpc | vs rpc "
            "| tensors/step | MB/step | avg tensor KiB | median KiB | CPU ms/step |",
            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -49,7 +53,7 @@ def summary_md(res, machine):
         out += ["", "Transfer sweep (ps → worker, consumer `reduce_sum` reads every byte):", "",
                 "| size | mode | step ms | GB/s | CPU s/GB | memcpy GB/s |", "|---:|---|---:|---:|---:|---:|"]
         for s in res["sweep"]:
-            out.append(f"| {_kib(s['size'])} KiB | {s['mode']} | {s['step_ms']:.2f} | {s['gbps']:.2f} "
+            out.append(f"| {_size(s['size'])} | {s['mode']} | {s['step_ms']:.2f} | {s['gbps']:.2f} "
                        f"| {s['cpu_s_per_gb']:.2f} | {s['memcpy_gbps']:.1f} |")
     if "rpc" not in modes:
         out += ["", "The rpc mode was not run: the installed transport has no RDMA_DEVICE_MODE setting."]
@@ -190,8 +194,8 @@ def plots(res, out_dir):
                 for w in workloads]
         ax.bar([i + j * width for i in range(len(workloads))], vals, width, color=COLOURS[m], label=m)
     ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(workloads))], workloads, fontsize=8)
-    ax.set_ylabel("CPU ms per step (all tasks)")
-    ax.set_title("CPU cost per training step (lower is better)")
+    ax.set_ylabel("CPU ms per step (tasks + client)")
+    ax.set_title("CPU cost per training step, 2 workers (lower is better)")
     ax.legend(fontsize=8)
     save(fig, "cpu.png")
     return written

@@ -48,22 +48,23 @@ def _config_rows(rdma_device):
 class Progress:
     """One line on stderr, rewritten: ``[####....] 12/40 what``."""
 
-    def __init__(self, total, enabled=True):
-        self.total, self.done, self.enabled = max(total, 1), 0, enabled and sys.stderr.isatty()
+    def __init__(self, total, out=None):
+        self.out = out or sys.stderr
+        self.total, self.done, self.enabled = max(total, 1), 0, self.out.isatty()
         self.t0 = time.time()
 
     def step(self, what):
         self.done += 1
         if not self.enabled:
-            print(f"[{self.done}/{self.total}] {what}", file=sys.stderr, flush=True)
+            print(f"[{self.done}/{self.total}] {what}", file=self.out, flush=True)
             return
         n = 30 * self.done // self.total
         line = f"\r[{'#' * n}{'.' * (30 - n)}] {self.done}/{self.total} {time.time() - self.t0:5.0f}s {what}"
-        print(f"{line[:110]:<110}", end="", file=sys.stderr, flush=True)
+        print(f"{line[:110]:<110}", end="", file=self.out, flush=True)
 
     def close(self):
         if self.enabled:
-            print(file=sys.stderr, flush=True)
+            print(file=self.out, flush=True)
 
 
 def cpu_seconds(clusters):
@@ -205,7 +206,27 @@ def plan(args):
 
 
 def run(args):
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    """The whole suite. TensorFlow's own log lines (some are written before
+    its log level applies) go to DIR/logs/: this process's stderr is
+    redirected there while the suite runs; progress goes to the terminal."""
+    logs = os.path.join(args.out, "logs")  # the tasks' TensorFlow logs, off the terminal
+    os.makedirs(logs, exist_ok=True)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    term = os.fdopen(os.dup(saved), "w")
+    with open(os.path.join(logs, "client.log"), "w") as client_log:
+        os.dup2(client_log.fileno(), 2)
+        try:
+            return _run(args, logs, term)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            term.close()
+
+
+def _run(args, logs, term):
     import tensorflow as tf
 
     tf.get_logger().setLevel("ERROR")
@@ -215,9 +236,7 @@ def run(args):
     modes = modes_available()
     todo = plan(args)
     max_w = max(n for _, n in todo)
-    prog = Progress(len(modes) + 1 + len(todo) + (0 if args.no_sweep else 1))
-    logs = os.path.join(args.out, "logs")  # the tasks' TensorFlow logs, off the terminal
-    os.makedirs(logs, exist_ok=True)
+    prog = Progress(len(modes) + 1 + len(todo) + (0 if args.no_sweep else 1), term)
     clusters = {}
     compute_cluster = None
     rows, sweep = [], []

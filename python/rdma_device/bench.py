@@ -256,8 +256,8 @@ def main(argv=None):
     u.add_argument("--json", action="store_true", help="print results.json's rows on stdout instead of the table")
     u.add_argument("--workloads", default="", help="comma-separated subset (default: all)")
     u.add_argument("--workers", default="1,2,4", help="worker counts (default 1,2,4; the pipeline needs 2+)")
-    u.add_argument("--reps", type=int, default=None, help="interleaved blocks per mode (default 3 quick, 5)")
-    u.add_argument("--block", type=int, default=None, help="counted steps per block (default 3 quick, 10)")
+    u.add_argument("--reps", type=int, default=None, help="interleaved blocks per mode (default 5)")
+    u.add_argument("--block", type=int, default=None, help="counted steps per block (default 5 quick, 10)")
     u.add_argument("--warmup", type=int, default=2, help="uncounted steps per mode first")
     u.add_argument("--no-sweep", action="store_true", help="skip the transfer sweep")
     u.add_argument("--sweep-sizes", default="", help="transfer sweep sizes, e.g. 64K,16M (default: by --quick)")
@@ -271,9 +271,9 @@ def suite(args):
     from rdma_device import _report, _suite
 
     if args.reps is None:
-        args.reps = 3 if args.quick else 5
+        args.reps = 5
     if args.block is None:
-        args.block = 3 if args.quick else 10
+        args.block = 5 if args.quick else 10
     res = _suite.run(args)
     md, pngs = _report.write(res, args.out)
     if args.json:
