@@ -27,6 +27,8 @@ pub struct Config {
     pub shm_copy_threads: usize,
     /// Place edges with static shapes when graphs are registered.
     pub static_placement: bool,
+    /// RPC-over-RDMA ablation (`RDMA_DEVICE_MODE=rpc`): receivers request each tensor.
+    pub rpc_mode: bool,
     /// Log filter (env_logger syntax).
     pub log: String,
     /// Verbs: device name (empty = automatic).
@@ -69,6 +71,8 @@ pub const VARS: &[Var] = &[
           help: "Threads that copy one large (>= 4 MiB) write between tasks on this host, the sender's own included (0: min(4, CPUs); 1: the sender alone)." },
     Var { name: "RDMA_DEVICE_STATIC_PLACEMENT", default: "1",
           help: "1: edges whose shapes are known when a graph is registered get their receive slots then, so the first step needs no negotiation; 0: every edge is placed on first use (traced)." },
+    Var { name: "RDMA_DEVICE_MODE", default: "push",
+          help: "push: senders write each tensor into a slot the receiver placed ahead (zero-copy receive); rpc: an ablation in the style of RPC-over-RDMA transports: the receiver requests each tensor when its Recv runs, the sender copies it into a bounce buffer and writes it, the receiver copies it out into a fresh buffer. Must be the same on every task." },
     Var { name: "RDMA_DEVICE_LOG", default: "warn",
           help: "Log filter for the library (error, warn, info, debug, trace), env_logger syntax." },
     Var { name: "RDMA_DEVICE_VERBS_DEVICE", default: "",
@@ -124,6 +128,11 @@ impl Config {
                 n => n as usize,
             },
             static_placement: boolean("RDMA_DEVICE_STATIC_PLACEMENT", &val("RDMA_DEVICE_STATIC_PLACEMENT"))?,
+            rpc_mode: match val("RDMA_DEVICE_MODE").trim() {
+                "push" => false,
+                "rpc" => true,
+                v => return Err(bad("RDMA_DEVICE_MODE", v, "expected push or rpc")),
+            },
             log: val("RDMA_DEVICE_LOG"),
             verbs_device: val("RDMA_DEVICE_VERBS_DEVICE"),
             verbs_port: int("RDMA_DEVICE_VERBS_PORT", &val("RDMA_DEVICE_VERBS_PORT"), 0, 255)? as u8,
@@ -151,6 +160,7 @@ impl Config {
                     "RDMA_DEVICE_SPIN_US" => self.spin_us.to_string(),
                     "RDMA_DEVICE_SHM_COPY_THREADS" => self.shm_copy_threads.to_string(),
                     "RDMA_DEVICE_STATIC_PLACEMENT" => (self.static_placement as u8).to_string(),
+                    "RDMA_DEVICE_MODE" => (if self.rpc_mode { "rpc" } else { "push" }).to_string(),
                     "RDMA_DEVICE_LOG" => self.log.clone(),
                     "RDMA_DEVICE_VERBS_DEVICE" => self.verbs_device.clone(),
                     "RDMA_DEVICE_VERBS_PORT" => self.verbs_port.to_string(),

@@ -40,7 +40,7 @@ pub const MAGIC: u32 = 0x5244_4556;
 
 /// Wire protocol version: both handshakes carry it; a mismatch is refused
 /// with a clear error instead of misparsing.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Upper bound of the adaptive spin window of a progress thread. While
 /// small writes keep arriving, the thread polls for twice the recent gap

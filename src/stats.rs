@@ -44,6 +44,8 @@ counters! {
     dropped_late: "pushes that arrived after their step finished",
     peers_lost: "connections lost (peer exit, transport error)",
     waiters_failed: "receives that completed with an error",
+    requests_sent: "RDMA_DEVICE_MODE=rpc: tensors this receiver requested (one round trip each)",
+    requests_served: "RDMA_DEVICE_MODE=rpc: requests this sender answered with a write or inline send",
     arena_bytes_in_use: "gauge: bytes of the receive arena placed in slots",
     arena_bytes_total: "gauge: size of the receive arena",
 }

@@ -58,7 +58,7 @@ fn still_serves(f: &Fixture, step: u64) {
 
 fn evil(f: &Fixture) -> (Arc<dyn Endpoint>, Arc<Recorder>) {
     let ev = Recorder::new(b"", None);
-    let hello = Hello { task: "/job:evil/replica:0/task:0".into(), incarnation: 7, target: task(1) }.encode();
+    let hello = Hello { task: "/job:evil/replica:0/task:0".into(), incarnation: 7, target: task(1), rpc: false }.encode();
     let ep = ShmFabric::new(Duration::ZERO).connect(&f.b_addr, &hello, ev.clone(), Duration::from_secs(5), true).unwrap();
     (ep, ev)
 }
@@ -123,12 +123,14 @@ fn hostile_inputs_are_rejected_without_panics() {
     let rejected = Stats::global().get("rejected_writes").unwrap();
     assert!(rejected >= 2, "rejected_writes = {rejected}");
 
-    // 6. Bad handshakes: garbage hello, wrong target, wrong version.
+    // 6. Bad handshakes: garbage hello, wrong target, wrong version, a
+    // sender in RDMA_DEVICE_MODE=rpc connecting to a task that pushes.
     let fab = ShmFabric::new(Duration::ZERO);
     for hello in [
         b"garbage".to_vec(),
-        Hello { task: "x".into(), incarnation: 1, target: "/job:someone/else".into() }.encode(),
-        { let mut h = Hello { task: "x".into(), incarnation: 1, target: String::new() }.encode(); h[4] = 9; h },
+        Hello { task: "x".into(), incarnation: 1, target: "/job:someone/else".into(), rpc: false }.encode(),
+        { let mut h = Hello { task: "x".into(), incarnation: 1, target: String::new(), rpc: false }.encode(); h[4] = 9; h },
+        Hello { task: "x".into(), incarnation: 1, target: String::new(), rpc: true }.encode(),
     ] {
         let r = fab.connect(&f.b_addr, &hello, Recorder::new(b"", None), Duration::from_secs(5), true);
         assert!(r.is_err(), "a bad handshake must be refused");

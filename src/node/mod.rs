@@ -29,6 +29,7 @@
 //! updates, never while taking another lock. No callback is invoked while
 //! any of them is held.
 
+mod bounce;
 mod lease;
 mod peers;
 mod pool;
@@ -79,6 +80,8 @@ pub(crate) struct Inner {
     placing: Mutex<HashMap<u64, std::sync::mpsc::Sender<(u32, String)>>>,
     /// This node's own counters (Stats holds the process-wide sums).
     totals: Mutex<rendezvous::Tally>,
+    /// rpc mode: the sender's bounce buffers.
+    bounce: Arc<bounce::BouncePool>,
     me: Weak<Inner>,
 }
 
@@ -104,6 +107,7 @@ impl Node {
             slots_per_edge: cfg.slots_per_edge,
             max_outstanding_writes: cfg.max_outstanding_writes,
             incarnation,
+            rpc: cfg.rpc_mode,
         };
         let rdv = Rendezvous::new(params, arena.len() as u64);
         let inner = Arc::new_cyclic(|me| Inner {
@@ -122,6 +126,7 @@ impl Node {
             progress: (Mutex::new(0), parking_lot::Condvar::new()),
             placing: Mutex::new(HashMap::new()),
             totals: Mutex::new(rendezvous::Tally::default()),
+            bounce: Arc::default(),
             me: me.clone(),
         });
         let st = Stats::global();
@@ -265,6 +270,10 @@ impl Drop for Node {
     }
 }
 
+fn mode_name(rpc: bool) -> &'static str {
+    if rpc { "rpc" } else { "push" }
+}
+
 fn init_logging(cfg: &Config) {
     let _ = env_logger::Builder::new().parse_filters(&cfg.log).format_timestamp_micros().try_init();
 }
@@ -298,10 +307,16 @@ impl FabricEvents for Events {
                 n.task, h.task
             )));
         }
+        if h.rpc != n.cfg.rpc_mode {
+            return Err(Error::NotViable(format!(
+                "{} runs RDMA_DEVICE_MODE={}, {} runs {}: set the same mode on every task",
+                h.task, mode_name(h.rpc), n.task, mode_name(n.cfg.rpc_mode)
+            )));
+        }
         n.links.lock().insert(conn, LinkRef::Rx(self.kind));
         n.locked(|r| r.add_rx_link(conn, &h.task, h.incarnation));
         log::info!("{}: {} connected over {} (incarnation {:#x})", n.task, h.task, self.kind.name(), h.incarnation);
-        Ok(Hello { task: n.task.clone(), incarnation: n.incarnation, target: String::new() }.encode())
+        Ok(Hello { task: n.task.clone(), incarnation: n.incarnation, target: String::new(), rpc: n.cfg.rpc_mode }.encode())
     }
 
     fn on_write_imm(&self, conn: ConnId, imm: u32) {
@@ -399,6 +414,8 @@ impl Inner {
             (&c.rejected_writes, t.rejected_writes),
             (&c.dropped_late, t.dropped_late),
             (&c.waiters_failed, t.waiters_failed),
+            (&c.requests_sent, t.requests_sent),
+            (&c.requests_served, t.requests_served),
         ] {
             if v != 0 {
                 Stats::add(ctr, v);
@@ -442,6 +459,21 @@ impl Inner {
                         let acts = self.locked(|r| r.write_done(link));
                         self.exec(acts);
                         continue;
+                    };
+                    // rpc mode: write from a bounce buffer, as an RPC-over-RDMA
+                    // transport does; the tensor itself is released now.
+                    let payload: Box<dyn Payload> = if self.cfg.rpc_mode {
+                        match self.bounce.copy(payload.bytes()) {
+                            Ok(b) => Box::new(b),
+                            Err(e) => {
+                                done(Err(e));
+                                let acts = self.locked(|r| r.write_done(link));
+                                self.exec(acts);
+                                continue;
+                            }
+                        }
+                    } else {
+                        payload
                     };
                     let me = self.me.clone();
                     let segs: Vec<fabric::Segment> = vec![Box::new(header), Box::new(PayloadSeg(payload))];
@@ -509,6 +541,7 @@ impl Inner {
     }
 
     fn lease(&self, r: Received) -> Lease {
+        let r = if self.cfg.rpc_mode { self.copy_out(r) } else { r };
         let (ptr, len, arena) = match &r.data {
             Data::Slot { offset, len, .. } => {
                 // The protocol only hands out ranges inside the arena it was

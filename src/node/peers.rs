@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{Events, Inner, LeaseDone, LinkRef};
+use super::{mode_name, Events, Inner, LeaseDone, LinkRef};
 use crate::error::{Error, Result};
 use crate::fabric::{ConnId, Endpoint, FabricEvents, TransportKind};
 use crate::rendezvous::{Hello, Payload, SendDone, TensorMeta};
@@ -152,7 +152,7 @@ impl Inner {
             .iter()
             .find(|f| f.kind() == kind)
             .ok_or_else(|| Error::Internal(format!("{} backend missing", kind.name())))?;
-        let hello = Hello { task: self.task.clone(), incarnation: self.incarnation, target: peer.to_string() }.encode();
+        let hello = Hello { task: self.task.clone(), incarnation: self.incarnation, target: peer.to_string(), rpc: self.cfg.rpc_mode }.encode();
         let events: Arc<dyn FabricEvents> = Arc::new(Events { node: self.me.clone(), kind });
         // A peer we were connected to and lost gets a short grace: if it has
         // restarted we reach its new life; if it is dead we fail soon rather
@@ -169,7 +169,15 @@ impl Inner {
             Duration::from_millis(self.cfg.connect_timeout_ms)
         };
         let connected = f.connect(&addr, &hello, events, timeout, lost).and_then(|ep| match Hello::decode(ep.peer_hello()) {
-            Ok(reply) if reply.task == peer => Ok(ep),
+            Ok(reply) if reply.task == peer && reply.rpc == self.cfg.rpc_mode => Ok(ep),
+            Ok(reply) if reply.task == peer => {
+                ep.close();
+                Err(Error::NotViable(format!(
+                    "{peer} runs RDMA_DEVICE_MODE={}, this task {}: set the same mode on every task",
+                    mode_name(reply.rpc),
+                    mode_name(self.cfg.rpc_mode)
+                )))
+            }
             Ok(reply) => {
                 ep.close();
                 Err(Error::NotViable(format!("{addr} is {}, not {peer}", reply.task)))
@@ -197,6 +205,10 @@ impl Inner {
             }
             links.insert(id, LinkRef::Tx(ep.clone()));
             self.locked(|r| r.add_tx_link(id, peer));
+        }
+        if self.cfg.rpc_mode {
+            // The receiver sends its requests on this link once it is up.
+            self.exec(vec![crate::rendezvous::Action::Send { link: id, msg: crate::rendezvous::Msg::Ready }]);
         }
         *held = Some((id, ep));
         if let Some(e) = self.peers.table.lock().get_mut(peer) {

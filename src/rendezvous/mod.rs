@@ -16,11 +16,14 @@
 //! That rule is what makes re-placement safe with one-sided writes.
 
 pub mod alloc;
+mod rpc;
 mod rx;
 mod tx;
 pub use rx::SlotMemory;
 pub use tx::{inline_messages, Placement};
 pub mod wire;
+#[cfg(test)]
+mod rpc_tests;
 #[cfg(test)]
 mod tests;
 
@@ -112,6 +115,9 @@ pub struct Params {
     pub max_outstanding_writes: usize,
     /// Our incarnation: stamped into every header we write.
     pub incarnation: u64,
+    /// `RDMA_DEVICE_MODE=rpc`: a receive requests its tensor (`Msg::Request`)
+    /// and the sender writes it only then.
+    pub rpc: bool,
 }
 
 /// Counters the protocol moves; the caller mirrors them into `Stats`.
@@ -132,6 +138,8 @@ pub struct Tally {
     pub rejected_writes: u64,
     pub dropped_late: u64,
     pub waiters_failed: u64,
+    pub requests_sent: u64,
+    pub requests_served: u64,
 }
 
 impl Tally {
@@ -152,6 +160,8 @@ impl Tally {
         self.rejected_writes += o.rejected_writes;
         self.dropped_late += o.dropped_late;
         self.waiters_failed += o.waiters_failed;
+        self.requests_sent += o.requests_sent;
+        self.requests_served += o.requests_served;
     }
 }
 
@@ -177,6 +187,12 @@ pub struct Rendezvous {
     /// Slots of dead links still lent to the application: (offset, bytes).
     orphans: HashMap<(LinkId, u32, u32), (u64, u64)>,
     next_gen: u32,
+    /// rpc mode: requests for senders not connected yet, sent when they
+    /// connect: peer → (key, step).
+    unsent_requests: HashMap<String, Vec<(String, u64)>>,
+    /// rpc mode: links from senders that said `Ready` (requests can go
+    /// out on them; a link just accepted may not carry messages yet).
+    ready_links: HashSet<LinkId>,
     /// Logical clock: one tick per arrival.
     clock: u64,
     pub tally: Tally,
@@ -197,6 +213,8 @@ impl Rendezvous {
             peer_aborts: HashMap::new(),
             peer_abort_order: VecDeque::new(),
             next_gen: 1,
+            unsent_requests: HashMap::new(),
+            ready_links: HashSet::new(),
             clock: 0,
             tally: Tally::default(),
         }
@@ -246,6 +264,8 @@ impl Rendezvous {
             (Msg::Revoke { edge_id }, true, _) => self.tx_revoke(link, edge_id),
             (Msg::NoMore { edge_id }, true, _) => self.tx_nomore(link, edge_id),
             (Msg::Grow { edge_id, slot }, true, _) => self.tx_grow(link, edge_id, slot),
+            (Msg::Request { key, step }, true, _) => self.tx_request(link, key, step),
+            (Msg::Ready, _, true) => Ok(self.rx_ready(link)),
             (Msg::More { edge_id, need }, _, true) => self.rx_more(link, edge_id, need),
             (Msg::Abort { step, reason }, _, _) => Ok(self.peer_aborted(link, step, reason)),
             (Msg::PlaceFor { req, receiver, key, bytes }, _, _) => Ok(vec![Action::PlaceFor { link, req, receiver, key, bytes }]),
@@ -268,6 +288,7 @@ impl Rendezvous {
             peer = Some(t.peer.clone());
             acts.extend(t.fail_all(&why));
         }
+        self.ready_links.remove(&link);
         if let Some(r) = self.rx.remove(&link) {
             peer = Some(r.peer.clone());
             self.rx_drop_link(link, r);
@@ -337,6 +358,9 @@ impl Rendezvous {
         }
         for r in self.rx.values_mut() {
             r.inline.retain(|(_, s), _| *s != step);
+        }
+        for reqs in self.unsent_requests.values_mut() {
+            reqs.retain(|(_, s)| *s != step);
         }
         acts
     }

@@ -141,6 +141,9 @@ impl Rendezvous {
         // A lost peer does not fail new receives here: it may have
         // restarted; the caller reconnects (and fails them if it cannot).
         self.table.insert(k, Entry::Waiting { peer: peer.to_string(), done });
+        if self.params.rpc {
+            return self.request(peer, key, step);
+        }
         Vec::new()
     }
 
@@ -155,6 +158,7 @@ impl Rendezvous {
             return Vec::new();
         }
         self.lost.insert(peer.to_string(), why.clone());
+        self.unsent_requests.remove(peer);
         self.fail_waiters(|p, _| p == peer, &why)
     }
 

@@ -35,7 +35,7 @@ struct Sim {
 
 impl Sim {
     fn new(arena: usize, slots: usize, seed: u64) -> Sim {
-        let p = |inc| Params { slots_per_edge: slots, max_outstanding_writes: 4, incarnation: inc };
+        let p = |inc| Params { slots_per_edge: slots, max_outstanding_writes: 4, incarnation: inc, rpc: false };
         let mut tx = Rendezvous::new(p(11), 0);
         let mut rx = Rendezvous::new(p(22), arena as u64);
         tx.add_tx_link(LINK, "rx");
@@ -316,7 +316,7 @@ fn propagated_abort_fails_the_peers_waiters() {
 /// with nothing placed.
 #[test]
 fn announce_of_absurd_size_is_refused_not_wrapped() {
-    let p = Params { slots_per_edge: 2, max_outstanding_writes: 4, incarnation: 22 };
+    let p = Params { slots_per_edge: 2, max_outstanding_writes: 4, incarnation: 22, rpc: false };
     let arena = 1u64 << 20;
     let mut rx = Rendezvous::new(p, arena);
     rx.add_rx_link(LINK, "tx", 11);
@@ -344,7 +344,7 @@ fn announce_of_absurd_size_is_refused_not_wrapped() {
 /// cannot back aborts the process. Memory follows the bytes that arrive.
 #[test]
 fn inline_total_claimed_by_the_peer_is_not_reserved_up_front() {
-    let p = Params { slots_per_edge: 2, max_outstanding_writes: 4, incarnation: 22 };
+    let p = Params { slots_per_edge: 2, max_outstanding_writes: 4, incarnation: 22, rpc: false };
     let mut rx = Rendezvous::new(p, 1 << 20);
     rx.add_rx_link(LINK, "tx", 11);
     let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![] };

@@ -1,7 +1,7 @@
 //! The sender's half: per receiver link, the published slots of each edge
 //! (which are free), queued sends, and the outstanding-write budget.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::{Action, LinkId, Payload, Rendezvous, SendDone};
 use crate::constants::{HEADER_BYTES, MAX_DIMS};
@@ -40,11 +40,13 @@ pub(super) struct TxEdge {
     /// The receiver cannot add slots: while none is free, go inline.
     no_more: bool,
     pending: VecDeque<Pending>,
+    /// rpc mode: steps whose receive has requested this edge's tensor.
+    pub(super) requested: HashSet<u64>,
 }
 
 pub(super) struct TxLink {
     pub(super) peer: String,
-    edges: HashMap<String, TxEdge>,
+    pub(super) edges: HashMap<String, TxEdge>,
     by_id: HashMap<u32, String>,
     outstanding: usize,
 }
@@ -85,6 +87,9 @@ impl TxLink {
     }
 
     pub(super) fn fail_step(&mut self, step: u64, why: &Error) -> Vec<Action> {
+        for e in self.edges.values_mut() {
+            e.requested.remove(&step);
+        }
         self.drain_pending(|p| p.step == step, why)
     }
 }
@@ -126,13 +131,27 @@ impl Rendezvous {
     }
 
     /// Start every queued send of `key` that can start now.
-    fn pump(&mut self, link: LinkId, key: &str) -> Vec<Action> {
+    pub(super) fn pump(&mut self, link: LinkId, key: &str) -> Vec<Action> {
         let max = self.params.max_outstanding_writes;
         let incarnation = self.params.incarnation;
+        let rpc = self.params.rpc;
         let mut acts = Vec::new();
         let Some(t) = self.tx.get_mut(&link) else { return acts };
         let Some(e) = t.edges.get_mut(key) else { return acts };
-        while let Some(front) = e.pending.front() {
+        loop {
+            if rpc {
+                // Only requested tensors go out, in request-arrival order
+                // of their sends; the others wait for their request.
+                match e.pending.iter().position(|p| e.requested.contains(&p.step)) {
+                    Some(0) => {}
+                    Some(i) => {
+                        let p = e.pending.remove(i).expect("index from position");
+                        e.pending.push_front(p);
+                    }
+                    None => break,
+                }
+            }
+            let Some(front) = e.pending.front() else { break };
             if e.awaiting_publish {
                 break;
             }
@@ -140,6 +159,9 @@ impl Rendezvous {
             let goes_inline = front.meta.dims.len() > MAX_DIMS || e.inline_from.is_some_and(|n| len >= n);
             if goes_inline {
                 let p = e.pending.pop_front().expect("front exists");
+                if e.requested.remove(&p.step) {
+                    self.tally.requests_served += 1;
+                }
                 self.tally.inline_tensors += 1;
                 self.tally.inline_bytes += len;
                 acts.push(Action::Inline { link, key: key.to_string(), step: p.step, meta: p.meta, payload: p.payload, done: p.done });
@@ -158,6 +180,9 @@ impl Rendezvous {
                 .map(|(i, _)| i);
             if let Some(i) = best {
                 let p = e.pending.pop_front().expect("front exists");
+                if e.requested.remove(&p.step) {
+                    self.tally.requests_served += 1;
+                }
                 e.slots[i].1 = false;
                 let s = e.slots[i].0;
                 let header = SlotHeader {
@@ -182,6 +207,9 @@ impl Rendezvous {
                 // this tensor takes the inline path.
                 if e.no_more {
                     let p = e.pending.pop_front().expect("front exists");
+                if e.requested.remove(&p.step) {
+                    self.tally.requests_served += 1;
+                }
                     self.tally.inline_tensors += 1;
                     self.tally.inline_bytes += len;
                     acts.push(Action::Inline { link, key: key.to_string(), step: p.step, meta: p.meta, payload: p.payload, done: p.done });

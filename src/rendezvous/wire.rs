@@ -61,6 +61,12 @@ pub enum Msg {
     /// Either way: outcome of `PlaceFor { req }`: 0 placed, 1 no room,
     /// 2 failed (`error` says why).
     PlaceDone { req: u64, outcome: u32, error: String },
+    /// Receiver → sender, `RDMA_DEVICE_MODE=rpc` only: the receive of
+    /// `(key, step)` is running; write the tensor when it is produced.
+    Request { key: String, step: u64 },
+    /// Sender → receiver, `RDMA_DEVICE_MODE=rpc` only, first on a new
+    /// link: the link is up, requests may use it.
+    Ready,
     /// Sender → receiver: a piece of a tensor sent through messages.
     Inline { key: String, step: u64, meta: TensorMeta, total: u64, offset: u64, bytes: Vec<u8> },
 }
@@ -78,6 +84,8 @@ const T_ABORT: u8 = 10;
 const T_GROW: u8 = 11;
 const T_PLACE_FOR: u8 = 12;
 const T_PLACE_DONE: u8 = 13;
+const T_REQUEST: u8 = 14;
+const T_READY: u8 = 15;
 
 /// `Announce.step` of a placement made ahead of time (from a static shape,
 /// before the first step). TensorFlow's step ids use 56 bits, so this value
@@ -176,6 +184,8 @@ impl Msg {
             Msg::PlaceFor { .. } => "PlaceFor",
             Msg::PlaceDone { .. } => "PlaceDone",
             Msg::Abort { .. } => "Abort",
+            Msg::Request { .. } => "Request",
+            Msg::Ready => "Ready",
             Msg::Inline { .. } => "Inline",
         }
     }
@@ -185,7 +195,7 @@ impl Msg {
     /// link at the receiver (reasons are truncated by `encode` instead).
     pub fn check(&self) -> Result<()> {
         let keys: &[&str] = match self {
-            Msg::Announce { key, .. } | Msg::Publish { key, .. } | Msg::NoSpace { key, .. } | Msg::Inline { key, .. } => &[key],
+            Msg::Announce { key, .. } | Msg::Publish { key, .. } | Msg::NoSpace { key, .. } | Msg::Inline { key, .. } | Msg::Request { key, .. } => &[key],
             Msg::PlaceFor { receiver, key, .. } => &[receiver, key],
             _ => &[],
         };
@@ -217,6 +227,8 @@ impl Msg {
             Msg::Grow { edge_id, slot: s } => { w.u8(T_GROW); w.u32(*edge_id); w.u32(s.id); w.u32(s.gen); w.u64(s.offset); w.u64(s.capacity) }
             Msg::PlaceFor { req, receiver, key, bytes } => { w.u8(T_PLACE_FOR); w.u64(*req); w.bytes(receiver.as_bytes()); w.bytes(key.as_bytes()); w.u64(*bytes) }
             Msg::PlaceDone { req, outcome, error } => { w.u8(T_PLACE_DONE); w.u64(*req); w.u32(*outcome); w.text(error) }
+            Msg::Request { key, step } => { w.u8(T_REQUEST); w.bytes(key.as_bytes()); w.u64(*step) }
+            Msg::Ready => w.u8(T_READY),
             Msg::Abort { step, reason } => { w.u8(T_ABORT); w.u64(*step); w.text(reason) }
             Msg::Inline { key, step, meta, total, offset, bytes } => {
                 w.u8(T_INLINE); w.bytes(key.as_bytes()); w.u64(*step); w.meta(meta);
@@ -255,6 +267,8 @@ impl Msg {
             T_GROW => Msg::Grow { edge_id: r.u32()?, slot: SlotDesc { id: r.u32()?, gen: r.u32()?, offset: r.u64()?, capacity: r.u64()? } },
             T_PLACE_FOR => Msg::PlaceFor { req: r.u64()?, receiver: r.string()?, key: r.string()?, bytes: r.u64()? },
             T_PLACE_DONE => Msg::PlaceDone { req: r.u64()?, outcome: r.u32()?, error: String::from_utf8_lossy(r.bytes(MAX_KEY)?).into_owned() },
+            T_REQUEST => Msg::Request { key: r.string()?, step: r.u64()? },
+            T_READY => Msg::Ready,
             T_ABORT => Msg::Abort { step: r.u64()?, reason: String::from_utf8_lossy(r.bytes(MAX_KEY)?).into_owned() },
             T_INLINE => {
                 let key = r.string()?; let step = r.u64()?; let meta = r.meta()?;
@@ -277,6 +291,8 @@ pub struct Hello {
     pub incarnation: u64,
     /// Sender → receiver: the task the sender expects; empty in replies.
     pub target: String,
+    /// `RDMA_DEVICE_MODE=rpc` on this task (both ends must agree).
+    pub rpc: bool,
 }
 
 impl Hello {
@@ -284,6 +300,7 @@ impl Hello {
         let mut w = W(Vec::new());
         w.u32(MAGIC); w.u32(PROTOCOL_VERSION);
         w.bytes(self.task.as_bytes()); w.u64(self.incarnation); w.bytes(self.target.as_bytes());
+        w.u8(self.rpc as u8);
         w.0
     }
 
@@ -297,8 +314,13 @@ impl Hello {
             return Err(Error::Protocol(format!("peer speaks protocol version {v}, we speak {PROTOCOL_VERSION}: use the same rdma_device build on every task")));
         }
         let task = r.string()?; let incarnation = r.u64()?; let target = r.string()?;
+        let rpc = match r.u8()? {
+            0 => false,
+            1 => true,
+            m => return Err(Error::Protocol(format!("unknown transport mode {m} in handshake"))),
+        };
         r.end()?;
-        Ok(Hello { task, incarnation, target })
+        Ok(Hello { task, incarnation, target, rpc })
     }
 }
 
@@ -382,6 +404,8 @@ mod tests {
             Msg::More { edge_id: 3, need: 4 },
             Msg::NoMore { edge_id: 5 },
             Msg::Abort { step: 9, reason: "why".into() },
+            Msg::Request { key: "k".into(), step: 12 },
+            Msg::Ready,
             Msg::PlaceFor { req: 1, receiver: "r".into(), key: "k".into(), bytes: 9 },
             Msg::PlaceDone { req: 1, outcome: 2, error: "e".into() },
             Msg::Grow { edge_id: 1, slot: SlotDesc { id: 2, gen: 3, offset: 4096, capacity: 5 } },
@@ -441,7 +465,7 @@ mod tests {
 
     #[test]
     fn hello_checks_version() {
-        let h = Hello { task: "/job:w/task:0".into(), incarnation: 42, target: "x".into() };
+        let h = Hello { task: "/job:w/task:0".into(), incarnation: 42, target: "x".into(), rpc: true };
         assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
         let mut b = h.encode(); b[4] = 99;
         let e = Hello::decode(&b).unwrap_err();
