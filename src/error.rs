@@ -98,3 +98,18 @@ impl From<std::io::Error> for Error {
         Error::Io(e.to_string())
     }
 }
+
+/// Run `f`, turning a panic into `Err(Error::Internal)` naming `what`.
+/// Threads we own run their bodies (and every callback into upper layers)
+/// through this, so a bug becomes a failed link, never a dead thread.
+pub fn catch_panic<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
+        let msg = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "(no message)".into());
+        log::error!("panic in {what}: {msg}");
+        Error::Internal(format!("panic in {what}: {msg}"))
+    })
+}

@@ -323,3 +323,103 @@ fn a_connector_refuses_a_listener_of_another_user() {
         libc::close(pipe[1]);
     }
 }
+
+/// Bytes of `n`'s arena in use, as its state dump reports them.
+fn in_use(n: &Node) -> u64 {
+    let d = n.describe();
+    let at = d.find("arena in use ").expect("describe reports the arena") + "arena in use ".len();
+    d[at..].split(';').next().unwrap().trim().parse().unwrap()
+}
+
+fn wait_until(what: &str, timeout: Duration, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn slots_of_a_dropped_link_stay_quarantined_until_the_sender_process_exits() {
+    let (_a, b, b_addr) = pair();
+    let base = in_use(&b);
+    let port = b_addr.rsplit(':').next().unwrap();
+    // SAFETY: getuid has no preconditions.
+    let (sa, len) = abstract_addr(format!("rdma_device.{}.{port}", unsafe { libc::getuid() }).as_bytes());
+    let frame = |kind: u8, body: Vec<u8>| [((body.len() + 1) as u32).to_le_bytes().to_vec(), vec![kind], body].concat();
+    let hello = frame(1, Hello { task: EVIL.into(), incarnation: 3, target: task(1) }.encode());
+    let announce = frame(4, Msg::Announce { key: "q".into(), step: 1, need: 1 << 20, returned: vec![] }.encode());
+    let (mut up, mut go) = ([0i32; 2], [0i32; 2]);
+    // SAFETY: pipe writes two fds into each array.
+    assert!(unsafe { libc::pipe(up.as_mut_ptr()) == 0 && libc::pipe(go.as_mut_ptr()) == 0 });
+    // A sender process: handshake, get slots placed, hang up, stay alive
+    // until told to exit. Raw system calls only (forked from threads).
+    // SAFETY: the child only makes async-signal-safe calls and _exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        // SAFETY: raw system calls on buffers prepared before the fork.
+        unsafe {
+            let read_frame = |fd: i32| -> bool {
+                let mut buf = [0u8; 4096];
+                let mut head = [0u8; 5];
+                let mut got = 0;
+                while got < 5 {
+                    let n = libc::recv(fd, head.as_mut_ptr().add(got).cast(), 5 - got, 0);
+                    if n <= 0 {
+                        return false;
+                    }
+                    got += n as usize;
+                }
+                let mut left = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize - 1;
+                while left > 0 {
+                    let n = libc::recv(fd, buf.as_mut_ptr().cast(), left.min(buf.len()), 0);
+                    if n <= 0 {
+                        return false;
+                    }
+                    left -= n as usize;
+                }
+                true
+            };
+            // If the test dies, reading `go` ends (EOF) and so do we.
+            libc::close(go[1]);
+            libc::close(up[0]);
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            if fd < 0 || libc::connect(fd, (&sa as *const libc::sockaddr_un).cast(), len) != 0 {
+                libc::_exit(91);
+            }
+            libc::send(fd, hello.as_ptr().cast(), hello.len(), libc::MSG_NOSIGNAL);
+            if !read_frame(fd) {
+                libc::_exit(92);
+            }
+            libc::send(fd, announce.as_ptr().cast(), announce.len(), libc::MSG_NOSIGNAL);
+            if !read_frame(fd) {
+                libc::_exit(93);
+            }
+            libc::close(fd);
+            libc::write(up[1], b"x".as_ptr().cast(), 1);
+            let mut x = [0u8; 1];
+            libc::read(go[0], x.as_mut_ptr().cast(), 1);
+            libc::_exit(0);
+        }
+    }
+    let mut x = [0u8; 1];
+    // SAFETY: reading one byte from our pipe.
+    assert_eq!(unsafe { libc::read(up[0], x.as_mut_ptr().cast(), 1) }, 1, "the sender process failed");
+    let linked = || b.describe().lines().any(|l| l.starts_with("rx link") && l.contains(EVIL));
+    wait_until("the link to be dropped", Duration::from_secs(5), || !linked());
+    // The sender lives on (it might be inside a copy): its slots are held.
+    let held = in_use(&b) - base;
+    assert!(held >= 2 << 20, "the dropped link's slots were freed while its sender lives ({held} bytes held)");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(in_use(&b) - base, held, "quarantine must last while the sender process lives");
+    // SAFETY: writing one byte to our pipe; closing our copies of the
+    // child's ends.
+    assert_eq!(unsafe { libc::write(go[1], b"x".as_ptr().cast(), 1) }, 1);
+    assert_eq!(wait_exit(pid), 0);
+    wait_until("the quarantined slots to be freed", Duration::from_secs(5), || in_use(&b) == base);
+    for fd in [up[0], up[1], go[0], go[1]] {
+        // SAFETY: our pipe ends.
+        unsafe { libc::close(fd) };
+    }
+}

@@ -81,6 +81,12 @@ pub trait FabricEvents: Send + Sync + 'static {
     fn on_message(&self, conn: ConnId, msg: &[u8]);
     /// `conn` is gone (peer exited, connection error, local close).
     fn on_disconnect(&self, conn: ConnId, why: crate::error::Error);
+    /// After `on_disconnect`: the sender of `conn` can no longer write into
+    /// our arena (shm: its process is dead). Until then the slots it held
+    /// stay quarantined. Backends whose disconnect already implies this
+    /// (verbs: the QP is in error or destroyed, so no write of it can
+    /// land) never call it; the node releases those slots at disconnect.
+    fn on_sender_gone(&self, _conn: ConnId) {}
 }
 
 /// A backend.

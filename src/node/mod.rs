@@ -321,19 +321,33 @@ impl FabricEvents for Events {
 
     fn on_write_imm(&self, conn: ConnId, imm: u32) {
         let Some(n) = self.node.upgrade() else { return };
-        let mem = ArenaMem(&n.arena);
-        let acts = n.locked(|r| r.on_write_imm(conn, imm, &mem));
-        n.exec(acts);
+        let res = crate::error::catch_panic("handling a write", || {
+            let mem = ArenaMem(&n.arena);
+            let acts = n.locked(|r| r.on_write_imm(conn, imm, &mem));
+            n.exec(acts);
+        });
+        if let Err(e) = res {
+            n.fail_link(conn, e);
+        }
     }
 
     fn on_message(&self, conn: ConnId, msg: &[u8]) {
         let Some(n) = self.node.upgrade() else { return };
-        if log::log_enabled!(log::Level::Trace) {
-            log::trace!("{}: recv on {conn}: {:?}", n.task, rendezvous::Msg::decode(msg));
+        let res = crate::error::catch_panic("handling a control message", || {
+            if log::log_enabled!(log::Level::Trace) {
+                log::trace!("{}: recv on {conn}: {:?}", n.task, rendezvous::Msg::decode(msg));
+            }
+            let acts = n.locked(|r| r.on_message(conn, msg));
+            n.exec(acts);
+        });
+        if let Err(e) = res {
+            n.fail_link(conn, e);
         }
-        let acts = n.locked(|r| r.on_message(conn, msg));
-        n.exec(acts);
         n.notify_progress();
+    }
+
+    fn on_sender_gone(&self, conn: ConnId) {
+        self.sender_gone(conn);
     }
 
     fn on_disconnect(&self, conn: ConnId, why: Error) {
@@ -348,10 +362,27 @@ impl FabricEvents for Events {
             if links.remove(&conn).is_none() {
                 n.ended_early.lock().insert(conn);
             }
-            n.locked(|r| r.on_link_lost(conn, why))
+            n.locked(|r| {
+                let acts = r.on_link_lost(conn, why);
+                if self.kind != TransportKind::Shm {
+                    // See FabricEvents::on_sender_gone: verbs writes of a
+                    // link cannot land once its disconnect is reported.
+                    r.sender_gone(conn);
+                }
+                acts
+            })
         };
         n.exec(acts);
         n.notify_progress();
+    }
+}
+
+impl Events {
+    /// (Split out of the trait impl for the docs' sake.)
+    fn sender_gone(&self, conn: ConnId) {
+        let Some(n) = self.node.upgrade() else { return };
+        log::debug!("{}: the sender of connection {conn} is gone; its slots are free", n.task);
+        n.locked(|r| r.sender_gone(conn));
     }
 }
 

@@ -364,7 +364,7 @@ impl Inner {
         let peer = peer.to_string();
         super::pool::CONNECT.schedule(move || {
             let Some(n) = me.upgrade() else { return };
-            let res = n.ensure_tx(&peer);
+            let res = crate::error::catch_panic("rdev-watch", || n.ensure_tx(&peer)).and_then(|r| r);
             if let Some(e) = n.peers.table.lock().get_mut(&peer) {
                 e.watching = false;
             }
@@ -435,7 +435,8 @@ impl Inner {
         super::pool::PLACE.schedule(move || {
             let Some(n) = me.upgrade() else { return };
             let timeout = Duration::from_millis(n.cfg.connect_timeout_ms);
-            let (outcome, error) = match n.place_ahead(&receiver, &key, bytes, timeout) {
+            let placed = crate::error::catch_panic("rdev-place", || n.place_ahead(&receiver, &key, bytes, timeout)).and_then(|r| r);
+            let (outcome, error) = match placed {
                 Ok(true) => (0, String::new()),
                 Ok(false) => (1, String::new()),
                 Err(e) => (2, e.to_string()),

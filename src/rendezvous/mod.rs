@@ -186,6 +186,9 @@ pub struct Rendezvous {
     peer_abort_order: VecDeque<(String, u64)>,
     /// Slots of dead links still lent to the application: (offset, bytes).
     orphans: HashMap<(LinkId, u32, u32), (u64, u64)>,
+    /// Slots the sender of a dead link held, (offset, bytes): its writes
+    /// may still land there until it is known gone (`sender_gone`).
+    quarantine: HashMap<LinkId, Vec<(u64, u64)>>,
     next_gen: u32,
     /// rpc mode: requests for senders not connected yet, sent when they
     /// connect: peer → (key, step).
@@ -210,6 +213,7 @@ impl Rendezvous {
             finished_set: HashSet::new(),
             lost: HashMap::new(),
             orphans: HashMap::new(),
+            quarantine: HashMap::new(),
             peer_aborts: HashMap::new(),
             peer_abort_order: VecDeque::new(),
             next_gen: 1,
@@ -238,7 +242,8 @@ impl Rendezvous {
             let what = match e { Entry::Waiting { peer, .. } => format!("waiting on {peer}"), Entry::Ready(_) => "ready".into() };
             let _ = writeln!(o, "table ({k}, {s}): {what}");
         }
-        let _ = writeln!(o, "lost: {:?}; arena in use {}", self.lost.keys().collect::<Vec<_>>(), self.alloc.in_use());
+        let quarantined: u64 = self.quarantine.values().flatten().map(|(_, b)| b).sum();
+        let _ = writeln!(o, "lost: {:?}; arena in use {}; quarantined {quarantined}", self.lost.keys().collect::<Vec<_>>(), self.alloc.in_use());
         o
     }
 

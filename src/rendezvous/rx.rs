@@ -500,12 +500,21 @@ impl Rendezvous {
         Ok(self.arrive(key, step, Received { meta: a.meta, data: Data::Owned(a.buf) }))
     }
 
-    /// Forget a broken sender link: free slots the sender held; slots we
-    /// hold (lent to the application) are freed on release.
+    /// The sender of the dead `link` can no longer write into our arena:
+    /// free the slots it held.
+    pub fn sender_gone(&mut self, link: LinkId) {
+        for (off, reserved) in self.quarantine.remove(&link).unwrap_or_default() {
+            self.alloc.free(off, reserved);
+        }
+    }
+
+    /// Forget a broken sender link: slots the sender held are quarantined
+    /// until `sender_gone` (it may be inside a copy into them right now);
+    /// slots we hold (lent to the application) are freed on release.
     pub(super) fn rx_drop_link(&mut self, link: LinkId, r: RxLink) {
         for (id, s) in r.slots {
             match s.token {
-                Token::AtSender => self.alloc.free(s.offset, s.reserved),
+                Token::AtSender => self.quarantine.entry(link).or_default().push((s.offset, s.reserved)),
                 Token::AtReceiver => {
                     self.orphans.insert((link, id, s.gen), (s.offset, s.reserved));
                 }

@@ -103,14 +103,18 @@ impl ShmEndpoint {
             .spawn(move || {
                 let why = loop {
                     match socket::recv_frame(&reader) {
-                        Ok((KIND_MSG, body, _)) => events.on_message(id, &body),
+                        Ok((KIND_MSG, body, _)) => {
+                            if let Err(e) = crate::error::catch_panic("handling an shm control message", || events.on_message(id, &body)) {
+                                break e;
+                            }
+                        }
                         Ok((k, _, _)) => break Error::Protocol(format!("unexpected frame kind {k}")),
                         Err(e) => break e,
                     }
                 };
                 dead.store(true, Ordering::SeqCst);
                 let _ = reader.shutdown(std::net::Shutdown::Both);
-                events.on_disconnect(id, why);
+                let _ = crate::error::catch_panic("reporting a disconnect", || events.on_disconnect(id, why));
             })
             .map_err(|e| Error::Io(format!("spawn shm reader thread: {e}")))?;
         Ok(ep)

@@ -28,6 +28,9 @@ struct RxConn {
     /// thread drains the ring once more and then reports the disconnect, so
     /// `on_disconnect` is always the connection's last event.
     closed: Mutex<Option<Error>>,
+    /// The sender's process (None: our own process, or no pidfd support):
+    /// its slots stay quarantined after the connection ends until it exits.
+    pidfd: Mutex<Option<OwnedFd>>,
 }
 
 struct Inner {
@@ -40,6 +43,8 @@ struct Inner {
     /// Snapshot the progress thread polls without taking `conns`.
     polled: RwLock<Arc<Vec<Arc<RxConn>>>>,
     stop: AtomicBool,
+    /// Ended connections whose sender process may still be writing.
+    departed: Mutex<Vec<(ConnId, OwnedFd)>>,
     listen_fd: OwnedFd,
     spin: Duration,
 }
@@ -66,18 +71,21 @@ impl ShmListener {
             conns: Mutex::new(HashMap::new()),
             polled: RwLock::new(Arc::new(Vec::new())),
             stop: AtomicBool::new(false),
+            departed: Mutex::new(Vec::new()),
             listen_fd,
             spin,
         });
         let a = inner.clone();
         std::thread::Builder::new()
             .name("rdev-shm-accept".into())
-            .spawn(move || accept_loop(a))
+            .spawn(move || {
+                let _ = crate::error::catch_panic("the shm accept thread", || accept_loop(a));
+            })
             .map_err(|e| Error::Io(format!("spawn accept thread: {e}")))?;
         let p = inner.clone();
         std::thread::Builder::new()
             .name("rdev-shm-progress".into())
-            .spawn(move || progress_loop(p))
+            .spawn(move || guarded_progress(p))
             .map_err(|e| Error::Io(format!("spawn progress thread: {e}")))?;
         Ok(Arc::new(ShmListener { inner }))
     }
@@ -131,7 +139,9 @@ fn accept_loop(inner: Arc<Inner>) {
                 let i = inner.clone();
                 let spawned = std::thread::Builder::new()
                     .name("rdev-shm-conn".into())
-                    .spawn(move || serve_conn(i, s));
+                    .spawn(move || {
+                        let _ = crate::error::catch_panic("an shm connection thread", || serve_conn(i, s));
+                    });
                 if let Err(e) = spawned {
                     log::error!("shm: cannot spawn a connection thread: {e}");
                 }
@@ -156,7 +166,11 @@ fn serve_conn(inner: Arc<Inner>, stream: UnixStream) {
     };
     let why = loop {
         match socket::recv_frame(&conn.stream) {
-            Ok((KIND_MSG, body, _)) => inner.events.on_message(id, &body),
+            Ok((KIND_MSG, body, _)) => {
+                if let Err(e) = crate::error::catch_panic("handling an shm control message", || inner.events.on_message(id, &body)) {
+                    break e;
+                }
+            }
             Ok((kind, _, _)) => break Error::Protocol(format!("unexpected frame kind {kind} after handshake")),
             Err(e) => break e,
         }
@@ -167,7 +181,7 @@ fn serve_conn(inner: Arc<Inner>, stream: UnixStream) {
 }
 
 fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<RxConn>> {
-    let uid = socket::peer_uid(&stream)?;
+    let (uid, pid) = socket::peer_cred(&stream)?;
     // SAFETY: getuid has no preconditions.
     let me = unsafe { libc::getuid() };
     if uid != me {
@@ -195,7 +209,13 @@ fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<R
     let mut body = Vec::with_capacity(8 + reply.len());
     body.extend_from_slice(&(inner.arena.len() as u64).to_le_bytes());
     body.extend_from_slice(&reply);
-    let conn = Arc::new(RxConn { id, stream, write_lock: Mutex::new(()), ring, closed: Mutex::new(None) });
+    // A sender in our own process is not watched: it is gone when its
+    // endpoint is (same trust as the rest of the process).
+    let pidfd = if pid == std::process::id() as i32 { None } else { socket::pidfd_open(pid) };
+    if pidfd.is_none() && pid != std::process::id() as i32 {
+        log::warn!("shm: no pidfd for sender pid {pid}: its slots are freed as soon as its connection ends");
+    }
+    let conn = Arc::new(RxConn { id, stream, write_lock: Mutex::new(()), ring, closed: Mutex::new(None), pidfd: Mutex::new(pidfd) });
     // Register before replying so the first write's doorbell is polled.
     inner.conns.lock().insert(id, conn.clone());
     refresh_polled(inner);
@@ -224,6 +244,40 @@ fn refresh_polled(inner: &Inner) {
     *inner.polled.write() = Arc::new(v);
 }
 
+/// Report `on_sender_gone` for ended connections whose sender process has
+/// exited (all of them with `all`). Never blocks.
+fn release_departed(inner: &Inner, all: bool) {
+    let gone: Vec<ConnId> = {
+        let mut d = inner.departed.lock();
+        if d.is_empty() {
+            return;
+        }
+        let (gone, alive): (Vec<_>, Vec<_>) = std::mem::take(&mut *d).into_iter().partition(|(_, fd)| all || socket::pidfd_exited(fd));
+        *d = alive;
+        gone.into_iter().map(|(id, _)| id).collect()
+    };
+    for id in gone {
+        inner.events.on_sender_gone(id);
+    }
+}
+
+/// Run the progress loop; a panic in it fails every connection (their
+/// waiters get the reason) and the loop starts over for new ones.
+fn guarded_progress(inner: Arc<Inner>) {
+    loop {
+        let Err(e) = crate::error::catch_panic("the shm progress thread", || progress_loop(inner.clone())) else { return };
+        let rest: Vec<Arc<RxConn>> = inner.conns.lock().drain().map(|(_, c)| c).collect();
+        refresh_polled(&inner);
+        for c in rest {
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
+            let _ = crate::error::catch_panic("reporting a disconnect", || inner.events.on_disconnect(c.id, e.clone()));
+        }
+        if inner.stop.load(Ordering::SeqCst) {
+            return;
+        }
+    }
+}
+
 /// Deliver completions; spin while busy, then sleep on the doorbell.
 fn progress_loop(inner: Arc<Inner>) {
     let max_spin = Duration::from_micros(crate::constants::MAX_ADAPTIVE_SPIN_US).max(inner.spin);
@@ -246,7 +300,12 @@ fn progress_loop(inner: Arc<Inner>) {
             refresh_polled(&inner);
             let why = c.closed.lock().clone().unwrap_or_else(|| Error::PeerLost("closed".into()));
             inner.events.on_disconnect(c.id, why);
+            match c.pidfd.lock().take() {
+                Some(fd) if !socket::pidfd_exited(&fd) => inner.departed.lock().push((c.id, fd)),
+                _ => inner.events.on_sender_gone(c.id),
+            }
         }
+        release_departed(&inner, false);
         if inner.stop.load(Ordering::SeqCst) {
             let rest: Vec<Arc<RxConn>> = inner.conns.lock().drain().map(|(_, c)| c).collect();
             refresh_polled(&inner);
@@ -254,6 +313,8 @@ fn progress_loop(inner: Arc<Inner>) {
                 c.ring.drain(|imm| inner.events.on_write_imm(c.id, imm));
                 inner.events.on_disconnect(c.id, Error::Aborted("listener shut down".into()));
             }
+            // The node is going away: nothing is placed in its arena again.
+            release_departed(&inner, true);
             return;
         }
         if found > 0 {
@@ -269,6 +330,9 @@ fn progress_loop(inner: Arc<Inner>) {
             std::hint::spin_loop();
             continue;
         }
+        // Idle: see whether a departed sender has exited (at least every
+        // doorbell timeout, below).
+        release_departed(&inner, false);
         // Announce sleep, re-check, then block (see ring.rs for why this
         // cannot miss a wake-up).
         for c in conns.iter() {

@@ -108,6 +108,11 @@ pub fn accept(listener: &OwnedFd) -> Result<UnixStream> {
 
 /// The uid of the process at the other end.
 pub fn peer_uid(s: &UnixStream) -> Result<u32> {
+    peer_cred(s).map(|c| c.0)
+}
+
+/// The (uid, pid) of the process at the other end, as of its connect.
+pub fn peer_cred(s: &UnixStream) -> Result<(u32, i32)> {
     // SAFETY: ucred is POD; getsockopt writes at most `len` bytes into it.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -123,7 +128,7 @@ pub fn peer_uid(s: &UnixStream) -> Result<u32> {
     if rc != 0 {
         return Err(Error::last_os("SO_PEERCRED"));
     }
-    Ok(cred.uid)
+    Ok((cred.uid, cred.pid))
 }
 
 /// Send one frame, with `fds` attached to its first byte.
@@ -236,4 +241,23 @@ pub fn recv_frame(s: &UnixStream) -> Result<(u8, Vec<u8>, Vec<OwnedFd>)> {
     let mut body = vec![0u8; len - 1];
     r.read_exact(&mut body).map_err(|e| Error::PeerLost(format!("shm socket read (truncated frame): {e}")))?;
     Ok((head[4], body, fds))
+}
+
+/// A pidfd for `pid` (readable once the process has exited), or None where
+/// the kernel has no pidfd_open (before 5.3).
+pub fn pidfd_open(pid: i32) -> Option<OwnedFd> {
+    // SAFETY: a plain system call; the result is a new fd we own or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: fresh fd we own.
+    Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Has the process behind `pidfd` exited? (Never blocks.)
+pub fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one pollfd on the stack, zero timeout.
+    unsafe { libc::poll(&mut p, 1, 0) > 0 }
 }
