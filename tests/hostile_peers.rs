@@ -347,7 +347,7 @@ fn slots_of_a_dropped_link_stay_quarantined_until_the_sender_process_exits() {
     // SAFETY: getuid has no preconditions.
     let (sa, len) = abstract_addr(format!("rdma_device.{}.{port}", unsafe { libc::getuid() }).as_bytes());
     let frame = |kind: u8, body: Vec<u8>| [((body.len() + 1) as u32).to_le_bytes().to_vec(), vec![kind], body].concat();
-    let hello = frame(1, Hello { task: EVIL.into(), incarnation: 3, target: task(1) }.encode());
+    let hello = frame(1, Hello { task: EVIL.into(), incarnation: 3, target: task(1), rpc: false }.encode());
     let announce = frame(4, Msg::Announce { key: "q".into(), step: 1, need: 1 << 20, returned: vec![] }.encode());
     let (mut up, mut go) = ([0i32; 2], [0i32; 2]);
     // SAFETY: pipe writes two fds into each array.
