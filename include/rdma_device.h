@@ -7,6 +7,10 @@
  * rdev_*_free(NULL) and rdev_buffer_release(NULL) are no-ops; callbacks run
  * exactly once, on the calling thread or a library thread, with no library
  * lock held, so they may call back in; they must not block for long.
+ * Callbacks must not call blocking rdev_* functions (rdev_context_new,
+ * rdev_context_free, rdev_place_edge, rdev_request_placement,
+ * rdev_connect_peer): a callback may run on a library progress thread,
+ * which never waits, and a wait there can stall every connection.
  */
 
 #ifndef RDMA_DEVICE_H

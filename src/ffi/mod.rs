@@ -10,7 +10,11 @@
 //! - Strings are (pointer, length) pairs, UTF-8, not NUL-terminated.
 //! - Callbacks run exactly once, on the calling thread or on a library
 //!   thread; no library lock is held while they run, so they may call back
-//!   into the library. They must not block for long.
+//!   into the library. They must not block for long, and callbacks must
+//!   not call blocking rdev_* functions (`rdev_context_new`,
+//!   `rdev_context_free`, `rdev_place_edge`, `rdev_request_placement`,
+//!   `rdev_connect_peer`): they may run on a progress thread, which never
+//!   waits.
 
 #![allow(non_camel_case_types)]
 #![allow(clippy::missing_safety_doc)] // each function documents its contract in the header
