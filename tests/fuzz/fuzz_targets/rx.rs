@@ -122,7 +122,9 @@ impl World {
 }
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    let params = Params { slots_per_edge: 2, max_outstanding_writes: 4, incarnation: 22 };
+    // The first byte's low bit picks the mode: push (the default) or rpc.
+    let rpc = data.first().is_some_and(|b| b & 1 == 1);
+    let params = Params { slots_per_edge: 2, max_outstanding_writes: 4, incarnation: 22, rpc };
     let mut w = World { r: Rendezvous::new(params, ARENA as u64), mem: Mem(vec![0; ARENA]), held: VecDeque::new(), writes: VecDeque::new() };
     w.r.add_rx_link(RX, "tx", INCARNATION);
     w.r.add_tx_link(TX, "rx");
