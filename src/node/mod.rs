@@ -12,7 +12,7 @@
 //!
 //! | call | runs on | waits for | bound |
 //! |---|---|---|---|
-//! | `Node::send` | any (TF executor threads) | nothing: queues; a first send to a peer is queued while `rdev-connect` connects | — |
+//! | `Node::send` | any (TF executor threads) | no network: a first send to a peer is queued while `rdev-connect` connects; on a live shm link the write (the copy into the receiver's slot, a NIC's DMA on verbs) runs on the caller, then ring space as below | the copy; ring: 10 s |
 //! | `Node::recv`, `step_done`, `abort_*` | any | nothing | — |
 //! | `Node::connect` | the shim's pool | the connection | RDMA_DEVICE_CONNECT_TIMEOUT_MS (1.5 s for a lost peer) |
 //! | `Node::place_ahead` | the shim's pool | connect + the receiver's Publish | connect + `timeout` |
@@ -21,7 +21,7 @@
 //! | connect and flush queued sends (one per peer at a time) | the `rdev-connect` pool (4 threads, queued) | `Fabric::connect` | connect timeout |
 //! | watching a peer we only receive from (one per peer at a time) | the `rdev-connect` pool | `Fabric::connect` | connect timeout |
 //! | `Events::on_accept` | a backend's accept thread | `Node::new` to finish registering listeners | 10 s |
-//! | shm `write_imm` | the sender's thread | ring space, which the receiver's credits bound (a full ring means a stalled receiver) | until the link is dead |
+//! | shm `write_imm` (inside `send` on a live link) | the sender's thread | ring space (8192 entries: full only when the receiver's progress thread has stopped) | 10 s, then the write fails with Timeout |
 //! | shm/verbs progress threads | own threads | events (sleep on the doorbell / CQ channel) | woken by events or shutdown |
 //!
 //! Locks: a peer's tx slot may be held while taking `rdv` or `links`

@@ -14,6 +14,11 @@ use super::copy::CopyPool;
 use super::ring::{Doorbell, Ring};
 use super::socket::{self, KIND_ACCEPT, KIND_HELLO, KIND_MSG, KIND_REFUSE};
 use crate::error::{Error, Result};
+
+/// How long a write waits for room in a full doorbell ring (8192 entries
+/// the receiver has not taken yet) before it fails: only a receiver whose
+/// progress thread has stopped gets there.
+const RING_FULL_TIMEOUT: Duration = Duration::from_secs(10);
 use crate::fabric::arena::{check_range, map_shared};
 use crate::fabric::{next_conn_id, ConnId, Endpoint, FabricEvents, ReadDone, Segment, TransportKind, WriteDone};
 
@@ -163,6 +168,7 @@ impl Endpoint for ShmEndpoint {
         let wake = {
             let _g = self.push_lock.lock();
             let mut tries = 0u32;
+            let mut full_since: Option<Instant> = None;
             loop {
                 if let Some(w) = self.ring.try_push(imm) {
                     break w;
@@ -170,8 +176,18 @@ impl Endpoint for ShmEndpoint {
                 if self.dead.load(Ordering::SeqCst) {
                     return done(Err(self.lost()));
                 }
-                // Full ring: the receiver is behind. Back off gently.
+                // Full ring: the receiver is behind. Back off gently, and
+                // give up on a receiver that stopped draining it.
                 tries += 1;
+                if tries == 100 {
+                    full_since = Some(Instant::now());
+                }
+                if full_since.is_some_and(|t| t.elapsed() >= RING_FULL_TIMEOUT) {
+                    return done(Err(Error::Timeout(format!(
+                        "{}'s doorbell ring stayed full for {RING_FULL_TIMEOUT:?}: the receiver stopped taking writes",
+                        self.remote
+                    ))));
+                }
                 if tries < 100 {
                     std::hint::spin_loop();
                 } else {
