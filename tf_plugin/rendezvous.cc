@@ -9,6 +9,7 @@
 #include "tensorflow/core/distributed_runtime/worker_session.h"
 #include "tensorflow/core/framework/device_base.h"
 #include "tensorflow/core/platform/logging.h"
+#include "pool.h"
 #include "transport.h"
 
 namespace rdma_device {
@@ -44,8 +45,8 @@ class RdmaRemoteRendezvous;
 // TF calls StartAbort() while holding the rendezvous' call lock, and our
 // completion path takes that lock (DeregisterCall); the transport may run
 // completions on the calling thread. So StartAbort() never calls into the
-// transport directly: it records the status and hands the abort to a pool
-// thread.
+// transport directly: it records the status and hands the abort to the
+// plugin's pool.
 class RecvCall : public tf::BaseRecvTensorCall {
  public:
   RecvCall(std::function<void(const absl::Status&)> abort_async)
@@ -182,18 +183,13 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
 
     std::shared_ptr<Transport> transport = transport_;
     const int64_t step_id = step_id_;
-    tf::WorkerEnv const* env = env_;
-    auto* call = new RecvCall([transport, step_id, env](const absl::Status& s) {
+    auto* call = new RecvCall([transport, step_id](const absl::Status& s) {
       // A cancelled receive fails the whole step in the transport: TF
       // cancels per step (or per function call), so nothing of it survives.
-      auto abort = [transport, step_id, s] {
+      // On the plugin's pool, never a TF pool (pool.h).
+      Schedule([transport, step_id, s] {
         transport->AbortStep(step_id, s, /*propagate=*/!IsCleanup(s, step_id));
-      };
-      if (env->compute_pool != nullptr) {
-        env->compute_pool->Schedule(std::move(abort));
-      } else {
-        tsl::Env::Default()->SchedClosure(std::move(abort));
-      }
+      });
     });
     RegisterCall(call, recv_args);
     if (!call->status().ok()) {  // the step was aborted already
