@@ -422,9 +422,14 @@ impl Inner {
     fn locked<T>(&self, f: impl FnOnce(&mut Rendezvous) -> T) -> T {
         let mut r = self.rdv.lock();
         let out = f(&mut r);
+        let grants = r.take_grants();
+        let refused = if grants.is_empty() { Vec::new() } else { self.grant(&grants) };
         let t = std::mem::take(&mut r.tally);
         let in_use = r.arena_in_use();
         drop(r);
+        for (link, why) in refused {
+            self.fail_link(link, why);
+        }
         if t != rendezvous::Tally::default() {
             self.totals.lock().add(&t);
         }
@@ -454,6 +459,32 @@ impl Inner {
         }
         c.arena_bytes_in_use.store(in_use, std::sync::atomic::Ordering::Relaxed);
         out
+    }
+
+    /// Let each sender write the ranges just placed for it (under the
+    /// protocol lock, before the Publish or Grow naming them goes out; see
+    /// `Rendezvous::take_grants`). Returns the links whose grant failed:
+    /// the caller fails them, so their Publish can never be used.
+    fn grant(&self, grants: &[(ConnId, u64, u64)]) -> Vec<(ConnId, Error)> {
+        let listeners: Vec<Arc<dyn Listener>> = self.listeners.lock().values().cloned().collect();
+        let mut refused = Vec::new();
+        for &(link, off, len) in grants {
+            let mut res = Ok(false);
+            for l in &listeners {
+                res = l.grant(link, off, len);
+                if !matches!(res, Ok(false)) {
+                    break;
+                }
+            }
+            match res {
+                Ok(true) => {}
+                // Not an accepted connection (any more): its Publish finds no
+                // link either; nothing to do.
+                Ok(false) => {}
+                Err(e) => refused.push((link, Error::Internal(format!("{}: cannot map a slot for connection {link}: {e}", self.task)))),
+            }
+        }
+        refused
     }
 
     fn endpoint(&self, link: ConnId) -> Option<Arc<dyn Endpoint>> {

@@ -33,7 +33,7 @@ use super::wr::{self, WrKind, NO_CHUNK};
 mod post;
 use post::post_recv;
 use crate::error::{Error, Result};
-use crate::fabric::{ConnId, FabricEvents, ReadDone, Segment, WriteDone};
+use crate::fabric::{ConnId, FabricEvents, Segment, WriteDone};
 
 /// Control-message fragment header: kind, flags, 2 spare, payload length.
 const HDR: usize = 8;
@@ -43,6 +43,8 @@ const FLAG_MORE: u8 = 1;
 pub(crate) const MSG_HELLO: u8 = 1;
 pub(crate) const MSG_HELLO_OK: u8 = 2;
 pub(crate) const MSG_HELLO_ERR: u8 = 3;
+/// A `MSG_HELLO_OK` starts with the arena's address (8 bytes) and rkey (4).
+const HELLO_OK_KEYS: usize = 12;
 pub(crate) const MSG_USER: u8 = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,7 +66,6 @@ pub(crate) enum Phase {
 /// Work a connection's owner must do after releasing the lock.
 pub(crate) enum Action {
     WriteDone(WriteDone, Result<()>),
-    ReadDone(ReadDone, Result<Vec<u8>>),
     Imm(u32),
     Message(Vec<u8>),
     /// The sender's hello arrived: call `on_accept`.
@@ -88,17 +89,8 @@ struct WriteOp {
     last_chunk: u32,
 }
 
-struct ReadOp {
-    mr: Option<Mr>,
-    buf: Vec<u8>,
-    done: Option<ReadDone>,
-    remote_off: u64,
-    posted: bool,
-}
-
 enum Op {
     Write(WriteOp),
-    Read(ReadOp),
 }
 
 struct OpSlot {
@@ -242,9 +234,17 @@ impl Conn {
         if inner.phase != Phase::Handshake {
             return Err(Error::PeerLost(format!("connection {} closed during the handshake", self.id)));
         }
+        let Some((addr, rkey)) = inner.arena_mr.as_ref().map(|m| (m.addr, m.rkey)) else {
+            return Err(Error::Internal(format!("connection {}: no arena registration to offer", self.id)));
+        };
         inner.phase = Phase::Ready;
         inner.owes_disconnect = true;
-        inner.queue.push_back(Work::Msg { kind: MSG_HELLO_OK, data: reply, sent: 0, started: false });
+        // The arena's address and key first, then the node's reply.
+        let mut data = Vec::with_capacity(HELLO_OK_KEYS + reply.len());
+        data.extend_from_slice(&addr.to_le_bytes());
+        data.extend_from_slice(&rkey.to_le_bytes());
+        data.extend_from_slice(&reply);
+        inner.queue.push_back(Work::Msg { kind: MSG_HELLO_OK, data, sent: 0, started: false });
         Ok(self.pump(&mut inner))
     }
 
@@ -338,37 +338,6 @@ impl Conn {
         self.pump(&mut inner)
     }
 
-    /// Start a read into a freshly registered buffer.
-    pub fn read(&self, remote_off: u64, len: usize, done: ReadDone) -> Vec<Action> {
-        let mut inner = self.inner.lock();
-        if inner.phase != Phase::Ready {
-            return vec![Action::ReadDone(done, Err(Error::PeerLost(format!("connection {} is closed", self.id))))];
-        }
-        let arena_len = inner.remote.map(|r| r.arena_len).unwrap_or(0);
-        if len > super::MAX_WR_BYTES || remote_off.checked_add(len as u64).map_or(true, |e| e > arena_len) {
-            return vec![Action::ReadDone(done, Err(Error::InvalidArgument(format!(
-                "read of {len} bytes at {remote_off} is outside the peer's arena of {arena_len} bytes (or too long)"
-            ))))];
-        }
-        let buf = vec![0u8; len];
-        let mr = if len == 0 {
-            None
-        } else {
-            let Some(dev) = inner.dev.clone() else {
-                return vec![Action::ReadDone(done, Err(Error::Internal("no device".into())))];
-            };
-            // SAFETY: buf's heap block does not move (the Vec is moved, not
-            // its allocation) and outlives the MR (ReadOp field order).
-            match unsafe { Mr::register(&dev.pd, buf.as_ptr(), len, super::mr::ACCESS_LOCAL_WRITE) } {
-                Ok(mr) => Some(mr),
-                Err(e) => return vec![Action::ReadDone(done, Err(e))],
-            }
-        };
-        let slot = alloc_op(&mut inner, Op::Read(ReadOp { mr, buf, done: Some(done), remote_off, posted: false }));
-        inner.queue.push_back(Work::Op(slot));
-        self.pump(&mut inner)
-    }
-
     /// Handle one completion of this connection's QP.
     pub fn complete(&self, wc: &ibv_wc) -> Vec<Action> {
         let mut acts = Vec::new();
@@ -409,7 +378,7 @@ impl Conn {
                     inner.free_chunks.push(idx);
                 }
             }
-            WrKind::WriteLast | WrKind::Read => {
+            WrKind::WriteLast => {
                 if let Some(op) = take_op(&mut inner, idx, gen) {
                     let res = if ok { Ok(()) } else { Err(err()) };
                     match op {
@@ -421,12 +390,6 @@ impl Conn {
                             drop(w);
                             if let Some(d) = done {
                                 acts.push(Action::WriteDone(d, res));
-                            }
-                        }
-                        Op::Read(mut r) => {
-                            drop(r.mr.take());
-                            if let Some(d) = r.done.take() {
-                                acts.push(Action::ReadDone(d, res.map(|_| std::mem::take(&mut r.buf))));
                             }
                         }
                     }
@@ -479,7 +442,18 @@ impl Conn {
             (MSG_USER, _, Phase::Ready) => acts.push(Action::Message(msg)),
             (MSG_HELLO, Role::Passive, Phase::Handshake) => acts.push(Action::Accept(msg)),
             (MSG_HELLO_OK, Role::Active, Phase::Handshake) => {
-                inner.peer_hello = msg;
+                let (Some(addr), Some(rkey)) = (
+                    msg.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes),
+                    msg.get(8..HELLO_OK_KEYS).and_then(|b| b.try_into().ok()).map(u32::from_le_bytes),
+                ) else {
+                    return Err(Error::Protocol(format!("hello answer of {} bytes is too short for the arena's keys", msg.len())));
+                };
+                let Some(remote) = inner.remote.as_mut() else {
+                    return Err(Error::Protocol("hello answer before the connection was established".into()));
+                };
+                remote.arena_addr = addr;
+                remote.arena_rkey = rkey;
+                inner.peer_hello = msg[HELLO_OK_KEYS..].to_vec();
                 inner.phase = Phase::Ready;
                 inner.result = Some(Ok(()));
                 self.cv.notify_all();
@@ -525,12 +499,6 @@ impl Conn {
                     drop(w);
                     if let Some(d) = d {
                         acts.push(Action::WriteDone(d, Err(why.clone())));
-                    }
-                }
-                Some(Op::Read(mut r)) => {
-                    drop(r.mr.take());
-                    if let Some(d) = r.done.take() {
-                        acts.push(Action::ReadDone(d, Err(why.clone())));
                     }
                 }
                 None => {}

@@ -210,7 +210,6 @@ pub(crate) fn run_actions(sh: &Arc<Shared>, c: &Arc<Conn>, acts: Vec<Action>) {
     for a in acts {
         match a {
             Action::WriteDone(d, r) => d(r),
-            Action::ReadDone(d, r) => d(r),
             Action::Imm(imm) => c.events.on_write_imm(c.id, imm),
             Action::Message(m) => c.events.on_message(c.id, &m),
             Action::Disconnect(e) => c.events.on_disconnect(c.id, e),
