@@ -31,6 +31,23 @@ pub use arena::Arena;
 
 use crate::error::Result;
 
+thread_local! {
+    static EVENT_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Backends call this at the start of each thread that delivers
+/// [`FabricEvents`] (progress, accept/reader threads). Work that may take
+/// long or block (a tensor's copy or registration, TensorFlow's callbacks)
+/// is then not done on it: the owner hands it to a thread of its own.
+pub fn mark_event_thread() {
+    EVENT_THREAD.with(|t| t.set(true));
+}
+
+/// Is the calling thread a backend's event thread (see `mark_event_thread`)?
+pub fn on_event_thread() -> bool {
+    EVENT_THREAD.with(|t| t.get())
+}
+
 /// Identifies one connection, unique within the process (across backends).
 pub type ConnId = u64;
 

@@ -4,8 +4,14 @@
 //! TensorFlow server.
 //!
 //! Threading: protocol state sits behind one mutex; actions are executed
-//! after it is released, so completions may call back in. Callbacks to the
-//! application run on the calling thread or on a backend thread, and must
+//! after it is released, so completions may call back in. A backend's
+//! event threads (shm progress and reader threads, the verbs progress
+//! thread) only update the protocol state and send control messages:
+//! completions for the application (a receive's or send's callback) and
+//! writes that an event released (a queued send) are handed to the node's
+//! `rdev-callbacks` thread (handoff.rs), so no tensor copy, memory
+//! registration or TensorFlow callback ever runs on an event thread.
+//! Callbacks run on the calling thread or on `rdev-callbacks`, and must
 //! not call the blocking functions below.
 //!
 //! Every call that can block, the thread it may run on, and its bound:
@@ -23,6 +29,7 @@
 //! | `Events::on_accept` | a backend's accept thread | `Node::new` to finish registering listeners | 10 s |
 //! | shm `write_imm` (inside `send` on a live link) | the sender's thread | ring space (8192 entries: full only when the receiver's progress thread has stopped) | 10 s, then the write fails with Timeout |
 //! | shm/verbs progress threads | own threads | events (sleep on the doorbell / CQ channel) | woken by events or shutdown |
+//! | callbacks and writes released by events | `rdev-callbacks` (one per node, queued) | what the callback does; a write as `send` on a live link | as `send` |
 //!
 //! Locks: a peer's tx slot may be held while taking `rdv` or `links`
 //! (connecting), never the reverse; `peers.table` is held only for map
@@ -30,6 +37,7 @@
 //! any of them is held.
 
 mod bounce;
+mod handoff;
 mod lease;
 mod peers;
 mod pool;
@@ -82,6 +90,8 @@ pub(crate) struct Inner {
     totals: Mutex<rendezvous::Tally>,
     /// rpc mode: the sender's bounce buffers.
     bounce: Arc<bounce::BouncePool>,
+    /// Callbacks and writes that events produced (see handoff.rs).
+    handoff: handoff::Handoff,
     me: Weak<Inner>,
 }
 
@@ -127,6 +137,7 @@ impl Node {
             placing: Mutex::new(HashMap::new()),
             totals: Mutex::new(rendezvous::Tally::default()),
             bounce: Arc::default(),
+            handoff: handoff::Handoff::start(),
             me: me.clone(),
         });
         let st = Stats::global();
@@ -267,6 +278,17 @@ impl Drop for Node {
         for e in eps {
             e.close();
         }
+    }
+}
+
+/// Complete a handed-over action whose node is gone.
+fn abandon(a: Action) {
+    let gone = || Error::Aborted("transport shut down".into());
+    match a {
+        Action::Write { done, .. } | Action::Inline { done, .. } => done(Err(gone())),
+        Action::SendDone { done, result } => done(result),
+        Action::Deliver { done, result } => done(result),
+        _ => {}
     }
 }
 
@@ -513,7 +535,17 @@ impl Inner {
 
     /// Carry out protocol actions (never called with the state locked).
     fn exec(&self, acts: Vec<Action>) {
+        let on_event_thread = fabric::on_event_thread();
         for a in acts {
+            if on_event_thread && matches!(a, Action::Write { .. } | Action::Inline { .. } | Action::Deliver { .. } | Action::SendDone { .. }) {
+                // Not on a backend's event thread: see handoff.rs.
+                let me = self.me.clone();
+                self.handoff.run(move || match me.upgrade() {
+                    Some(n) => n.exec(vec![a]),
+                    None => abandon(a),
+                });
+                continue;
+            }
             match a {
                 Action::Write { link, offset, header, payload, imm, done, bytes: _ } => {
                     let Some(ep) = self.endpoint(link) else {

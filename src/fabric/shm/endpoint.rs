@@ -106,6 +106,7 @@ impl ShmEndpoint {
         std::thread::Builder::new()
             .name("rdev-shm-reader".into())
             .spawn(move || {
+                crate::fabric::mark_event_thread();
                 let why = loop {
                     match socket::recv_frame(&reader) {
                         Ok((KIND_MSG, body, _)) => {

@@ -170,6 +170,7 @@ fn accept_loop(inner: Arc<Inner>) {
 
 /// Handshake, then read control messages until the connection ends.
 fn serve_conn(inner: Arc<Inner>, stream: UnixStream) {
+    crate::fabric::mark_event_thread();
     let id = next_conn_id();
     let conn = match handshake(&inner, id, stream) {
         Ok(c) => c,
@@ -286,6 +287,7 @@ fn release_departed(inner: &Inner, all: bool) {
 /// Run the progress loop; a panic in it fails every connection (their
 /// waiters get the reason) and the loop starts over for new ones.
 fn guarded_progress(inner: Arc<Inner>) {
+    crate::fabric::mark_event_thread();
     loop {
         let Err(e) = crate::error::catch_panic("the shm progress thread", || progress_loop(inner.clone())) else { return };
         let rest: Vec<Arc<RxConn>> = inner.conns.lock().drain().map(|(_, c)| c).collect();

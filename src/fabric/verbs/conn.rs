@@ -65,7 +65,7 @@ pub(crate) enum Phase {
 
 /// Work a connection's owner must do after releasing the lock.
 pub(crate) enum Action {
-    WriteDone(WriteDone, Result<()>),
+    WriteDone(Finished),
     Imm(u32),
     Message(Vec<u8>),
     /// The sender's hello arrived: call `on_accept`.
@@ -73,6 +73,37 @@ pub(crate) enum Action {
     Disconnect(Error),
     /// Tear the connection down (on the progress thread).
     Kill(Error),
+}
+
+/// A write that completed (or failed): its registrations, its memory and
+/// its callback, released in that order by [`Finished::run`], never under
+/// the connection's lock; the progress thread hands the ones holding
+/// registrations to the deregistration thread (`ibv_dereg_mr` can take
+/// long for a large region).
+pub(crate) struct Finished {
+    mrs: Vec<Option<Mr>>,
+    segs: Vec<Segment>,
+    done: Option<WriteDone>,
+    res: Result<()>,
+}
+
+impl Finished {
+    pub(crate) fn registered(&self) -> bool {
+        self.mrs.iter().any(|m| m.is_some())
+    }
+
+    fn failed(done: WriteDone, why: Error) -> Finished {
+        Finished { mrs: Vec::new(), segs: Vec::new(), done: Some(done), res: Err(why) }
+    }
+
+    pub(crate) fn run(self) {
+        let Finished { mrs, segs, done, res } = self;
+        drop(mrs);
+        drop(segs);
+        if let Some(d) = done {
+            d(res);
+        }
+    }
 }
 
 struct WriteOp {
@@ -278,23 +309,23 @@ impl Conn {
             if inner.phase != Phase::Ready {
                 drop(inner);
                 drop(segs);
-                return vec![Action::WriteDone(done, Err(closed()))];
+                return vec![Action::WriteDone(Finished::failed(done, closed()))];
             }
             (inner.dev.clone(), inner.remote.map(|r| r.arena_len).unwrap_or(0))
         };
         if remote_off.checked_add(total as u64).map_or(true, |end| end > arena_len) {
             drop(segs);
-            return vec![Action::WriteDone(done, Err(Error::InvalidArgument(format!(
+            return vec![Action::WriteDone(Finished::failed(done, Error::InvalidArgument(format!(
                 "write of {total} bytes at {remote_off} is outside the peer's arena of {arena_len} bytes"
             ))))];
         }
-        let register = total >= self.sizing.register_threshold || self.sizing.n_chunks == 0;
+        let mut register = total >= self.sizing.register_threshold || self.sizing.n_chunks == 0;
         let mut mrs = Vec::new();
         if register {
             // Outside the lock: pinning can take a while and must not stall
             // this connection's completions.
             let Some(dev) = dev else {
-                return vec![Action::WriteDone(done, Err(Error::Internal("no device".into())))];
+                return vec![Action::WriteDone(Finished::failed(done, Error::Internal("no device".into())))];
             };
             for s in &segs {
                 let b = (**s).as_ref();
@@ -303,13 +334,21 @@ impl Conn {
                     continue;
                 }
                 // SAFETY: the segment is owned by this op and dropped only
-                // after the MR (field order of WriteOp) and the completion.
+                // after the MR (Finished::run) and the completion.
                 match unsafe { Mr::register(&dev.pd, b.as_ptr(), b.len(), super::mr::ACCESS_LOCAL_READ) } {
                     Ok(mr) => mrs.push(Some(mr)),
+                    Err(e) if self.sizing.n_chunks > 0 => {
+                        // Out of pinnable memory (memlock) or MR resources:
+                        // copy through the staging chunks instead of failing.
+                        log::warn!("verbs: conn {}: registering a {total}-byte write failed ({e}); it goes through the staging buffers", self.id);
+                        mrs.clear();
+                        register = false;
+                        break;
+                    }
                     Err(e) => {
                         drop(mrs);
                         drop(segs);
-                        return vec![Action::WriteDone(done, Err(e))];
+                        return vec![Action::WriteDone(Finished::failed(done, e))];
                     }
                 }
             }
@@ -319,7 +358,7 @@ impl Conn {
             drop(inner);
             drop(mrs);
             drop(segs);
-            return vec![Action::WriteDone(done, Err(closed()))];
+            return vec![Action::WriteDone(Finished::failed(done, closed()))];
         }
         let op = Op::Write(WriteOp {
             mrs,
@@ -382,15 +421,11 @@ impl Conn {
                 if let Some(op) = take_op(&mut inner, idx, gen) {
                     let res = if ok { Ok(()) } else { Err(err()) };
                     match op {
-                        Op::Write(mut w) => {
+                        Op::Write(w) => {
                             if w.last_chunk != NO_CHUNK {
                                 inner.free_chunks.push(w.last_chunk);
                             }
-                            let done = w.done.take();
-                            drop(w);
-                            if let Some(d) = done {
-                                acts.push(Action::WriteDone(d, res));
-                            }
+                            acts.push(Action::WriteDone(Finished { mrs: w.mrs, segs: w.segs, done: w.done, res }));
                         }
                     }
                 }
@@ -494,12 +529,8 @@ impl Conn {
         let mut acts = Vec::new();
         for s in inner.ops.iter_mut() {
             match s.op.take() {
-                Some(Op::Write(mut w)) => {
-                    let d = w.done.take();
-                    drop(w);
-                    if let Some(d) = d {
-                        acts.push(Action::WriteDone(d, Err(why.clone())));
-                    }
+                Some(Op::Write(w)) => {
+                    acts.push(Action::WriteDone(Finished { mrs: w.mrs, segs: w.segs, done: w.done, res: Err(why.clone()) }));
                 }
                 None => {}
             }
