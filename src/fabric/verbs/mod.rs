@@ -378,3 +378,28 @@ impl VerbsOptions {
         Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dead_peer_bound_follows_the_formula() {
+        // 4.096 us x 2^14 x 8 = 536.870912 ms (the documented ~0.54 s).
+        assert_eq!(VerbsOptions::default().dead_peer_bound(), Duration::from_nanos(536_870_912));
+        let o = VerbsOptions { ack_timeout: 10, retry_count: 0, ..Default::default() };
+        assert_eq!(o.dead_peer_bound(), Duration::from_nanos(4096 * 1024));
+        const { assert!(SIGNAL_EVERY < SQ_DEPTH) };
+    }
+
+    #[test]
+    fn options_follow_the_config() {
+        let mut cfg = crate::config::Config::default();
+        let o = VerbsOptions::from_config(&cfg);
+        assert_eq!((o.ack_timeout, o.retry_count, o.rnr_retry, o.tos, o.srq_depth), (14, 7, 6, None, SRQ_DEPTH));
+        cfg.verbs_tos = 106;
+        cfg.verbs_rnr_retry = 7;
+        let o = VerbsOptions::from_config(&cfg);
+        assert_eq!((o.tos, o.rnr_retry), (Some(106), 7));
+    }
+}
