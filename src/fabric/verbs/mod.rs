@@ -9,7 +9,8 @@
 //!
 //! Shape:
 //! - `device`: probe/viability (device list, active ports, memlock), and
-//!   the per-device PD + completion channel + one shared CQ.
+//!   the per-device PD, completion channel, shared receive queue, receive
+//!   CQ and send CQs.
 //! - `cm`: rdma_cm ids, addresses, the private data of REQ/REP.
 //! - `conn`: one connection's QP, buffers, ops, ordered work queue.
 //! - `progress`: the one thread that reads CM events and polls CQs (spins

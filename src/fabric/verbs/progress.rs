@@ -426,7 +426,11 @@ fn poll_cq(sh: &Arc<Shared>, d: &Arc<Device>, cq: &device::Cq, wcs: &mut [ibv_wc
     for wc in &wcs[..n as usize] {
         // A shared receive buffer: hand its bytes to the connection, then
         // repost it whatever became of the connection (a completion of a
-        // connection already torn down still returns the buffer).
+        // connection already torn down still returns the buffer). Receive
+        // wr_ids carry no connection tag (the buffer is the device's), so a
+        // stale receive completion of a destroyed QP whose number was
+        // already reused would reach the new connection; providers do not
+        // reuse QP numbers at once (rxe and mlx5 allocate them round-robin).
         let recv = match wr::decode(wc.wr_id) {
             Some((wr::WrKind::Recv, _, idx)) if idx < d.srq.depth => Some(idx),
             _ => None,
