@@ -1,6 +1,6 @@
 //! Devices: discovery and viability, and the per-device verbs objects every
 //! connection on that device shares (protection domain, completion channel,
-//! completion queue), as RAII wrappers that hold their parent.
+//! shared receive queue, completion queues), as RAII wrappers that hold their parent.
 //!
 //! Which device, port and GID a connection uses is decided by rdma_cm from
 //! the task's IP address (the device and port carrying that address, the GID
