@@ -42,6 +42,16 @@ pub struct Config {
     /// Verbs: writes of at least this many bytes register their source
     /// memory (zero-copy) instead of copying into staging buffers.
     pub verbs_register_bytes: usize,
+    /// Verbs: local ACK timeout exponent (4.096 us x 2^n per try).
+    pub verbs_ack_timeout: u8,
+    /// Verbs: transport retries after an ACK timeout (0-7).
+    pub verbs_retry_count: u8,
+    /// Verbs: retries after a receiver-not-ready NAK (0-7; 7 = forever).
+    pub verbs_rnr_retry: u8,
+    /// Verbs: IP TOS / traffic class of RoCE v2 traffic (-1 = kernel default).
+    pub verbs_tos: i32,
+    /// Verbs: receive buffers in each device's shared receive queue.
+    pub verbs_srq_depth: u32,
 }
 
 /// One row of the table.
@@ -85,6 +95,16 @@ pub const VARS: &[Var] = &[
           help: "Verbs: rdma_cm listens on the task's port plus this offset (IB/RoCE have their own port space; iWARP needs a non-zero offset)." },
     Var { name: "RDMA_DEVICE_VERBS_REGISTER_BYTES", default: "1M",
           help: "Verbs: writes of at least this size register the tensor's memory per write (zero-copy); smaller ones are copied into pre-registered staging buffers (suffix K/M/G)." },
+    Var { name: "RDMA_DEVICE_VERBS_ACK_TIMEOUT", default: "14",
+          help: "Verbs: local ACK timeout exponent (1-31): each try waits 4.096 us x 2^n (14: 67 ms). A dead peer host is detected within 4.096 us x 2^n x (RETRY_COUNT + 1) (defaults: ~0.54 s), plus what the NIC adds to the timeout." },
+    Var { name: "RDMA_DEVICE_VERBS_RETRY_COUNT", default: "7",
+          help: "Verbs: how often a work request is resent after an ACK timeout before the connection fails (0-7)." },
+    Var { name: "RDMA_DEVICE_VERBS_RNR_RETRY", default: "6",
+          help: "Verbs: how often a message is resent after a receiver-not-ready NAK (receiver out of posted buffers) before the connection fails (0-6; 7 means retry forever: a receiver that stops consuming then stalls its senders for good)." },
+    Var { name: "RDMA_DEVICE_VERBS_TOS", default: "-1",
+          help: "Verbs: IP type of service (DSCP << 2) of RoCE v2 traffic, e.g. 106 for DSCP 26, to put it on the network's lossless priority (-1: the kernel's default_roce_tos)." },
+    Var { name: "RDMA_DEVICE_VERBS_SRQ_DEPTH", default: "4096",
+          help: "Verbs: receive buffers (4 KiB each) in the shared receive queue of each device, shared by all connections for control messages and write immediates (64-65536; capped by the device's max_srq_wr)." },
 ];
 
 impl Default for Config {
@@ -139,6 +159,11 @@ impl Config {
             verbs_gid_index: int("RDMA_DEVICE_VERBS_GID_INDEX", &val("RDMA_DEVICE_VERBS_GID_INDEX"), -1, 65535)? as i32,
             verbs_cm_port_offset: int("RDMA_DEVICE_VERBS_CM_PORT_OFFSET", &val("RDMA_DEVICE_VERBS_CM_PORT_OFFSET"), 0, 65535)? as u16,
             verbs_register_bytes: bytes("RDMA_DEVICE_VERBS_REGISTER_BYTES", &val("RDMA_DEVICE_VERBS_REGISTER_BYTES"), 0, 1 << 40)?,
+            verbs_ack_timeout: int("RDMA_DEVICE_VERBS_ACK_TIMEOUT", &val("RDMA_DEVICE_VERBS_ACK_TIMEOUT"), 1, 31)? as u8,
+            verbs_retry_count: int("RDMA_DEVICE_VERBS_RETRY_COUNT", &val("RDMA_DEVICE_VERBS_RETRY_COUNT"), 0, 7)? as u8,
+            verbs_rnr_retry: int("RDMA_DEVICE_VERBS_RNR_RETRY", &val("RDMA_DEVICE_VERBS_RNR_RETRY"), 0, 7)? as u8,
+            verbs_tos: int("RDMA_DEVICE_VERBS_TOS", &val("RDMA_DEVICE_VERBS_TOS"), -1, 255)? as i32,
+            verbs_srq_depth: int("RDMA_DEVICE_VERBS_SRQ_DEPTH", &val("RDMA_DEVICE_VERBS_SRQ_DEPTH"), 64, 65536)? as u32,
         })
     }
 
@@ -167,6 +192,11 @@ impl Config {
                     "RDMA_DEVICE_VERBS_GID_INDEX" => self.verbs_gid_index.to_string(),
                     "RDMA_DEVICE_VERBS_CM_PORT_OFFSET" => self.verbs_cm_port_offset.to_string(),
                     "RDMA_DEVICE_VERBS_REGISTER_BYTES" => self.verbs_register_bytes.to_string(),
+                    "RDMA_DEVICE_VERBS_ACK_TIMEOUT" => self.verbs_ack_timeout.to_string(),
+                    "RDMA_DEVICE_VERBS_RETRY_COUNT" => self.verbs_retry_count.to_string(),
+                    "RDMA_DEVICE_VERBS_RNR_RETRY" => self.verbs_rnr_retry.to_string(),
+                    "RDMA_DEVICE_VERBS_TOS" => self.verbs_tos.to_string(),
+                    "RDMA_DEVICE_VERBS_SRQ_DEPTH" => self.verbs_srq_depth.to_string(),
                     _ => String::new(),
                 };
                 (v, s)
@@ -274,6 +304,11 @@ mod tests {
             ("RDMA_DEVICE_STRICT", "maybe"),
             ("RDMA_DEVICE_TRANSPORTS", "tcp"),
             ("RDMA_DEVICE_VERBS_PORT", "300"),
+            ("RDMA_DEVICE_VERBS_ACK_TIMEOUT", "0"),
+            ("RDMA_DEVICE_VERBS_RETRY_COUNT", "8"),
+            ("RDMA_DEVICE_VERBS_RNR_RETRY", "9"),
+            ("RDMA_DEVICE_VERBS_TOS", "256"),
+            ("RDMA_DEVICE_VERBS_SRQ_DEPTH", "10"),
         ] {
             let e = with(&[(k, v)]).unwrap_err();
             assert!(matches!(e, Error::Config(_)), "{k}={v}: {e}");

@@ -417,7 +417,15 @@ fn node_chooses_verbs_for_a_remote_peer() {
     let c = n.add_peer(&common::task(1), "192.0.2.1:2222");
     println!("transport for a remote peer: {:?} ({})", c.transport.map(|k| k.name()), c.reason);
     if viable {
-        assert_eq!(c.transport.map(|k| k.name()), Some("verbs"), "{}", c.reason);
+        // rdma_cm decides: verbs when the route leaves through an RDMA
+        // port, else gRPC with rdma_cm's reason (the VM has no default
+        // route, so there it is gRPC).
+        if has_default_route() {
+            assert_eq!(c.transport.map(|k| k.name()), Some("verbs"), "{}", c.reason);
+        } else {
+            assert_eq!(c.transport, None);
+            assert!(c.reason.contains("verbs: rdma_cm cannot reach"), "{}", c.reason);
+        }
     } else {
         assert_eq!(c.transport, None);
         assert!(c.reason.contains("verbs: "), "the reason must say why not verbs: {}", c.reason);
@@ -675,4 +683,177 @@ fn measure_send_strategies() {
         }
         l.shutdown();
     }
+}
+
+// ---- Scale, timeouts, reachability ------------------------------------
+
+/// Whether this host has an IPv4 default route (`/proc/net/route`).
+fn has_default_route() -> bool {
+    std::fs::read_to_string("/proc/net/route")
+        .map(|t| t.lines().skip(1).any(|l| l.split_whitespace().nth(1) == Some("00000000")))
+        .unwrap_or(false)
+}
+
+/// 256 senders connect to one receiver and each moves an inline-sized
+/// write, a staged write and a control message; every byte, immediate and
+/// message arrives on the right connection.
+#[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
+fn many_connections_to_one_receiver() {
+    const N: usize = 256;
+    // Small staging (1 x 4 KiB per connection) keeps 256 senders' pinned
+    // memory small in the VM.
+    let Some(f) = fabric_with(VerbsOptions { staging_chunks: 1, staging_chunk: 4096, ..Default::default() }) else { return };
+    let t0 = Instant::now();
+    let arena = Arc::new(Arena::new("verbs-many", N * 8192).unwrap());
+    let rx = Rec::new(false);
+    let l = f.listen(&format!("{}:0", local_ip(&f)), arena.clone(), rx.clone()).unwrap();
+    let mut eps = Vec::new();
+    for i in 0..N {
+        let ep = f
+            .connect(&l.local_addr(), format!("s{i}").as_bytes(), Rec::new(false), Duration::from_secs(30), true)
+            .unwrap_or_else(|e| panic!("connection {i} of {N}: {e}"));
+        eps.push(ep);
+    }
+    let connected = t0.elapsed();
+    let (dtx, drx) = std::sync::mpsc::channel();
+    for (i, ep) in eps.iter().enumerate() {
+        let base = (i * 8192) as u64;
+        for (k, (off, len)) in [(0u64, 200usize), (4096, 3000)].into_iter().enumerate() {
+            let d = dtx.clone();
+            let imm = (i * 2 + k) as u32;
+            ep.write_imm(base + off, vec![Box::new(pattern(len, (i + k) as u8))], imm, Box::new(move |r| d.send((imm, r)).unwrap()));
+        }
+        ep.send_msg(format!("m{i}").as_bytes()).unwrap();
+    }
+    for _ in 0..2 * N {
+        let (imm, r) = drx.recv_timeout(Duration::from_secs(120)).expect("write completions");
+        r.unwrap_or_else(|e| panic!("write {imm}: {e}"));
+    }
+    rx.wait("every immediate and message", Duration::from_secs(120), |e| {
+        let imms = e.iter().filter(|x| matches!(x, Ev::Imm(..))).count();
+        let msgs = e.iter().filter(|x| matches!(x, Ev::Msg(..))).count();
+        (imms == 2 * N && msgs == N).then_some(())
+    });
+    // Which receiver connection is which sender (from its hello).
+    let evs = rx.evs.lock().clone();
+    let who: std::collections::HashMap<ConnId, usize> = evs
+        .iter()
+        .filter_map(|x| match x {
+            Ev::Accept(c, h) => Some((*c, std::str::from_utf8(&h[1..]).ok()?.parse().ok()?)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(who.len(), N, "one accepted connection per sender");
+    let mut seen = vec![0u32; 2 * N];
+    for x in &evs {
+        match x {
+            Ev::Imm(c, imm) => {
+                assert_eq!(who[c], *imm as usize / 2, "immediate {imm} on the wrong connection");
+                seen[*imm as usize] += 1;
+            }
+            Ev::Msg(c, m) => assert_eq!(m, format!("m{}", who[c]).as_bytes(), "message on the wrong connection"),
+            _ => {}
+        }
+    }
+    assert!(seen.iter().all(|n| *n == 1), "each immediate exactly once");
+    for i in 0..N {
+        for (k, (off, len)) in [(0usize, 200usize), (4096, 3000)].into_iter().enumerate() {
+            let got = arena.copy_out(i * 8192 + off, len).unwrap();
+            assert_eq!(got, pattern(len, (i + k) as u8), "bytes of sender {i} write {k}");
+        }
+    }
+    println!(
+        "many-connections: {N} connections to one receiver in {connected:?}; {} writes and {N} messages checked; total {:?}",
+        2 * N,
+        t0.elapsed()
+    );
+    drop(eps);
+    l.shutdown();
+}
+
+/// A receiver whose progress thread stops (so the shared receive queue is
+/// not reposted) makes its sender fail within the RNR retry bound
+/// instead of stalling it forever.
+#[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
+fn stuck_receiver_fails_the_sender_within_the_rnr_bound() {
+    struct Stuck {
+        gate: Mutex<bool>,
+        cv: Condvar,
+    }
+    impl FabricEvents for Stuck {
+        fn on_accept(&self, _c: ConnId, _h: &[u8]) -> Result<Vec<u8>> {
+            Ok(Vec::new())
+        }
+        // Runs on the receiver's progress thread: blocking it stops the
+        // reposting of receive buffers (bounded, so the test cannot hang).
+        fn on_write_imm(&self, _c: ConnId, _imm: u32) {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let mut open = self.gate.lock();
+            while !*open {
+                if self.cv.wait_until(&mut open, deadline).timed_out() {
+                    break;
+                }
+            }
+        }
+        fn on_message(&self, _c: ConnId, _m: &[u8]) {}
+        fn on_disconnect(&self, _c: ConnId, _w: Error) {}
+    }
+    // Two fabrics = two progress threads: the stuck one is the receiver's.
+    let Some(rf) = fabric_with(VerbsOptions { srq_depth: 64, ..Default::default() }) else { return };
+    let Some(sf) = fabric_with(VerbsOptions { rnr_retry: 1, ..Default::default() }) else { return };
+    let stuck = Arc::new(Stuck { gate: Mutex::new(false), cv: Condvar::new() });
+    let arena = Arc::new(Arena::new("verbs-stuck", 1 << 20).unwrap());
+    let l = rf.listen(&format!("{}:0", local_ip(&rf)), arena, stuck.clone()).unwrap();
+    let tx = Rec::new(false);
+    let ep = sf.connect(&l.local_addr(), b"x", tx.clone(), Duration::from_secs(20), true).unwrap();
+    let (dtx, drx) = std::sync::mpsc::channel();
+    let t = Instant::now();
+    for i in 0..400u32 {
+        let d = dtx.clone();
+        ep.write_imm(0, vec![Box::new(vec![i as u8; 64])], i, Box::new(move |r| {
+            let _ = d.send(r);
+        }));
+    }
+    let err = loop {
+        match drx.recv_timeout(Duration::from_secs(30)) {
+            Ok(Ok(())) => continue,
+            Ok(Err(e)) => break e,
+            Err(_) => panic!("sender still stalled {:?} after a receiver stopped consuming", t.elapsed()),
+        }
+    };
+    let took = t.elapsed();
+    *stuck.gate.lock() = true;
+    stuck.cv.notify_all();
+    println!("stuck-receiver: sender failed after {took:?}: {err}");
+    assert!(matches!(err, Error::PeerLost(_)), "{err}");
+    assert!(err.message().contains("RNR"), "the error names the RNR retries: {err}");
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+    l.shutdown();
+}
+
+/// `reaches()` asks rdma_cm: the device's own address is reachable; an
+/// address with no route is `NotViable` within the short bound, and the
+/// answer is cached.
+#[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
+fn reaches_asks_rdma_cm() {
+    let Some(f) = fabric() else { return };
+    let ip = local_ip(&f);
+    f.reaches(&format!("{ip}:4000")).unwrap();
+    let t = Instant::now();
+    let r = f.reaches("192.0.2.1:2222");
+    let first = t.elapsed();
+    println!("reaches: 192.0.2.1 -> {r:?} in {first:?} (default route: {})", has_default_route());
+    if !has_default_route() {
+        let e = r.clone().unwrap_err();
+        assert!(matches!(e, Error::NotViable(_)) && e.message().contains("rdma_cm cannot reach"), "{e}");
+        assert!(first < Duration::from_secs(2), "{first:?}");
+    }
+    let t = Instant::now();
+    assert_eq!(f.reaches("192.0.2.1:2222"), r, "cached answer");
+    assert!(t.elapsed() < Duration::from_millis(50), "cached: {:?}", t.elapsed());
+    let odd = VerbsFabric::new(VerbsOptions { device: Some("nosuchdev9".into()), ..Default::default() });
+    assert!(odd.reaches(&format!("{ip}:4000")).is_err());
 }

@@ -198,7 +198,7 @@ say "initramfs $(du -h "$initrd" | cut -f1), kernel $kver, modules: ${mods_order
 log="$cache/console.log"
 say "booting qemu (TCG); console log: $log"
 set +e
-timeout "$(left)" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -m 1024 -smp 2 \
+timeout "$(left)" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -m 2048 -smp 2 \
     -nographic -no-reboot -kernel "$vmlinuz" -initrd "$initrd" \
     -append 'console=ttyS0 quiet panic=-1' \
     -netdev user,id=n0,restrict=on -device virtio-net-pci,netdev=n0 </dev/null | tr -d '\r' | tee "$log"

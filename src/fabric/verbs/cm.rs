@@ -57,7 +57,8 @@ impl Drop for EventChannel {
 pub struct CmId {
     pub(crate) raw: *mut rdma_cm_id,
     has_qp: bool,
-    cq: Option<Arc<super::device::Cq>>,
+    /// What the QP uses, kept alive until it is destroyed.
+    keep: Option<(Arc<super::device::Cq>, Arc<super::device::Cq>, Arc<super::device::Srq>)>,
     _channel: Arc<EventChannel>,
 }
 
@@ -79,7 +80,7 @@ impl CmId {
         if rc != 0 {
             return Err(Error::last_os("rdma_create_id"));
         }
-        Ok(CmId { raw, has_qp: false, cq: None, _channel: channel.clone() })
+        Ok(CmId { raw, has_qp: false, keep: None, _channel: channel.clone() })
     }
 
     /// Adopt an id librdmacm created for an incoming connect request.
@@ -89,7 +90,7 @@ impl CmId {
     pub unsafe fn adopt(channel: &Arc<EventChannel>, raw: *mut rdma_cm_id, token: u64) -> CmId {
         // SAFETY: raw is valid (caller); `context` is the user's field.
         unsafe { (*raw).context = token as usize as *mut _ };
-        CmId { raw, has_qp: false, cq: None, _channel: channel.clone() }
+        CmId { raw, has_qp: false, keep: None, _channel: channel.clone() }
     }
 
     /// The device context rdma_cm bound this id to (null before binding).
@@ -121,21 +122,52 @@ impl CmId {
         u16::from_be(unsafe { rdma_get_src_port(self.raw) })
     }
 
-    /// Create an RC QP on this id with the given CQ for both queues.
-    pub fn create_qp(&mut self, pd: &super::device::Pd, cq: &Arc<super::device::Cq>, cap: ibv_qp_cap) -> Result<()> {
-        // SAFETY: zeroed POD init-attr, then filled.
-        let mut attr: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
-        attr.send_cq = cq.raw;
-        attr.recv_cq = cq.raw;
-        attr.cap = cap;
-        attr.qp_type = ibv_qp_type::IBV_QPT_RC;
-        attr.sq_sig_all = 0;
-        // SAFETY: id, pd and cq are live and on the same device.
-        if unsafe { rdma_create_qp(self.raw, pd.raw, &mut attr) } != 0 {
-            return Err(Error::last_os("rdma_create_qp"));
+    /// Create an RC QP on this id: sends complete on `send_cq`, receives
+    /// come from the device's `srq` and complete on `recv_cq`. Asks for
+    /// `cap.max_inline_data` and, if the device refuses, retries without
+    /// inline data. Returns the capabilities the QP really has.
+    pub fn create_qp(
+        &mut self,
+        pd: &super::device::Pd,
+        send_cq: &Arc<super::device::Cq>,
+        recv_cq: &Arc<super::device::Cq>,
+        srq: &Arc<super::device::Srq>,
+        cap: ibv_qp_cap,
+    ) -> Result<ibv_qp_cap> {
+        let mut tries = vec![cap];
+        if cap.max_inline_data > 0 {
+            tries.push(ibv_qp_cap { max_inline_data: 0, ..cap });
         }
-        self.has_qp = true;
-        self.cq = Some(cq.clone());
+        let mut last = Error::Internal("no QP attempt".into());
+        for cap in tries {
+            // SAFETY: zeroed POD init-attr, then filled.
+            let mut attr: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+            attr.send_cq = send_cq.raw;
+            attr.recv_cq = recv_cq.raw;
+            attr.srq = srq.raw();
+            attr.cap = cap;
+            attr.qp_type = ibv_qp_type::IBV_QPT_RC;
+            attr.sq_sig_all = 0;
+            // SAFETY: id, pd, CQs and SRQ are live and on the same device.
+            if unsafe { rdma_create_qp(self.raw, pd.raw, &mut attr) } == 0 {
+                self.has_qp = true;
+                self.keep = Some((send_cq.clone(), recv_cq.clone(), srq.clone()));
+                return Ok(attr.cap);
+            }
+            last = Error::last_os(&format!("rdma_create_qp (inline {} bytes)", cap.max_inline_data));
+        }
+        Err(last)
+    }
+
+    /// `rdma_set_option(RDMA_OPTION_ID, opt, u8)`: TOS must be set before
+    /// route resolution, the ACK timeout before connect/accept.
+    pub fn set_u8_option(&self, opt: i32, val: u8, what: &str) -> Result<()> {
+        let mut v = val;
+        // SAFETY: the id is live; v outlives the call (the kernel copies it).
+        let rc = unsafe { rdma_set_option(self.raw, RDMA_OPTION_ID, opt, (&mut v as *mut u8).cast(), 1) };
+        if rc != 0 {
+            return Err(Error::last_os(&format!("rdma_set_option({what}={val})")));
+        }
         Ok(())
     }
 
@@ -159,8 +191,61 @@ impl Drop for CmId {
         if rc != 0 {
             log::warn!("verbs: rdma_destroy_id failed: {}", std::io::Error::last_os_error());
         }
-        drop(self.cq.take());
+        drop(self.keep.take());
     }
+}
+
+/// `rdma_set_option` level and names (enum values of rdma_cma.h that
+/// rdma-sys does not bind).
+pub const RDMA_OPTION_ID: i32 = 0;
+pub const RDMA_OPTION_ID_TOS: i32 = 0;
+pub const RDMA_OPTION_ID_ACK_TIMEOUT: i32 = 3;
+
+/// Whether rdma_cm can reach `addr` through an RDMA port: address and
+/// route resolution on a temporary id with its own event channel, waited
+/// for here (never on the progress thread) for at most `timeout_ms` each.
+/// Returns the device the route leaves through.
+pub fn probe_route(addr: &SocketAddr, timeout_ms: i32, tos: Option<u8>) -> Result<String> {
+    use rdma_cm_event_type::*;
+    let ch = EventChannel::new()?;
+    let id = CmId::new(&ch, 0)?;
+    if let Some(t) = tos {
+        id.set_u8_option(RDMA_OPTION_ID_TOS, t, "TOS")?;
+    }
+    let not = |why: String| Error::NotViable(format!("rdma_cm cannot reach {addr} through an RDMA port: {why}"));
+    let wait = |want: rdma_cm_event_type::Type| -> Result<()> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms.max(1) as u64 + 100);
+        loop {
+            if let Some(ev) = next_event(&ch) {
+                return if ev.kind == want { Ok(()) } else { Err(not(format!("{} (status {})", ev.name(), ev.status))) };
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(not(format!("no answer within {timeout_ms} ms")));
+            }
+            let mut p = libc::pollfd { fd: ch.fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd; bounded wait.
+            unsafe { libc::poll(&mut p, 1, left.as_millis().clamp(1, 1000) as i32) };
+        }
+    };
+    let mut raw = RawAddr::new(addr);
+    // SAFETY: the id is alive; raw outlives the call (rdma_cm copies it).
+    if unsafe { rdma_resolve_addr(id.raw, std::ptr::null_mut(), raw.as_mut_ptr(), timeout_ms) } != 0 {
+        return Err(not(format!("rdma_resolve_addr: {}", std::io::Error::last_os_error())));
+    }
+    wait(RDMA_CM_EVENT_ADDR_RESOLVED)?;
+    // SAFETY: the id is alive and its address resolved.
+    if unsafe { rdma_resolve_route(id.raw, timeout_ms) } != 0 {
+        return Err(not(format!("rdma_resolve_route: {}", std::io::Error::last_os_error())));
+    }
+    wait(RDMA_CM_EVENT_ROUTE_RESOLVED)?;
+    let ctx = id.verbs();
+    if ctx.is_null() {
+        return Err(not("the route is not on an RDMA device".into()));
+    }
+    // SAFETY: ctx is the live librdmacm context the id is bound to.
+    let name = unsafe { std::ffi::CStr::from_ptr(ibv_get_device_name((*ctx).device)) };
+    Ok(name.to_string_lossy().into_owned())
 }
 
 /// Resolve "host:port" (IPv4 preferred) with `offset` added to the port.

@@ -26,12 +26,11 @@ use parking_lot::{Condvar, Mutex};
 use rdma_sys::*;
 
 use super::cm::{AcceptData, CmId};
-use super::device::Device;
+use super::device::{Cq, Device};
 use super::mr::{Mr, Slab};
 use super::wr::{self, WrKind, NO_CHUNK};
 
 mod post;
-use post::post_recv;
 use crate::error::{Error, Result};
 use crate::fabric::{ConnId, FabricEvents, Segment, WriteDone};
 
@@ -138,6 +137,7 @@ enum Work {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Sizing {
     pub slot: usize,
+    /// The device's shared receive depth (told to the peer, informational).
     pub n_recv: u32,
     pub n_send: u32,
     pub chunk: usize,
@@ -161,11 +161,21 @@ pub(crate) struct Inner {
     /// `on_disconnect` is owed (passive: accepted; active: handed out).
     pub owes_disconnect: bool,
     pub cqe_reserved: u32,
+    /// The send CQ this connection's reservation is on.
+    pub send_cq: Option<Arc<Cq>>,
     pub qpn: u32,
     qp: *mut ibv_qp,
     free_send: Vec<u32>,
     free_chunks: Vec<u32>,
     sq_free: u32,
+    /// Inline bytes the QP accepts (0: none).
+    max_inline: u32,
+    /// Unsignalled send WRs posted since the last signalled one.
+    unsignalled: u32,
+    /// For each signalled send WR in flight, in posting order: how many
+    /// send-queue slots its completion retires (itself and the unsignalled
+    /// WRs posted before it: a send queue completes in order).
+    retire: VecDeque<u32>,
     ops: Vec<OpSlot>,
     free_ops: Vec<u32>,
     queue: VecDeque<Work>,
@@ -210,11 +220,15 @@ impl Conn {
                 result: None,
                 owes_disconnect: false,
                 cqe_reserved: 0,
+                send_cq: None,
                 qpn: 0,
                 qp: std::ptr::null_mut(),
                 free_send: Vec::new(),
                 free_chunks: Vec::new(),
                 sq_free: 0,
+                max_inline: 0,
+                unsignalled: 0,
+                retire: VecDeque::new(),
                 ops: Vec::new(),
                 free_ops: Vec::new(),
                 queue: VecDeque::new(),
@@ -224,36 +238,38 @@ impl Conn {
         }
     }
 
-    /// Give the connection its device, buffers and QP (on `cm`), and post
-    /// every receive buffer. Before rdma_connect / rdma_accept.
-    /// On error the id stays in `inner` for [`Conn::kill`] to destroy.
+    /// Give the connection its device, buffers and QP (on `cm`; receives
+    /// come from the device's shared receive queue). Before rdma_connect /
+    /// rdma_accept. On error the id stays in `inner` for [`Conn::kill`].
     pub fn setup(&self, inner: &mut Inner, cm: CmId, dev: Arc<Device>) -> Result<()> {
         let s = self.sizing;
         inner.cm = Some(cm);
-        let cqe = s.sq_depth + s.n_recv;
-        dev.reserve_cqe(cqe)?;
+        let cqe = s.sq_depth;
+        let send_cq = dev.reserve_send_cq(cqe)?;
         inner.cqe_reserved = cqe;
+        inner.send_cq = Some(send_cq.clone());
         inner.dev = Some(dev.clone());
-        let slab = Slab::new(&dev.pd, s.slot, s.n_recv, s.n_send, s.chunk, s.n_chunks)?;
+        let slab = Slab::new(&dev.pd, s.slot, 0, s.n_send, s.chunk, s.n_chunks)?;
         let cap = ibv_qp_cap {
             max_send_wr: s.sq_depth,
-            max_recv_wr: s.n_recv,
+            max_recv_wr: 0,
             max_send_sge: 1,
             max_recv_sge: 1,
-            max_inline_data: 0,
+            max_inline_data: super::INLINE_BYTES,
         };
         let cm = inner.cm.as_mut().ok_or_else(|| Error::Internal("no id".into()))?;
-        cm.create_qp(&dev.pd, &dev.cq, cap)?;
+        let got = cm.create_qp(&dev.pd, &send_cq, &dev.recv_cq, &dev.srq, cap)?;
         inner.qp = cm.qp();
         // SAFETY: the QP was just created and is owned by cm.
         inner.qpn = unsafe { (*inner.qp).qp_num };
+        // Inline fragments are built on the stack: cap what we use.
+        inner.max_inline = got.max_inline_data.min(post::INLINE_MAX as u32);
         inner.free_send = (0..s.n_send).rev().collect();
         inner.free_chunks = (0..s.n_chunks).rev().collect();
         inner.sq_free = s.sq_depth;
+        inner.unsignalled = 0;
+        inner.retire.clear();
         inner.slab = Some(slab);
-        for i in 0..s.n_recv {
-            post_recv(inner, self.tag, i)?;
-        }
         Ok(())
     }
 
@@ -377,8 +393,10 @@ impl Conn {
         self.pump(&mut inner)
     }
 
-    /// Handle one completion of this connection's QP.
-    pub fn complete(&self, wc: &ibv_wc) -> Vec<Action> {
+    /// Handle one completion of this connection's QP. For a receive,
+    /// `recv` is the shared receive buffer's bytes (the caller reposts the
+    /// buffer after this returns).
+    pub fn complete(&self, wc: &ibv_wc, recv: Option<&[u8]>) -> Vec<Action> {
         let mut acts = Vec::new();
         let mut inner = self.inner.lock();
         if inner.phase == Phase::Dead {
@@ -401,17 +419,25 @@ impl Conn {
             ))
         };
         if kind != WrKind::Recv {
-            inner.sq_free += 1;
+            // Only signalled WRs complete (on success); each retires the
+            // unsignalled ones posted before it.
+            let n = inner.retire.pop_front().unwrap_or(1);
+            inner.sq_free = (inner.sq_free + n).min(self.sizing.sq_depth);
         }
+        let _ = idx;
         match kind {
-            WrKind::Recv if gen == self.tag => {
+            WrKind::Recv => {
                 if ok {
-                    if let Err(e) = self.on_recv(&mut inner, wc, idx, &mut acts) {
+                    if let Err(e) = self.on_recv(&mut inner, wc, recv.unwrap_or_default(), &mut acts) {
                         acts.push(Action::Kill(e));
                     }
                 }
             }
-            WrKind::Send if gen == self.tag => inner.free_send.push(idx),
+            WrKind::Send if gen == self.tag => {
+                if idx != post::NO_BUF {
+                    inner.free_send.push(idx);
+                }
+            }
             WrKind::Piece if gen == self.tag => {
                 if idx != NO_CHUNK {
                     inner.free_chunks.push(idx);
@@ -440,9 +466,8 @@ impl Conn {
         acts
     }
 
-    fn on_recv(&self, inner: &mut Inner, wc: &ibv_wc, idx: u32, acts: &mut Vec<Action>) -> Result<()> {
+    fn on_recv(&self, inner: &mut Inner, wc: &ibv_wc, buf: &[u8], acts: &mut Vec<Action>) -> Result<()> {
         if wc.opcode == ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
-            post_recv(inner, self.tag, idx)?;
             // SAFETY: for RECV_RDMA_WITH_IMM the union holds imm_data.
             let imm = u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data });
             if inner.phase == Phase::Ready {
@@ -451,15 +476,10 @@ impl Conn {
             return Ok(());
         }
         let len = wc.byte_len as usize;
-        let slab = inner.slab.as_ref().ok_or_else(|| Error::Internal("no buffers".into()))?;
-        if len < HDR || len > slab.slot {
+        if len < HDR || len > buf.len() {
             return Err(Error::Protocol(format!("control fragment of {len} bytes")));
         }
-        let mut frag = vec![0u8; len];
-        // SAFETY: receive buffer idx holds `len` bytes the NIC just wrote;
-        // it is reposted only after this copy.
-        unsafe { std::ptr::copy_nonoverlapping(slab.recv_buf(idx), frag.as_mut_ptr(), len) };
-        post_recv(inner, self.tag, idx)?;
+        let frag = &buf[..len];
         let (kind, more) = (frag[0], frag[1] & FLAG_MORE != 0);
         let n = u32::from_le_bytes([frag[4], frag[5], frag[6], frag[7]]) as usize;
         if HDR + n != len {
@@ -522,8 +542,8 @@ impl Conn {
         inner.qp = std::ptr::null_mut();
         inner.slab = None;
         inner.arena_mr = None;
-        if let Some(dev) = inner.dev.take() {
-            dev.release_cqe(inner.cqe_reserved);
+        if let (Some(dev), Some(cq)) = (inner.dev.take(), inner.send_cq.take()) {
+            dev.release_send_cq(&cq, inner.cqe_reserved);
         }
         inner.queue.clear();
         let mut acts = Vec::new();

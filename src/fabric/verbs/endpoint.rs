@@ -40,6 +40,10 @@ pub(crate) fn connect(
     let id = crate::fabric::next_conn_id();
     let conn = Arc::new(Conn::new(id, Role::Active, events, 0, sh.sizing(Role::Active)));
     let cmid = CmId::new(&sh.channel, id)?;
+    if let Some(t) = sh.opts.tos {
+        // Before route resolution: the route (and on IB the SL) follows it.
+        cmid.set_u8_option(cm::RDMA_OPTION_ID_TOS, t, "TOS")?;
+    }
     let raw_id = cmid.raw;
     {
         // Registered (and the id stored) before address resolution starts:

@@ -71,6 +71,10 @@ pub(crate) fn listen(sh: &Arc<Shared>, local: &str, arena: Arc<Arena>, events: A
     let addr = cm::resolve(local, offset)?;
     let token = LISTENER_BIT | NEXT_LISTENER.fetch_add(1, Ordering::Relaxed);
     let cmid = CmId::new(&sh.channel, token)?;
+    if let Some(t) = sh.opts.tos {
+        // Accepted ids inherit the listening id's TOS.
+        cmid.set_u8_option(cm::RDMA_OPTION_ID_TOS, t, "TOS")?;
+    }
     let mut raw = RawAddr::new(&addr);
     // SAFETY: the id is fresh; raw outlives the call.
     if unsafe { rdma_bind_addr(cmid.raw, raw.as_mut_ptr()) } != 0 {

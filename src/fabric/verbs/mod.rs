@@ -9,7 +9,8 @@
 //!
 //! Shape:
 //! - `device`: probe/viability (device list, active ports, memlock), and
-//!   the per-device PD + completion channel + one shared CQ.
+//!   the per-device PD, completion channel, shared receive queue, receive
+//!   CQ and send CQs.
 //! - `cm`: rdma_cm ids, addresses, the private data of REQ/REP.
 //! - `conn`: one connection's QP, buffers, ops, ordered work queue.
 //! - `progress`: the one thread that reads CM events and polls CQs (spins
@@ -24,12 +25,26 @@
 //! reply (or refusal) comes back the same way; only then is the endpoint
 //! handed out, so no write can precede acceptance.
 //!
-//! Control messages are SENDs into pre-posted receive buffers of
-//! [`SLOT_BYTES`]; a longer message travels as ordered fragments. At most
-//! [`SEND_BUFFERS`] fragments are in flight per connection; more wait in the
-//! connection's FIFO. WRITE_WITH_IMM also consumes a receive buffer on the
-//! receiver; overload is absorbed by RC's RNR retry (set to "infinite", so
-//! it never turns into an error), not by losing messages.
+//! Control messages are SENDs into the device's shared receive queue
+//! (one SRQ per device: [`VerbsOptions::srq_depth`] buffers of
+//! [`SLOT_BYTES`], each reposted as soon as its completion is handled);
+//! a longer message travels as ordered fragments. WRITE_WITH_IMM also
+//! consumes a receive buffer. Fragments up to the QP's inline size go
+//! inline and unsignalled; at most [`SEND_BUFFERS`] larger fragments are
+//! in flight per connection; more wait in the connection's FIFO. A burst
+//! past the SRQ's free buffers is absorbed by RC's RNR retry, which is
+//! finite ([`VerbsOptions::rnr_retry`], default 6): a receiver that stops
+//! reposting fails its senders' QPs instead of stalling them forever.
+//!
+//! Scale: receives share the SRQ and one receive CQ sized to it; each
+//! connection reserves only its send queue ([`SQ_DEPTH`]) on a send CQ,
+//! and a device opens another send CQ when one is fully promised, so the
+//! number of connections per task is bounded by memory (tested: 256 in
+//! the Soft-RoCE VM), not by one CQ's size.
+//!
+//! Timeouts: the ACK timeout and retry count bound how long a QP resends
+//! to a dead host ([`VerbsOptions::dead_peer_bound`]: 4.096 us x
+//! 2^ack_timeout x (retry_count + 1), ~0.54 s by default).
 //!
 //! Failure: a DISCONNECTED event (peer closed or died: its kernel sends the
 //! DREQ when the process exits), a CM error or any failed completion tears
@@ -58,25 +73,46 @@ pub use listener::VerbsListener;
 use crate::error::{Error, Result};
 use crate::fabric::{Arena, Endpoint, Fabric, FabricEvents, Listener, TransportKind};
 
-/// Bytes of one control-message buffer (fragment header included). Small,
-/// because every connection pins `RECV_BUFFERS` of them; typical control
-/// messages are tens of bytes and longer ones are fragmented.
+/// Bytes of one receive/send buffer for control messages (fragment
+/// header included). Small, because the shared receive queue pins
+/// `srq_depth` of them per device; typical control messages are tens of
+/// bytes and longer ones are fragmented.
 pub const SLOT_BYTES: usize = 4096;
-/// Receive buffers posted per connection: messages and write-immediates
-/// both consume one; 64 keeps a burst of small writes clear of RNR waits.
-pub const RECV_BUFFERS: u32 = 64;
-/// Control-message fragments in flight per connection (the bound on
-/// outstanding sends; the rest wait in order).
+/// Control-message fragments in flight per connection that need a send
+/// buffer (fragments up to the QP's inline size need none); the rest wait
+/// in order.
 pub const SEND_BUFFERS: u32 = 16;
 /// Work items (messages, writes) that may wait in one connection's queue
 /// for send slots; past that `send_msg` fails instead of growing without
 /// bound behind a peer that stopped consuming.
 pub const MAX_QUEUED_WORK: usize = 16384;
-/// Send-queue depth per QP (writes are signalled per work request).
+/// Send-queue depth per QP.
 pub const SQ_DEPTH: u32 = 128;
-/// Entries of each device's shared CQ; each connection reserves
-/// `SQ_DEPTH + RECV_BUFFERS`, so a device serves ~170 connections.
+/// Every this many unsignalled send work requests one is signalled, so
+/// its completion retires the ones before it (a send queue's work requests
+/// complete in order). Below `SQ_DEPTH`, so a full send queue always holds
+/// a signalled request whose completion frees it. A write's last request
+/// and any request whose buffer must come back are always signalled.
+pub const SIGNAL_EVERY: u32 = 16;
+/// Inline data asked of each QP: control fragments (credits, publications)
+/// and writes up to this size are copied into the work request by the CPU
+/// instead of DMA'd from a buffer, so they need no registered buffer and
+/// no completion. The device may grant more (the QP's cap says) or none.
+pub const INLINE_BYTES: u32 = 256;
+/// Entries of each send completion queue; a device opens another when the
+/// connections' reservations (`SQ_DEPTH` each) fill one (capped by the
+/// device's max_cqe), so connections are limited by memory, not one CQ.
 pub const CQ_ENTRIES: u32 = 32768;
+/// Default receive buffers in a device's shared receive queue (see
+/// RDMA_DEVICE_VERBS_SRQ_DEPTH): 16 MiB pinned; enough for 256 peers with
+/// 16 messages or immediates each in flight at once. Every completion
+/// reposts its buffer at once; a longer burst waits in the senders' RNR
+/// retries (bounded by RDMA_DEVICE_VERBS_RNR_RETRY).
+pub const SRQ_DEPTH: u32 = 4096;
+/// How long `reaches()` waits for rdma_cm to resolve a peer's address and
+/// route through an RDMA port: local work (routing table, ARP/ND of the
+/// next hop), so a short bound; a slower answer means "use gRPC".
+pub const REACH_TIMEOUT_MS: i32 = 500;
 /// Largest single work request (well below the 2 GiB RC message limit).
 pub const MAX_WR_BYTES: usize = 1 << 30;
 /// How long the progress thread busy-polls after the last completion before
@@ -120,6 +156,16 @@ pub struct VerbsOptions {
     pub staging_chunks: u32,
     /// How long the progress thread busy-polls before it blocks.
     pub spin: Duration,
+    /// Local ACK timeout exponent: each try waits 4.096 us x 2^n.
+    pub ack_timeout: u8,
+    /// Resends after an ACK timeout before the QP fails (0-7).
+    pub retry_count: u8,
+    /// Resends after an RNR NAK before the QP fails (7 = forever).
+    pub rnr_retry: u8,
+    /// IP TOS of RoCE v2 traffic (`None`: the kernel's default).
+    pub tos: Option<u8>,
+    /// Receive buffers in each device's shared receive queue.
+    pub srq_depth: u32,
 }
 
 impl Default for VerbsOptions {
@@ -133,6 +179,11 @@ impl Default for VerbsOptions {
             staging_chunk: 256 << 10,
             staging_chunks: 8,
             spin: SPIN,
+            ack_timeout: 14,
+            retry_count: 7,
+            rnr_retry: 6,
+            tos: None,
+            srq_depth: SRQ_DEPTH,
         }
     }
 }
@@ -147,6 +198,11 @@ impl VerbsOptions {
             cm_port_offset: cfg.verbs_cm_port_offset,
             spin: Duration::from_micros(cfg.spin_us),
             register_threshold: cfg.verbs_register_bytes,
+            ack_timeout: cfg.verbs_ack_timeout,
+            retry_count: cfg.verbs_retry_count,
+            rnr_retry: cfg.verbs_rnr_retry,
+            tos: u8::try_from(cfg.verbs_tos).ok(),
+            srq_depth: cfg.verbs_srq_depth,
             ..VerbsOptions::default()
         }
     }
@@ -160,10 +216,40 @@ pub struct VerbsFabric {
     devices: Vec<device::DeviceInfo>,
     viable: Result<()>,
     rt: OnceLock<Result<progress::Runtime>>,
+    /// `reaches()` answers by peer address: successes for good, failures
+    /// for [`REACH_RETRY_AFTER`] (a route may appear later).
+    reach_cache: parking_lot::Mutex<std::collections::HashMap<String, (std::time::Instant, Result<()>)>>,
+}
+
+/// How long a "cannot reach" answer is reused before asking rdma_cm again.
+pub const REACH_RETRY_AFTER: Duration = Duration::from_secs(30);
+
+/// `ibv_fork_init()`, once per process, before any registration: without
+/// it a child forked while memory is registered (TF's `subprocess`, data
+/// loaders) can corrupt the parent's DMA target pages (copy-on-write moves
+/// them). rdma-core >= 35 on kernels >= 5.13 needs nothing (it then
+/// returns 0 without doing anything); older ones mark registered ranges
+/// MADV_DONTFORK. Failure is logged, not fatal.
+fn fork_init() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        // SAFETY: no preconditions; called once, before any registration
+        // this library makes.
+        let rc = unsafe { rdma_sys::ibv_fork_init() };
+        if rc != 0 {
+            log::warn!(
+                "verbs: ibv_fork_init failed ({}); forking while RDMA memory is registered is unsafe in this process",
+                std::io::Error::from_raw_os_error(rc.abs())
+            );
+        } else {
+            log::debug!("verbs: ibv_fork_init ok");
+        }
+    });
 }
 
 impl VerbsFabric {
     pub fn new(opts: VerbsOptions) -> VerbsFabric {
+        fork_init();
         let (devices, viable) = match device::probe() {
             Ok(d) => {
                 let v = device::check_viable(&d, opts.device.as_deref(), opts.port);
@@ -179,7 +265,7 @@ impl VerbsFabric {
             ),
             Err(e) => log::info!("verbs: not viable: {}", e.message()),
         }
-        VerbsFabric { opts, devices, viable, rt: OnceLock::new() }
+        VerbsFabric { opts, devices, viable, rt: OnceLock::new(), reach_cache: Default::default() }
     }
 
     /// The backend as the configuration asks for it. Never fails for lack
@@ -240,11 +326,33 @@ impl Fabric for VerbsFabric {
         self.viable.clone()
     }
 
+    /// rdma_cm resolves the peer's address and route (at most
+    /// [`REACH_TIMEOUT_MS`] each, on this thread, on a temporary id): a
+    /// peer that no RDMA port (or not the configured device) can reach is
+    /// `NotViable` now, so it gets gRPC before the first step instead of a
+    /// failed connect later. Cached per address.
     fn reaches(&self, remote: &str) -> Result<()> {
         self.viable.clone()?;
-        // Whether the route really leaves through an RDMA port is rdma_cm's
-        // answer at connect time (a clear error then); here: resolvable.
-        cm::resolve(remote, self.opts.cm_port_offset).map(|_| ())
+        if let Some((at, r)) = self.reach_cache.lock().get(remote) {
+            if r.is_ok() || at.elapsed() < REACH_RETRY_AFTER {
+                return r.clone();
+            }
+        }
+        let r = cm::resolve(remote, self.opts.cm_port_offset).and_then(|addr| {
+            let dev = cm::probe_route(&addr, REACH_TIMEOUT_MS, self.opts.tos)?;
+            match &self.opts.device {
+                Some(want) if *want != dev => Err(Error::NotViable(format!(
+                    "the route to {addr} leaves through RDMA device {dev}, but RDMA_DEVICE_VERBS_DEVICE={want}"
+                ))),
+                _ => Ok(()),
+            }
+        });
+        match &r {
+            Ok(()) => log::debug!("verbs: {remote} is reachable"),
+            Err(e) => log::info!("verbs: {remote}: {}", e.message()),
+        }
+        self.reach_cache.lock().insert(remote.to_string(), (std::time::Instant::now(), r.clone()));
+        r
     }
 
     fn listen(&self, local: &str, arena: Arc<Arena>, events: Arc<dyn FabricEvents>) -> Result<Arc<dyn Listener>> {
@@ -257,5 +365,42 @@ impl Fabric for VerbsFabric {
     fn connect(&self, remote: &str, hello: &[u8], events: Arc<dyn FabricEvents>, timeout: Duration, _wait_for_listener: bool) -> Result<Arc<dyn Endpoint>> {
         let rt = self.runtime()?;
         Ok(Arc::new(endpoint::connect(&rt.shared, remote, hello, events, timeout)?))
+    }
+}
+
+impl VerbsOptions {
+    /// Upper bound of how long a QP keeps resending to a peer that does
+    /// not answer (host dead, cable pulled) before its work fails:
+    /// 4.096 us x 2^ack_timeout x (retry_count + 1). The NIC may round the
+    /// timeout up (never below its port's packet lifetime).
+    pub fn dead_peer_bound(&self) -> Duration {
+        let per_try_ns = 4096u128 << self.ack_timeout.min(31);
+        let ns = per_try_ns * (u128::from(self.retry_count) + 1);
+        Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dead_peer_bound_follows_the_formula() {
+        // 4.096 us x 2^14 x 8 = 536.870912 ms (the documented ~0.54 s).
+        assert_eq!(VerbsOptions::default().dead_peer_bound(), Duration::from_nanos(536_870_912));
+        let o = VerbsOptions { ack_timeout: 10, retry_count: 0, ..Default::default() };
+        assert_eq!(o.dead_peer_bound(), Duration::from_nanos(4096 * 1024));
+        const { assert!(SIGNAL_EVERY < SQ_DEPTH) };
+    }
+
+    #[test]
+    fn options_follow_the_config() {
+        let mut cfg = crate::config::Config::default();
+        let o = VerbsOptions::from_config(&cfg);
+        assert_eq!((o.ack_timeout, o.retry_count, o.rnr_retry, o.tos, o.srq_depth), (14, 7, 6, None, SRQ_DEPTH));
+        cfg.verbs_tos = 106;
+        cfg.verbs_rnr_retry = 7;
+        let o = VerbsOptions::from_config(&cfg);
+        assert_eq!((o.tos, o.rnr_retry), (Some(106), 7));
     }
 }

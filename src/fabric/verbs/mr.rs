@@ -142,12 +142,6 @@ impl Slab {
         self.mem.as_ptr()
     }
 
-    /// Address of receive buffer `i`.
-    pub fn recv_buf(&self, i: u32) -> *mut u8 {
-        // SAFETY: i < n_recv keeps the offset inside the allocation.
-        unsafe { self.base().add(self.slot * i as usize) }
-    }
-
     /// Address of send buffer `i`.
     pub fn send_buf(&self, i: u32) -> *mut u8 {
         // SAFETY: i < n_send keeps the offset inside the allocation.

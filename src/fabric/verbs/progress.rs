@@ -20,7 +20,7 @@ use super::cm::{self, CmId, EventChannel};
 use super::conn::{self, Action, Conn, Role, Sizing};
 use super::device::{self, Context, Device};
 use super::listener::ListenerShared;
-use super::VerbsOptions;
+use super::{wr, VerbsOptions};
 
 mod dereg;
 mod events;
@@ -130,7 +130,7 @@ impl Shared {
         let o = &self.opts;
         Sizing {
             slot: super::SLOT_BYTES,
-            n_recv: super::RECV_BUFFERS,
+            n_recv: o.srq_depth,
             n_send: super::SEND_BUFFERS,
             chunk: o.staging_chunk.max(4096),
             // Only senders write; a listener's connections need no staging.
@@ -152,8 +152,18 @@ impl Shared {
                 Some(d) => d.clone(),
                 None => {
                     // SAFETY: ctx comes from a bound rdma_cm id (librdmacm's context).
-                    let d = Device::open(unsafe { Context::for_cm(ctx) }?)?;
-                    log::info!("verbs: using {}", d.ctx.info.describe());
+                    let d = Device::open(unsafe { Context::for_cm(ctx) }?, self.opts.srq_depth)?;
+                    log::info!(
+                        "verbs: using {}; shared receive queue of {} x {} B; ACK timeout 2^{} x 4.096 us, retry {}, RNR retry {}{} (dead peer detected within {:?})",
+                        d.ctx.info.describe(),
+                        d.srq.depth,
+                        d.srq.slot,
+                        self.opts.ack_timeout,
+                        self.opts.retry_count,
+                        self.opts.rnr_retry,
+                        if self.opts.rnr_retry >= 7 { " (forever)" } else { "" },
+                        self.opts.dead_peer_bound()
+                    );
                     devs.push(d.clone());
                     self.wake();
                     d
@@ -296,10 +306,24 @@ fn close_listener(sh: &Arc<Shared>, token: u64) {
     }
 }
 
+/// While busy-polling, how often the CM channel is checked (a `poll(2)`
+/// of its fd, then `rdma_get_cm_event` only when it is readable): CM
+/// events (connects, disconnects) are rare and not latency-critical, and
+/// each check is a syscall the completion path should not pay per loop.
+const CM_CHECK_EVERY: std::time::Duration = std::time::Duration::from_millis(1);
+
+fn fd_readable(fd: i32) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, zero timeout.
+    unsafe { libc::poll(&mut p, 1, 0) > 0 && p.revents & libc::POLLIN != 0 }
+}
+
 fn run(sh: &Arc<Shared>) {
     // SAFETY: ibv_wc is POD; zeroed entries are overwritten by ibv_poll_cq.
     let mut wcs: Vec<ibv_wc> = (0..32).map(|_| unsafe { std::mem::zeroed() }).collect();
     let mut busy_at = Instant::now();
+    let mut cm_at = Instant::now();
+    let mut cm_due = true;
     loop {
         if sh.stop.load(Ordering::SeqCst) {
             kill_all(sh, &Error::Aborted("verbs fabric shut down".into()));
@@ -317,13 +341,19 @@ fn run(sh: &Arc<Shared>) {
                 Request::CloseListener(t) => close_listener(sh, t),
             }
         }
-        while let Some(ev) = cm::next_event(&sh.channel) {
-            on_cm_event(sh, ev);
+        if cm_due || cm_at.elapsed() >= CM_CHECK_EVERY {
+            if cm_due || fd_readable(sh.channel.fd()) {
+                while let Some(ev) = cm::next_event(&sh.channel) {
+                    on_cm_event(sh, ev);
+                }
+            }
+            cm_at = Instant::now();
+            cm_due = false;
         }
         let devs: Vec<Arc<Device>> = sh.devices.lock().clone();
         let mut n = 0;
         for d in &devs {
-            n += poll_cq(sh, d, &mut wcs);
+            n += poll_device(sh, d, &mut wcs);
         }
         if n > 0 {
             busy_at = Instant::now();
@@ -334,11 +364,13 @@ fn run(sh: &Arc<Shared>) {
             continue;
         }
         for d in &devs {
-            // SAFETY: the CQ is live (the device is held by `devs`).
-            unsafe { ibv_req_notify_cq(d.cq.raw, 0) };
+            for cq in d.cqs().iter() {
+                // SAFETY: the CQ is live (the device is held by `devs`).
+                unsafe { ibv_req_notify_cq(cq.raw, 0) };
+            }
         }
         for d in &devs {
-            n += poll_cq(sh, d, &mut wcs);
+            n += poll_device(sh, d, &mut wcs);
         }
         if n > 0 {
             busy_at = Instant::now();
@@ -348,9 +380,10 @@ fn run(sh: &Arc<Shared>) {
             libc::pollfd { fd: sh.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 },
             libc::pollfd { fd: sh.channel.fd(), events: libc::POLLIN, revents: 0 },
         ];
-        fds.extend(devs.iter().map(|d| libc::pollfd { fd: d.cq.channel.fd(), events: libc::POLLIN, revents: 0 }));
+        fds.extend(devs.iter().map(|d| libc::pollfd { fd: d.channel.fd(), events: libc::POLLIN, revents: 0 }));
         // SAFETY: fds is a valid array of pollfd; bounded wait.
         unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 1000) };
+        cm_due = fds[1].revents != 0;
         let mut buf = 0u64;
         // SAFETY: reading 8 bytes into a u64 from our non-blocking eventfd.
         unsafe { libc::read(sh.wake.as_raw_fd(), (&mut buf as *mut u64).cast(), 8) };
@@ -367,7 +400,7 @@ fn drain_cq_events(d: &Device) {
         let mut cq = std::ptr::null_mut();
         let mut ctx = std::ptr::null_mut();
         // SAFETY: the channel fd is non-blocking; out-pointers are valid.
-        if unsafe { ibv_get_cq_event(d.cq.channel.raw, &mut cq, &mut ctx) } != 0 {
+        if unsafe { ibv_get_cq_event(d.channel.raw, &mut cq, &mut ctx) } != 0 {
             return;
         }
         // SAFETY: cq is the CQ the event was for (ours), acked once.
@@ -375,18 +408,48 @@ fn drain_cq_events(d: &Device) {
     }
 }
 
-fn poll_cq(sh: &Arc<Shared>, d: &Arc<Device>, wcs: &mut [ibv_wc]) -> usize {
+fn poll_device(sh: &Arc<Shared>, d: &Arc<Device>, wcs: &mut [ibv_wc]) -> usize {
+    let mut n = 0;
+    for cq in d.cqs().iter() {
+        n += poll_cq(sh, d, cq, wcs);
+    }
+    n
+}
+
+fn poll_cq(sh: &Arc<Shared>, d: &Arc<Device>, cq: &device::Cq, wcs: &mut [ibv_wc]) -> usize {
     // SAFETY: the CQ is live; wcs has room for wcs.len() entries.
-    let n = unsafe { ibv_poll_cq(d.cq.raw, wcs.len() as i32, wcs.as_mut_ptr()) };
+    let n = unsafe { ibv_poll_cq(cq.raw, wcs.len() as i32, wcs.as_mut_ptr()) };
     if n < 0 {
         log::error!("verbs: ibv_poll_cq on {} failed ({n})", d.name());
         return 0;
     }
     for wc in &wcs[..n as usize] {
+        // A shared receive buffer: hand its bytes to the connection, then
+        // repost it whatever became of the connection (a completion of a
+        // connection already torn down still returns the buffer). Receive
+        // wr_ids carry no connection tag (the buffer is the device's), so a
+        // stale receive completion of a destroyed QP whose number was
+        // already reused would reach the new connection; providers do not
+        // reuse QP numbers at once (rxe and mlx5 allocate them round-robin).
+        let recv = match wr::decode(wc.wr_id) {
+            Some((wr::WrKind::Recv, _, idx)) if idx < d.srq.depth => Some(idx),
+            _ => None,
+        };
         let c = sh.by_qpn.lock().get(&(d.ctx.raw as usize, wc.qp_num)).cloned();
         if let Some(c) = c {
-            let acts = c.complete(wc);
+            let bytes = recv.map(|i| {
+                let len = (wc.byte_len as usize).min(d.srq.slot);
+                // SAFETY: buffer i is ours until reposted below; the NIC
+                // wrote `byte_len` bytes into it (bounded by the slot).
+                unsafe { std::slice::from_raw_parts(d.srq.buf(i), len) }
+            });
+            let acts = c.complete(wc, bytes);
             run_actions(sh, &c, acts);
+        }
+        if let Some(i) = recv {
+            if let Err(e) = d.srq.post(i) {
+                log::warn!("verbs: {}: reposting receive buffer {i}: {e}", d.name());
+            }
         }
     }
     n as usize

@@ -1,6 +1,20 @@
 //! Posting: turning queued work (message fragments, write pieces, reads)
 //! into work requests while send-queue slots, send buffers and staging
 //! chunks last. Always under the connection's lock, so posts keep call order.
+//!
+//! Signalling: a WR is signalled when something must come back on its
+//! completion (a send buffer, a staging chunk, a write's `done`), and
+//! otherwise every [`SIGNAL_EVERY`]th; an unsignalled WR keeps its
+//! send-queue slot until the next signalled completion retires it.
+//! Fragments and writes that fit the QP's inline size are copied into the
+//! WR itself (`IBV_SEND_INLINE`): no buffer, no DMA read, no completion.
+
+use crate::fabric::verbs::SIGNAL_EVERY;
+
+/// Largest inline payload we build (on the stack) per WR.
+pub(crate) const INLINE_MAX: usize = 1024;
+/// `index` of a [`WrKind::Send`] that used no send buffer (inline).
+pub(crate) const NO_BUF: u32 = u32::MAX;
 
 use rdma_sys::*;
 
@@ -45,27 +59,39 @@ impl Conn {
     fn post_msg(&self, inner: &mut Inner, kind: u8, data: &[u8], mut sent: usize, mut started: bool) -> Result<Option<usize>> {
         let room = self.sizing.slot - HDR;
         while !started || sent < data.len() {
-            if inner.sq_free == 0 || inner.free_send.is_empty() {
+            if inner.sq_free == 0 {
                 return Ok(Some(sent));
             }
-            let Some(buf) = inner.free_send.pop() else { return Ok(Some(sent)) };
             let n = room.min(data.len() - sent);
             let more = sent + n < data.len();
-            let slab = inner.slab.as_ref().ok_or_else(|| Error::Internal("no buffers".into()))?;
-            let p = slab.send_buf(buf);
             let mut hdr = [0u8; HDR];
             hdr[0] = kind;
             hdr[1] = if more { FLAG_MORE } else { 0 };
             hdr[4..8].copy_from_slice(&(n as u32).to_le_bytes());
-            // SAFETY: buffer `buf` is ours (popped from the free list) and
-            // holds slot >= HDR + n bytes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(hdr.as_ptr(), p, HDR);
-                std::ptr::copy_nonoverlapping(data.as_ptr().add(sent), p.add(HDR), n);
+            if HDR + n <= inner.max_inline as usize {
+                // Inline: the bytes are copied into the WR at post time, so
+                // a stack buffer will do and nothing comes back.
+                let mut tmp = [0u8; INLINE_MAX];
+                tmp[..HDR].copy_from_slice(&hdr);
+                tmp[HDR..HDR + n].copy_from_slice(&data[sent..sent + n]);
+                let sge = ibv_sge { addr: tmp.as_ptr() as u64, length: (HDR + n) as u32, lkey: 0 };
+                let id = wr::encode(WrKind::Send, self.tag, NO_BUF);
+                post_send(inner, id, ibv_wr_opcode::IBV_WR_SEND, Some(sge), None, 0, Flags { signal: false, inline: true })?;
+            } else {
+                let Some(buf) = inner.free_send.pop() else { return Ok(Some(sent)) };
+                let slab = inner.slab.as_ref().ok_or_else(|| Error::Internal("no buffers".into()))?;
+                let p = slab.send_buf(buf);
+                // SAFETY: buffer `buf` is ours (popped from the free list) and
+                // holds slot >= HDR + n bytes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(hdr.as_ptr(), p, HDR);
+                    std::ptr::copy_nonoverlapping(data.as_ptr().add(sent), p.add(HDR), n);
+                }
+                let sge = ibv_sge { addr: p as u64, length: (HDR + n) as u32, lkey: slab.mr.lkey };
+                let id = wr::encode(WrKind::Send, self.tag, buf);
+                // Signalled: its completion gives the buffer back.
+                post_send(inner, id, ibv_wr_opcode::IBV_WR_SEND, Some(sge), None, 0, Flags { signal: true, inline: false })?;
             }
-            let sge = ibv_sge { addr: p as u64, length: (HDR + n) as u32, lkey: slab.mr.lkey };
-            let id = wr::encode(WrKind::Send, self.tag, buf);
-            post_send(inner, id, ibv_wr_opcode::IBV_WR_SEND, Some(sge), None, 0)?;
             sent += n;
             started = true;
         }
@@ -83,8 +109,12 @@ impl Conn {
             }
             let rkey = inner.remote.map(|r| r.arena_rkey).unwrap_or(0);
             let rbase = inner.remote.map(|r| r.arena_addr).unwrap_or(0);
+            let max_inline = inner.max_inline as usize;
+            // A small staged write (all that is left fits inline) goes
+            // inline: no chunk, no copy into registered memory.
+            let inline = matches!(&inner.ops[slot as usize].op, Some(Op::Write(w)) if !w.register && w.left > 0 && w.left <= max_inline);
             let staging_chunk = match &inner.ops[slot as usize].op {
-                Some(Op::Write(w)) if !w.register && w.left > 0 => match inner.free_chunks.pop() {
+                Some(Op::Write(w)) if !w.register && w.left > 0 && !inline => match inner.free_chunks.pop() {
                     Some(c) => Some(c),
                     None => return Ok(false),
                 },
@@ -92,6 +122,7 @@ impl Conn {
             };
             let slab_lkey = inner.slab.as_ref().map(|s| s.mr.lkey).unwrap_or(0);
             let chunk_ptr = staging_chunk.and_then(|c| inner.slab.as_ref().map(|s| s.chunk_buf(c)));
+            let mut tmp = [0u8; INLINE_MAX];
             let Some(op) = inner.ops[slot as usize].op.as_mut() else { return Ok(true) };
             let (wr_id, opcode, sge, remote, imm, last) = match op {
                 Op::Write(w) => {
@@ -105,6 +136,21 @@ impl Conn {
                     if w.left == 0 {
                         piece = 0;
                         sge = None;
+                    } else if inline {
+                        piece = w.left;
+                        let mut copied = 0;
+                        while copied < piece {
+                            let b = (*w.segs[w.seg]).as_ref();
+                            let n = (b.len() - w.seg_off).min(piece - copied);
+                            tmp[copied..copied + n].copy_from_slice(&b[w.seg_off..w.seg_off + n]);
+                            copied += n;
+                            w.seg_off += n;
+                            if w.seg_off == b.len() {
+                                w.seg += 1;
+                                w.seg_off = 0;
+                            }
+                        }
+                        sge = Some(ibv_sge { addr: tmp.as_ptr() as u64, length: piece as u32, lkey: 0 });
                     } else if let (Some(c), Some(p)) = (staging_chunk, chunk_ptr) {
                         piece = w.left.min(chunk_size);
                         let mut copied = 0;
@@ -146,7 +192,11 @@ impl Conn {
                     }
                 }
             };
-            post_send(inner, wr_id, opcode, sge, Some((remote, rkey)), imm)?;
+            // The last WR's completion runs `done`; a piece's gives its
+            // staging chunk back; other pieces (registered memory) need
+            // no completion of their own.
+            let flags = Flags { signal: last || staging_chunk.is_some(), inline };
+            post_send(inner, wr_id, opcode, sge, Some((remote, rkey)), imm, flags)?;
             if last {
                 return Ok(true);
             }
@@ -154,21 +204,17 @@ impl Conn {
     }
 }
 
-pub(super) fn post_recv(inner: &mut Inner, tag: u32, idx: u32) -> Result<()> {
-    let slab = inner.slab.as_ref().ok_or_else(|| Error::Internal("no buffers".into()))?;
-    let mut sge = ibv_sge { addr: slab.recv_buf(idx) as u64, length: slab.slot as u32, lkey: slab.mr.lkey };
-    let mut wr = ibv_recv_wr { wr_id: wr::encode(WrKind::Recv, tag, idx), next: std::ptr::null_mut(), sg_list: &mut sge, num_sge: 1 };
-    let mut bad = std::ptr::null_mut();
-    // SAFETY: the QP is alive (owned by inner.cm, we hold the lock); wr and
-    // sge live across the call; the buffer is registered and ours.
-    let rc = unsafe { ibv_post_recv(inner.qp, &mut wr, &mut bad) };
-    if rc != 0 {
-        return Err(Error::Io(format!("ibv_post_recv: {}", std::io::Error::from_raw_os_error(rc))));
-    }
-    Ok(())
+/// How to post one send WR.
+#[derive(Clone, Copy)]
+pub(super) struct Flags {
+    /// Must complete (something comes back); otherwise it is signalled
+    /// only as every [`SIGNAL_EVERY`]th.
+    pub signal: bool,
+    /// Copy the data into the WR (the source may be reused at once).
+    pub inline: bool,
 }
 
-pub(super) fn post_send(inner: &mut Inner, wr_id: u64, opcode: ibv_wr_opcode::Type, sge: Option<ibv_sge>, rdma: Option<(u64, u32)>, imm: u32) -> Result<()> {
+pub(super) fn post_send(inner: &mut Inner, wr_id: u64, opcode: ibv_wr_opcode::Type, sge: Option<ibv_sge>, rdma: Option<(u64, u32)>, imm: u32, flags: Flags) -> Result<()> {
     if inner.qp.is_null() {
         return Err(Error::PeerLost("queue pair is gone".into()));
     }
@@ -177,7 +223,13 @@ pub(super) fn post_send(inner: &mut Inner, wr_id: u64, opcode: ibv_wr_opcode::Ty
     let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
     wr.wr_id = wr_id;
     wr.opcode = opcode;
-    wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+    let signal = flags.signal || inner.unsignalled + 1 >= SIGNAL_EVERY;
+    if signal {
+        wr.send_flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+    }
+    if flags.inline {
+        wr.send_flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+    }
     if let Some(s) = sge.as_mut() {
         wr.sg_list = s;
         wr.num_sge = 1;
@@ -188,11 +240,18 @@ pub(super) fn post_send(inner: &mut Inner, wr_id: u64, opcode: ibv_wr_opcode::Ty
     wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
     let mut bad = std::ptr::null_mut();
     // SAFETY: the QP is alive (we hold the owner's lock); wr/sge live across
-    // the call; the memory is registered and stays alive until completion.
+    // the call; the memory is registered and stays alive until completion
+    // (inline data is copied during the call).
     let rc = unsafe { ibv_post_send(inner.qp, &mut wr, &mut bad) };
     if rc != 0 {
         return Err(Error::Io(format!("ibv_post_send: {}", std::io::Error::from_raw_os_error(rc))));
     }
     inner.sq_free -= 1;
+    if signal {
+        inner.retire.push_back(inner.unsignalled + 1);
+        inner.unsignalled = 0;
+    } else {
+        inner.unsignalled += 1;
+    }
     Ok(())
 }

@@ -63,7 +63,7 @@ fn rejected(ev: &cm::Event) -> Error {
     ))
 }
 
-fn conn_param(dev: &Device, private: &[u8], peer_rr: Option<(u8, u8)>) -> rdma_conn_param {
+fn conn_param(sh: &Shared, dev: &Device, private: &[u8], peer_rr: Option<(u8, u8)>) -> rdma_conn_param {
     let (mut rr, mut depth) = (dev.ctx.info.max_qp_rd_atom.clamp(1, 16) as u8, dev.ctx.info.max_qp_init_rd_atom.clamp(1, 16) as u8);
     if let Some((prr, pdepth)) = peer_rr {
         // The passive side may not exceed what the requester offered.
@@ -76,10 +76,14 @@ fn conn_param(dev: &Device, private: &[u8], peer_rr: Option<(u8, u8)>) -> rdma_c
         responder_resources: rr,
         initiator_depth: depth,
         flow_control: 1,
-        retry_count: 7,
-        // 7 = retry forever on receiver-not-ready: flow control, not failure.
-        rnr_retry_count: 7,
-        srq: 0,
+        // Resends after an ACK timeout (the timeout itself is the id's
+        // RDMA_OPTION_ID_ACK_TIMEOUT): a dead host fails the QP within
+        // `VerbsOptions::dead_peer_bound`.
+        retry_count: sh.opts.retry_count.min(7),
+        // Resends after receiver-not-ready; 7 would be "forever", so a
+        // receiver that stopped reposting would stall its senders for good.
+        rnr_retry_count: sh.opts.rnr_retry.min(7),
+        srq: 1,
         qp_num: 0,
     }
 }
@@ -95,8 +99,10 @@ fn active_connect(sh: &Arc<Shared>, c: &Arc<Conn>) -> Result<()> {
     sh.register_qp(&dev, inner.qpn, c);
     let port_mtu = mtu_of(&dev, &inner);
     let pd = ConnectData { mtu: port_mtu, recv_depth: c.sizing.n_recv, slot: c.sizing.slot as u32 }.encode();
-    let mut p = conn_param(&dev, &pd, None);
-    let raw = inner.cm.as_ref().map(|m| m.raw).ok_or_else(|| Error::Internal("no id".into()))?;
+    let mut p = conn_param(sh, &dev, &pd, None);
+    let cm = inner.cm.as_ref().ok_or_else(|| Error::Internal("no id".into()))?;
+    cm.set_u8_option(cm::RDMA_OPTION_ID_ACK_TIMEOUT, sh.opts.ack_timeout, "ACK timeout")?;
+    let raw = cm.raw;
     // SAFETY: the id and its QP are alive; p and pd outlive the call.
     if unsafe { rdma_connect(raw, &mut p) } != 0 {
         return Err(Error::last_os("rdma_connect"));
@@ -205,7 +211,10 @@ fn on_connect_request(sh: &Arc<Shared>, ev: cm::Event) {
             slot: c.sizing.slot as u32,
         }
         .encode();
-        let mut p = conn_param(&dev, &acc, Some((ev.responder_resources, ev.initiator_depth)));
+        let mut p = conn_param(sh, &dev, &acc, Some((ev.responder_resources, ev.initiator_depth)));
+        if let Some(cm) = inner.cm.as_ref() {
+            cm.set_u8_option(cm::RDMA_OPTION_ID_ACK_TIMEOUT, sh.opts.ack_timeout, "ACK timeout")?;
+        }
         // The sender's hello may arrive before our ESTABLISHED event.
         inner.phase = Phase::Handshake;
         // SAFETY: the id and its QP are alive; p/acc outlive the call.
