@@ -33,6 +33,7 @@ mod bounce;
 mod lease;
 mod peers;
 mod pool;
+mod stream;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -436,6 +437,8 @@ impl Inner {
             (&c.bytes_received, t.bytes_received),
             (&c.inline_tensors, t.inline_tensors),
             (&c.inline_bytes, t.inline_bytes),
+            (&c.stream_chunks, t.stream_chunks),
+            (&c.stream_messages, t.stream_messages),
             (&c.negotiation_messages, t.negotiation_messages),
             (&c.credits_sent, t.credits_sent),
             (&c.edges_static, t.edges_static),
@@ -521,11 +524,10 @@ impl Inner {
                         }),
                     );
                 }
-                Action::Inline { link, key, step, meta, payload, done } => {
-                    let msgs = rendezvous::inline_messages(&key, step, &meta, payload.bytes());
-                    let res = msgs.iter().try_for_each(|m| self.send_msg(link, m));
-                    done(res);
-                }
+                Action::WriteChunk { link, stream, offset, header, payload, imm } => self.write_chunk(link, stream, offset, header, payload, imm),
+                Action::SendChunk { link, stream, offset, payload } => self.send_chunk(link, stream, offset, payload),
+                Action::StreamAlloc { link, stream, total } => self.stream_alloc(link, stream, total),
+                Action::CopyChunk { link, stream, src, len, dst, at } => self.copy_chunk(link, stream, src, len, dst, at),
                 Action::Send { link, msg } => {
                     log::trace!("{}: send on {link}: {msg:?}", self.task);
                     if let Err(e) = self.send_msg(link, &msg) {
