@@ -9,8 +9,9 @@
  * lock held, so they may call back in; they must not block for long.
  * Callbacks must not call blocking rdev_* functions (rdev_context_new,
  * rdev_context_free, rdev_place_edge, rdev_request_placement,
- * rdev_connect_peer): a callback may run on a library progress thread,
- * which never waits, and a wait there can stall every connection.
+ * rdev_connect_peer): a callback runs on the calling thread or on the
+ * context's callback thread (rdev-callbacks, never a progress thread),
+ * and a wait there delays every later callback of the context.
  */
 
 #ifndef RDMA_DEVICE_H

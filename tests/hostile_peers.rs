@@ -339,87 +339,83 @@ fn wait_until(what: &str, timeout: Duration, f: impl Fn() -> bool) {
     }
 }
 
+/// A raw shm sender as `EVIL`: its socket and its view of the receiver's
+/// arena, mapped (what a sender that ignores the protocol can write).
+fn raw_sender(b_addr: &str) -> (UnixStream, *mut u8, usize) {
+    use rdma_device::fabric::shm::socket;
+    let s = socket::connect(&socket::socket_name(b_addr).unwrap()).unwrap();
+    let hello = Hello { task: EVIL.into(), incarnation: 5, target: task(1), rpc: false }.encode();
+    socket::send_frame(&s, socket::KIND_HELLO, &hello, &[]).unwrap();
+    let (kind, body, fds) = socket::recv_frame(&s).unwrap();
+    assert_eq!(kind, socket::KIND_ACCEPT);
+    let len = u64::from_le_bytes(body[..8].try_into().unwrap()) as usize;
+    use std::os::fd::AsRawFd;
+    // SAFETY: a fresh shared mapping of the descriptor we were given.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fds[0].as_raw_fd(), 0) };
+    assert_ne!(p, libc::MAP_FAILED);
+    (s, p.cast(), len)
+}
+
+/// Scribble 0xEE over every byte the sender can reach.
+fn scribble(p: usize, len: usize) {
+    // SAFETY: the whole mapping made by raw_sender, still mapped.
+    unsafe { std::ptr::write_bytes(p as *mut u8, 0xEE, len) };
+}
+
 #[test]
-fn slots_of_a_dropped_link_stay_quarantined_until_the_sender_process_exits() {
-    let (_a, b, b_addr) = pair();
+fn a_sender_writes_only_the_slots_placed_for_it() {
+    let (a, b, b_addr) = pair();
     let base = in_use(&b);
-    let port = b_addr.rsplit(':').next().unwrap();
-    // SAFETY: getuid has no preconditions.
-    let (sa, len) = abstract_addr(format!("rdma_device.{}.{port}", unsafe { libc::getuid() }).as_bytes());
-    let frame = |kind: u8, body: Vec<u8>| [((body.len() + 1) as u32).to_le_bytes().to_vec(), vec![kind], body].concat();
-    let hello = frame(1, Hello { task: EVIL.into(), incarnation: 3, target: task(1), rpc: false }.encode());
-    let announce = frame(4, Msg::Announce { key: "q".into(), step: 1, need: 1 << 20, returned: vec![] }.encode());
-    let (mut up, mut go) = ([0i32; 2], [0i32; 2]);
-    // SAFETY: pipe writes two fds into each array.
-    assert!(unsafe { libc::pipe(up.as_mut_ptr()) == 0 && libc::pipe(go.as_mut_ptr()) == 0 });
-    // A sender process: handshake, get slots placed, hang up, stay alive
-    // until told to exit. Raw system calls only (forked from threads).
-    // SAFETY: the child only makes async-signal-safe calls and _exits.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0);
-    if pid == 0 {
-        // SAFETY: raw system calls on buffers prepared before the fork.
-        unsafe {
-            let read_frame = |fd: i32| -> bool {
-                let mut buf = [0u8; 4096];
-                let mut head = [0u8; 5];
-                let mut got = 0;
-                while got < 5 {
-                    let n = libc::recv(fd, head.as_mut_ptr().add(got).cast(), 5 - got, 0);
-                    if n <= 0 {
-                        return false;
-                    }
-                    got += n as usize;
-                }
-                let mut left = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize - 1;
-                while left > 0 {
-                    let n = libc::recv(fd, buf.as_mut_ptr().cast(), left.min(buf.len()), 0);
-                    if n <= 0 {
-                        return false;
-                    }
-                    left -= n as usize;
-                }
-                true
-            };
-            // If the test dies, reading `go` ends (EOF) and so do we.
-            libc::close(go[1]);
-            libc::close(up[0]);
-            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
-            if fd < 0 || libc::connect(fd, (&sa as *const libc::sockaddr_un).cast(), len) != 0 {
-                libc::_exit(91);
-            }
-            libc::send(fd, hello.as_ptr().cast(), hello.len(), libc::MSG_NOSIGNAL);
-            if !read_frame(fd) {
-                libc::_exit(92);
-            }
-            libc::send(fd, announce.as_ptr().cast(), announce.len(), libc::MSG_NOSIGNAL);
-            if !read_frame(fd) {
-                libc::_exit(93);
-            }
-            libc::close(fd);
-            libc::write(up[1], b"x".as_ptr().cast(), 1);
-            let mut x = [0u8; 1];
-            libc::read(go[0], x.as_mut_ptr().cast(), 1);
-            libc::_exit(0);
+    // An honest tensor, held by the application (in place in the arena).
+    let data = pattern(5, 1 << 20);
+    let r = recv_async(&b, &task(0), "held", 1);
+    send_wait(&a, &task(1), "held", 1, meta(1 << 18), data.clone()).unwrap();
+    let held = r.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
+    assert!(held.in_place());
+    // A sender that ignores the protocol: it has slots of its own placed,
+    // then overwrites everything it can reach, again and again, while
+    // honest tensors keep arriving.
+    let (s, p, len) = raw_sender(&b_addr);
+    let announce = Msg::Announce { key: "e".into(), step: 1, need: 1 << 20, returned: vec![] }.encode();
+    rdma_device::fabric::shm::socket::send_frame(&s, rdma_device::fabric::shm::socket::KIND_MSG, &announce, &[]).unwrap();
+    let (_, publish, _) = rdma_device::fabric::shm::socket::recv_frame(&s).unwrap();
+    assert!(matches!(Msg::decode(&publish).unwrap(), Msg::Publish { .. }));
+    assert!(in_use(&b) > base, "the evil sender's slots are placed");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (st, pp) = (stop.clone(), p as usize);
+    let scribbler = std::thread::spawn(move || {
+        let mut rounds = 0u64;
+        while !st.load(std::sync::atomic::Ordering::Relaxed) {
+            scribble(pp, len);
+            rounds += 1;
         }
-    }
-    let mut x = [0u8; 1];
-    // SAFETY: reading one byte from our pipe.
-    assert_eq!(unsafe { libc::read(up[0], x.as_mut_ptr().cast(), 1) }, 1, "the sender process failed");
+        rounds
+    });
+    let check = |from: u64, to: u64, key: &str| {
+        for step in from..to {
+            let d = pattern(step, 64 << 10);
+            let r = recv_async(&b, &task(0), key, step);
+            send_wait(&a, &task(1), key, step, meta(16 << 10), d.clone()).unwrap();
+            let l = r.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
+            assert!(l.bytes() == &d[..], "{key} step {step}: an honest tensor was corrupted");
+        }
+    };
+    check(2, 50, "v");
+    assert_eq!(checksum(held.bytes()), checksum(&data), "a held tensor was overwritten by another sender");
+    // It hangs up but its process (ours) lives on and keeps writing: its
+    // slots are free at once (nothing it writes reaches a slot placed for
+    // anyone else), and the freed ranges are placed again for others.
+    let before = in_use(&b);
+    drop(s);
     let linked = || b.describe().lines().any(|l| l.starts_with("rx link") && l.contains(EVIL));
-    wait_until("the link to be dropped", Duration::from_secs(5), || !linked());
-    // The sender lives on (it might be inside a copy): its slots are held.
-    let held = in_use(&b) - base;
-    assert!(held >= 2 << 20, "the dropped link's slots were freed while its sender lives ({held} bytes held)");
-    std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(in_use(&b) - base, held, "quarantine must last while the sender process lives");
-    // SAFETY: writing one byte to our pipe; closing our copies of the
-    // child's ends.
-    assert_eq!(unsafe { libc::write(go[1], b"x".as_ptr().cast(), 1) }, 1);
-    assert_eq!(wait_exit(pid), 0);
-    wait_until("the quarantined slots to be freed", Duration::from_secs(5), || in_use(&b) == base);
-    for fd in [up[0], up[1], go[0], go[1]] {
-        // SAFETY: our pipe ends.
-        unsafe { libc::close(fd) };
-    }
+    wait_until("the evil link to be dropped", Duration::from_secs(5), || !linked());
+    wait_until("its slots to be freed", Duration::from_secs(5), || in_use(&b) <= before - (2 << 20));
+    check(50, 80, "v");
+    check(1, 30, "w");
+    check(1, 10, "x");
+    assert_eq!(checksum(held.bytes()), checksum(&data), "a held tensor was overwritten by another sender");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(scribbler.join().unwrap() > 0);
+    // SAFETY: the mapping made by raw_sender.
+    unsafe { libc::munmap(p.cast(), len) };
 }

@@ -197,6 +197,46 @@ fn receiver_keeping_tensors_never_blocks_the_sender() {
     assert!(a.counters().tensors_pushed > before, "{:?}", a.counters());
 }
 
+#[test]
+fn held_slots_stay_intact_while_other_steps_run() {
+    // The application keeps more received tensors than an edge may have
+    // slots; 200 more steps then run on another edge and on the held one.
+    // Every held tensor must still read back exactly as sent: no slot lent
+    // to the application is ever written again.
+    let (a, b, ta, tb) = pair(small_config());
+    let max = rdma_device::constants::MAX_SLOTS_PER_EDGE as u64;
+    let held_n = max + 16;
+    let mut held = Vec::new();
+    for step in 1..=held_n {
+        let data = pattern(1000 + step, 8192);
+        send_wait(&a, &tb, "held", step, meta(&[8192]), data.clone()).unwrap();
+        let l = recv_wait(&b, &ta, "held", step).unwrap();
+        held.push((step, l));
+    }
+    let c = a.counters();
+    assert_eq!((c.tensors_pushed, c.inline_tensors), (max, 16), "the edge grows to {max} slots, then goes inline: {c:?}");
+    assert_eq!(held.iter().filter(|(_, l)| l.in_place()).count() as u64, max, "pushed tensors are in place in their slots");
+    for step in 1..=200u64 {
+        let data = pattern(5000 + step, 8192);
+        send_wait(&a, &tb, "busy", step, meta(&[8192]), data.clone()).unwrap();
+        assert_eq!(recv_wait(&b, &ta, "busy", step).unwrap().bytes(), &data[..], "busy step {step}");
+        if step % 10 == 0 {
+            let s = held_n + step / 10;
+            let data = pattern(1000 + s, 8192);
+            send_wait(&a, &tb, "held", s, meta(&[8192]), data.clone()).unwrap();
+            assert_eq!(recv_wait(&b, &ta, "held", s).unwrap().bytes(), &data[..], "held edge step {s}");
+        }
+    }
+    for (step, l) in &held {
+        assert!(l.bytes() == &pattern(1000 + step, 8192)[..], "held tensor of step {step} changed while it was held");
+    }
+    let c = a.counters();
+    // "busy" pushes all 200 (its slots come back with every release); the
+    // held edge has no free slot left, so its 20 further tensors go inline.
+    assert_eq!((c.tensors_pushed, c.inline_tensors), (max + 200, 16 + 20), "{c:?}");
+    assert_eq!(b.counters().tensors_received, held_n + 220);
+}
+
 /// `send` on `node`, whose done reports into the returned channel.
 fn send_async(node: &Node, peer: &str, key: &str, step: u64, data: Vec<u8>) -> (Result<(), Error>, std::sync::mpsc::Receiver<Result<(), Error>>) {
     let (tx, rx) = std::sync::mpsc::channel();

@@ -35,10 +35,13 @@ struct Counter {
     seen: AtomicU64,
     last_ns: AtomicU64,
     t0: Instant,
+    /// The connection accepted last (+1; 0: none yet).
+    accepted: AtomicU64,
 }
 
 impl FabricEvents for Counter {
-    fn on_accept(&self, _: ConnId, _: &[u8]) -> Result<Vec<u8>> {
+    fn on_accept(&self, conn: ConnId, _: &[u8]) -> Result<Vec<u8>> {
+        self.accepted.store(conn + 1, Ordering::Release);
         Ok(Vec::new())
     }
     fn on_write_imm(&self, _: ConnId, _: u32) {
@@ -116,10 +119,14 @@ fn run(transport: &str, addr: Option<String>, json: bool, quick: bool) -> Result
     });
     let max = 64usize << 20;
     let arena = Arc::new(Arena::new("bench-arena", max)?);
-    let c = Arc::new(Counter { closing: Default::default(), seen: AtomicU64::new(0), last_ns: AtomicU64::new(0), t0: Instant::now() });
-    let _l = fab.listen(&addr, arena, c.clone())?;
-    let sink = Arc::new(Counter { closing: Default::default(), seen: AtomicU64::new(0), last_ns: AtomicU64::new(0), t0: Instant::now() });
+    let c = Arc::new(Counter { closing: Default::default(), seen: AtomicU64::new(0), last_ns: AtomicU64::new(0), t0: Instant::now(), accepted: AtomicU64::new(0) });
+    let l = fab.listen(&addr, arena.clone(), c.clone())?;
+    let sink = Arc::new(Counter { closing: Default::default(), seen: AtomicU64::new(0), last_ns: AtomicU64::new(0), t0: Instant::now(), accepted: AtomicU64::new(0) });
     let ep = fab.connect(&addr, b"bench", sink.clone(), Duration::from_secs(10), true)?;
+    // The writes below go anywhere in the arena, as if it were all slots
+    // placed for this sender (the receive node grants each slot).
+    let conn = c.accepted.load(Ordering::Acquire).checked_sub(1).ok_or_else(|| Error::Internal("no connection accepted".into()))?;
+    l.grant(conn, 0, arena.len() as u64)?;
     let src = Arc::new((0..max + 64).map(|i| (i * 31 % 251) as u8).collect::<Vec<u8>>());
     let src_skew = src.as_ptr().align_offset(64);
     // Source and memcpy destination 64-byte aligned, as TensorFlow's CPU

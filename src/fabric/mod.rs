@@ -5,7 +5,8 @@
 //! one-sided writes that carry a 32-bit immediate. The receiver learns of a
 //! write only through [`FabricEvents::on_write_imm`], delivered after every
 //! byte of it is visible. Small two-sided control messages flow both ways on
-//! the same connection. One-sided reads exist for completeness and tests.
+//! the same connection. There are no one-sided reads: a peer can only write,
+//! and only where it was granted (`Listener::grant`).
 //!
 //! This layer owns connections, registration and completions. It knows
 //! nothing of tensors, edges or steps (that is `rendezvous`), and it never
@@ -29,6 +30,23 @@ use std::time::Duration;
 pub use arena::Arena;
 
 use crate::error::Result;
+
+thread_local! {
+    static EVENT_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Backends call this at the start of each thread that delivers
+/// [`FabricEvents`] (progress, accept/reader threads). Work that may take
+/// long or block (a tensor's copy or registration, TensorFlow's callbacks)
+/// is then not done on it: the owner hands it to a thread of its own.
+pub fn mark_event_thread() {
+    EVENT_THREAD.with(|t| t.set(true));
+}
+
+/// Is the calling thread a backend's event thread (see `mark_event_thread`)?
+pub fn on_event_thread() -> bool {
+    EVENT_THREAD.with(|t| t.get())
+}
 
 /// Identifies one connection, unique within the process (across backends).
 pub type ConnId = u64;
@@ -65,8 +83,6 @@ pub type Segment = Box<dyn AsRef<[u8]> + Send>;
 /// must not block for long.
 pub type WriteDone = Box<dyn FnOnce(Result<()>) + Send>;
 
-/// Completion of a one-sided read, same rules as [`WriteDone`].
-pub type ReadDone = Box<dyn FnOnce(Result<Vec<u8>>) + Send>;
 
 /// What a backend tells its owner. Calls come from the backend's own
 /// threads (progress / connection threads); they must not block for long.
@@ -158,6 +174,11 @@ pub trait Listener: Send + Sync {
     fn local_addr(&self) -> String;
     /// Send a control message to the sender on `conn`.
     fn send_msg(&self, conn: ConnId, msg: &[u8]) -> Result<()>;
+    /// Let the sender on `conn` write `off..off+len` of the arena (a slot
+    /// placed for it; page-aligned, not in use by anything else). shm: the
+    /// range shows that sender's window, so no other sender can write what
+    /// we read there. `Ok(false)`: `conn` is not one of ours.
+    fn grant(&self, conn: ConnId, off: u64, len: u64) -> Result<bool>;
     /// Drop one accepted connection (its `on_disconnect` follows).
     fn close_conn(&self, conn: ConnId);
     /// Stop accepting and close every connection.
@@ -175,8 +196,6 @@ pub trait Endpoint: Send + Sync {
     /// Write `segs`, back to back, at `remote_off` in the peer's arena, then
     /// deliver `imm` to the peer. `done` runs exactly once, whatever happens.
     fn write_imm(&self, remote_off: u64, segs: Vec<Segment>, imm: u32, done: WriteDone);
-    /// Read `len` bytes at `remote_off` of the peer's arena.
-    fn read(&self, remote_off: u64, len: usize, done: ReadDone);
     /// Send a control message (at most `constants::MAX_MSG_BYTES`).
     fn send_msg(&self, msg: &[u8]) -> Result<()>;
     /// Close the connection (the peer sees a disconnect).

@@ -4,8 +4,14 @@
 //! TensorFlow server.
 //!
 //! Threading: protocol state sits behind one mutex; actions are executed
-//! after it is released, so completions may call back in. Callbacks to the
-//! application run on the calling thread or on a backend thread, and must
+//! after it is released, so completions may call back in. A backend's
+//! event threads (shm progress and reader threads, the verbs progress
+//! thread) only update the protocol state and send control messages:
+//! completions for the application (a receive's or send's callback) and
+//! writes that an event released (a queued send) are handed to the node's
+//! `rdev-callbacks` thread (handoff.rs), so no tensor copy, memory
+//! registration or TensorFlow callback ever runs on an event thread.
+//! Callbacks run on the calling thread or on `rdev-callbacks`, and must
 //! not call the blocking functions below.
 //!
 //! Every call that can block, the thread it may run on, and its bound:
@@ -23,6 +29,7 @@
 //! | `Events::on_accept` | a backend's accept thread | `Node::new` to finish registering listeners | 10 s |
 //! | shm `write_imm` (inside `send` on a live link) | the sender's thread | ring space (8192 entries: full only when the receiver's progress thread has stopped) | 10 s, then the write fails with Timeout |
 //! | shm/verbs progress threads | own threads | events (sleep on the doorbell / CQ channel) | woken by events or shutdown |
+//! | callbacks and writes released by events | `rdev-callbacks` (one per node, queued) | what the callback does; a write as `send` on a live link | as `send` |
 //!
 //! Locks: a peer's tx slot may be held while taking `rdv` or `links`
 //! (connecting), never the reverse; `peers.table` is held only for map
@@ -30,6 +37,7 @@
 //! any of them is held.
 
 mod bounce;
+mod handoff;
 mod lease;
 mod peers;
 mod pool;
@@ -83,6 +91,8 @@ pub(crate) struct Inner {
     totals: Mutex<rendezvous::Tally>,
     /// rpc mode: the sender's bounce buffers.
     bounce: Arc<bounce::BouncePool>,
+    /// Callbacks and writes that events produced (see handoff.rs).
+    handoff: handoff::Handoff,
     me: Weak<Inner>,
 }
 
@@ -128,6 +138,7 @@ impl Node {
             placing: Mutex::new(HashMap::new()),
             totals: Mutex::new(rendezvous::Tally::default()),
             bounce: Arc::default(),
+            handoff: handoff::Handoff::start(),
             me: me.clone(),
         });
         let st = Stats::global();
@@ -268,6 +279,17 @@ impl Drop for Node {
         for e in eps {
             e.close();
         }
+    }
+}
+
+/// Complete a handed-over action whose node is gone.
+fn abandon(a: Action) {
+    let gone = || Error::Aborted("transport shut down".into());
+    match a {
+        Action::Write { done, .. } => done(Err(gone())),
+        Action::SendDone { done, result } => done(result),
+        Action::Deliver { done, result } => done(result),
+        _ => {}
     }
 }
 
@@ -423,9 +445,14 @@ impl Inner {
     fn locked<T>(&self, f: impl FnOnce(&mut Rendezvous) -> T) -> T {
         let mut r = self.rdv.lock();
         let out = f(&mut r);
+        let grants = r.take_grants();
+        let refused = if grants.is_empty() { Vec::new() } else { self.grant(&grants) };
         let t = std::mem::take(&mut r.tally);
         let in_use = r.arena_in_use();
         drop(r);
+        for (link, why) in refused {
+            self.fail_link(link, why);
+        }
         if t != rendezvous::Tally::default() {
             self.totals.lock().add(&t);
         }
@@ -459,6 +486,32 @@ impl Inner {
         out
     }
 
+    /// Let each sender write the ranges just placed for it (under the
+    /// protocol lock, before the Publish or Grow naming them goes out; see
+    /// `Rendezvous::take_grants`). Returns the links whose grant failed:
+    /// the caller fails them, so their Publish can never be used.
+    fn grant(&self, grants: &[(ConnId, u64, u64)]) -> Vec<(ConnId, Error)> {
+        let listeners: Vec<Arc<dyn Listener>> = self.listeners.lock().values().cloned().collect();
+        let mut refused = Vec::new();
+        for &(link, off, len) in grants {
+            let mut res = Ok(false);
+            for l in &listeners {
+                res = l.grant(link, off, len);
+                if !matches!(res, Ok(false)) {
+                    break;
+                }
+            }
+            match res {
+                Ok(true) => {}
+                // Not an accepted connection (any more): its Publish finds no
+                // link either; nothing to do.
+                Ok(false) => {}
+                Err(e) => refused.push((link, Error::Internal(format!("{}: cannot map a slot for connection {link}: {e}", self.task)))),
+            }
+        }
+        refused
+    }
+
     fn endpoint(&self, link: ConnId) -> Option<Arc<dyn Endpoint>> {
         match self.links.lock().get(&link) {
             Some(LinkRef::Tx(e)) => Some(e.clone()),
@@ -485,7 +538,20 @@ impl Inner {
 
     /// Carry out protocol actions (never called with the state locked).
     fn exec(&self, acts: Vec<Action>) {
+        let on_event_thread = fabric::on_event_thread();
         for a in acts {
+            // Stream chunk writes and slot copies go to the rdev-stream pool
+            // themselves; a message-borne chunk is copied here, so it moves.
+            let copies = matches!(a, Action::SendChunk { .. } | Action::CopyChunk { src: rendezvous::ChunkSrc::Bytes(_), .. });
+            if on_event_thread && (copies || matches!(a, Action::Write { .. } | Action::Deliver { .. } | Action::SendDone { .. })) {
+                // Not on a backend's event thread: see handoff.rs.
+                let me = self.me.clone();
+                self.handoff.run(move || match me.upgrade() {
+                    Some(n) => n.exec(vec![a]),
+                    None => abandon(a),
+                });
+                continue;
+            }
             match a {
                 Action::Write { link, offset, header, payload, imm, done, bytes: _ } => {
                     let Some(ep) = self.endpoint(link) else {

@@ -232,6 +232,11 @@ pub struct Rendezvous {
     /// Logical clock: one tick per arrival.
     clock: u64,
     pub tally: Tally,
+    /// Arena ranges placed for a sender since the caller last looked:
+    /// (link, offset, bytes). The caller must let that sender write there
+    /// (`Listener::grant`) before it sends the Publish or Grow naming them,
+    /// and while it still holds the lock (see `take_grants`).
+    grants: Vec<(LinkId, u64, u64)>,
 }
 
 impl Rendezvous {
@@ -254,7 +259,15 @@ impl Rendezvous {
             ready_links: HashSet::new(),
             clock: 0,
             tally: Tally::default(),
+            grants: Vec::new(),
         }
+    }
+
+    /// The ranges placed for senders since the last call (see `grants`).
+    /// Taken under the same lock as the call that placed them, so a range
+    /// is granted to its sender before it can be freed and placed again.
+    pub fn take_grants(&mut self) -> Vec<(LinkId, u64, u64)> {
+        std::mem::take(&mut self.grants)
     }
 
     pub fn arena_in_use(&self) -> u64 {

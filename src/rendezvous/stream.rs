@@ -17,7 +17,8 @@
 //!   link (`STREAM_SLOTS` of up to `STREAM_CHUNK_BYTES`, at most
 //!   1/`STREAM_ARENA_FRACTION` of the arena), placed by the receiver on the
 //!   link's first stream and published like any edge (`Publish` of the
-//!   reserved key [`STREAM_KEY`], so per-sender memory grants cover them),
+//!   reserved key [`STREAM_KEY`]; like every slot, each is granted to its
+//!   sender's window before the Publish goes out),
 //!   kept for the link's life. A chunk's header carries the stream id and
 //!   the chunk's offset (`SlotHeader::chunk`); credits pace the sender, so
 //!   at most `STREAM_SLOTS` chunks of a link are in flight: the working set
@@ -456,6 +457,9 @@ impl Rendezvous {
             self.next_gen = self.next_gen.wrapping_add(1).max(1);
             let capacity = reserved - HEADER_BYTES as u64;
             r.slots.insert(id, RxSlot { edge_id, gen, offset: off, reserved, capacity, token: Token::AtSender, retired: false, lent: false });
+            // The sender may write there only once granted (before the
+            // Publish goes out; see `take_grants`).
+            self.grants.push((link, off, reserved));
             descs.push(SlotDesc { id, gen, offset: off, capacity });
         }
         if descs.is_empty() {

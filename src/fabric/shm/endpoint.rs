@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 /// progress thread has stopped gets there.
 const RING_FULL_TIMEOUT: Duration = Duration::from_secs(10);
 use crate::fabric::arena::{check_range, map_shared};
-use crate::fabric::{next_conn_id, ConnId, Endpoint, FabricEvents, ReadDone, Segment, TransportKind, WriteDone};
+use crate::fabric::{next_conn_id, ConnId, Endpoint, FabricEvents, Segment, TransportKind, WriteDone};
 
 pub struct ShmEndpoint {
     id: ConnId,
@@ -106,6 +106,7 @@ impl ShmEndpoint {
         std::thread::Builder::new()
             .name("rdev-shm-reader".into())
             .spawn(move || {
+                crate::fabric::mark_event_thread();
                 let why = loop {
                     match socket::recv_frame(&reader) {
                         Ok((KIND_MSG, body, _)) => {
@@ -199,19 +200,6 @@ impl Endpoint for ShmEndpoint {
             self.doorbell.ring();
         }
         done(Ok(()))
-    }
-
-    fn read(&self, remote_off: u64, len: usize, done: ReadDone) {
-        if self.dead.load(Ordering::SeqCst) {
-            return done(Err(self.lost()));
-        }
-        if let Err(e) = check_range(remote_off as usize, len, self.arena_len) {
-            return done(Err(e));
-        }
-        let mut v = vec![0u8; len];
-        // SAFETY: range checked; destination is a fresh buffer.
-        unsafe { std::ptr::copy_nonoverlapping(self.arena.add(remote_off as usize), v.as_mut_ptr(), len) };
-        done(Ok(v))
     }
 
     fn send_msg(&self, msg: &[u8]) -> Result<()> {

@@ -14,6 +14,7 @@ use parking_lot::{Mutex, RwLock};
 use super::ring::{Doorbell, Ring};
 use super::socket::{self, KIND_ACCEPT, KIND_HELLO, KIND_MSG, KIND_REFUSE};
 use crate::error::{Error, Result};
+use crate::fabric::arena::Window;
 use crate::fabric::{next_conn_id, Arena, ConnId, FabricEvents, Listener};
 
 /// How long an accepted socket may take to say hello.
@@ -28,8 +29,13 @@ struct RxConn {
     /// thread drains the ring once more and then reports the disconnect, so
     /// `on_disconnect` is always the connection's last event.
     closed: Mutex<Option<Error>>,
-    /// The sender's process (None: our own process, or no pidfd support):
-    /// its slots stay quarantined after the connection ends until it exits.
+    /// The sender's own view of the arena (None where the page size rules
+    /// windows out: it then maps the whole arena).
+    window: Option<Arc<Window>>,
+    /// Without a window only: the sender's process (None: our own process,
+    /// or no pidfd support); its slots stay quarantined after the
+    /// connection ends until it exits. With a window nothing it writes
+    /// later reaches a slot placed for anyone else, so none is needed.
     pidfd: Mutex<Option<OwnedFd>>,
 }
 
@@ -103,6 +109,14 @@ impl Listener for ShmListener {
         socket::send_frame(&c.stream, KIND_MSG, msg, &[])
     }
 
+    fn grant(&self, conn: ConnId, off: u64, len: u64) -> Result<bool> {
+        let Some(c) = self.inner.conns.lock().get(&conn).cloned() else { return Ok(false) };
+        if let Some(w) = &c.window {
+            self.inner.arena.show(off as usize, len as usize, Some(w))?;
+        }
+        Ok(true)
+    }
+
     fn close_conn(&self, conn: ConnId) {
         if let Some(c) = self.inner.conns.lock().get(&conn) {
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
@@ -156,6 +170,7 @@ fn accept_loop(inner: Arc<Inner>) {
 
 /// Handshake, then read control messages until the connection ends.
 fn serve_conn(inner: Arc<Inner>, stream: UnixStream) {
+    crate::fabric::mark_event_thread();
     let id = next_conn_id();
     let conn = match handshake(&inner, id, stream) {
         Ok(c) => c,
@@ -206,16 +221,24 @@ fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<R
         }
     };
     let ring = Ring::create()?;
+    let window = if Arena::windows_supported() {
+        Some(inner.arena.new_window()?)
+    } else {
+        log::warn!("shm: page size {} does not divide slot alignment: senders share one view of the arena", crate::fabric::arena::page_size());
+        None
+    };
     let mut body = Vec::with_capacity(8 + reply.len());
     body.extend_from_slice(&(inner.arena.len() as u64).to_le_bytes());
     body.extend_from_slice(&reply);
     // A sender in our own process is not watched: it is gone when its
     // endpoint is (same trust as the rest of the process).
-    let pidfd = if pid == std::process::id() as i32 { None } else { socket::pidfd_open(pid) };
-    if pidfd.is_none() && pid != std::process::id() as i32 {
+    let watch = window.is_none() && pid != std::process::id() as i32;
+    let pidfd = if watch { socket::pidfd_open(pid) } else { None };
+    if pidfd.is_none() && watch {
         log::warn!("shm: no pidfd for sender pid {pid}: its slots are freed as soon as its connection ends");
     }
-    let conn = Arc::new(RxConn { id, stream, write_lock: Mutex::new(()), ring, closed: Mutex::new(None), pidfd: Mutex::new(pidfd) });
+    let view = window.as_ref().map(|w| w.fd()).unwrap_or(inner.arena.fd());
+    let conn = Arc::new(RxConn { id, stream, write_lock: Mutex::new(()), ring, closed: Mutex::new(None), window, pidfd: Mutex::new(pidfd) });
     // Register before replying so the first write's doorbell is polled.
     inner.conns.lock().insert(id, conn.clone());
     refresh_polled(inner);
@@ -227,7 +250,7 @@ fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<R
             &conn.stream,
             KIND_ACCEPT,
             &body,
-            &[inner.arena.fd(), conn.ring.fd(), inner.doorbell.fd()],
+            &[view, conn.ring.fd(), inner.doorbell.fd()],
         )
     };
     if let Err(e) = sent {
@@ -264,6 +287,7 @@ fn release_departed(inner: &Inner, all: bool) {
 /// Run the progress loop; a panic in it fails every connection (their
 /// waiters get the reason) and the loop starts over for new ones.
 fn guarded_progress(inner: Arc<Inner>) {
+    crate::fabric::mark_event_thread();
     loop {
         let Err(e) = crate::error::catch_panic("the shm progress thread", || progress_loop(inner.clone())) else { return };
         let rest: Vec<Arc<RxConn>> = inner.conns.lock().drain().map(|(_, c)| c).collect();

@@ -1,17 +1,21 @@
 //! `shm`: the remote-memory device for tasks on one host.
 //!
-//! The receiver's arena is a memfd; a connecting sender receives it (plus a
-//! doorbell ring and an eventfd) over a unix socket named after the task's
-//! port, checked to belong to the same uid, and maps it. A one-sided write
-//! is then one memcpy into the receiver's pages followed by a doorbell
-//! entry: the receiver's CPU does nothing until it polls the ring, exactly
-//! the semantics of an RDMA WRITE with immediate.
+//! A connecting sender receives a window on the receiver's arena (a memfd
+//! of its own whose pages the receiver maps at the slots placed for that
+//! sender, see `fabric/arena.rs`), a doorbell ring and an eventfd, over a
+//! unix socket named after the task's port, checked to belong to the same
+//! uid in both directions, and maps the window. A one-sided write is then
+//! one memcpy into the receiver's pages followed by a doorbell entry: the
+//! receiver's CPU does nothing until it polls the ring, exactly the
+//! semantics of an RDMA WRITE with immediate; and, as with a memory region
+//! per sender, it can only change what the receiver reads in its own slots.
 
 mod copy;
 mod endpoint;
 mod listener;
 pub(crate) mod ring;
-pub(crate) mod socket;
+#[doc(hidden)]
+pub mod socket;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -224,7 +224,7 @@ impl RawAddr {
 }
 
 /// Magic and version at the start of our private data ("RDV" + version).
-pub const MAGIC: u32 = 0x5244_5601;
+pub const MAGIC: u32 = 0x5244_5602;
 
 /// What the connecting side tells the listener in the CM REQ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -33,7 +33,7 @@ use super::wr::{self, WrKind, NO_CHUNK};
 mod post;
 use post::post_recv;
 use crate::error::{Error, Result};
-use crate::fabric::{ConnId, FabricEvents, ReadDone, Segment, WriteDone};
+use crate::fabric::{ConnId, FabricEvents, Segment, WriteDone};
 
 /// Control-message fragment header: kind, flags, 2 spare, payload length.
 const HDR: usize = 8;
@@ -43,6 +43,8 @@ const FLAG_MORE: u8 = 1;
 pub(crate) const MSG_HELLO: u8 = 1;
 pub(crate) const MSG_HELLO_OK: u8 = 2;
 pub(crate) const MSG_HELLO_ERR: u8 = 3;
+/// A `MSG_HELLO_OK` starts with the arena's address (8 bytes) and rkey (4).
+const HELLO_OK_KEYS: usize = 12;
 pub(crate) const MSG_USER: u8 = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,8 +65,7 @@ pub(crate) enum Phase {
 
 /// Work a connection's owner must do after releasing the lock.
 pub(crate) enum Action {
-    WriteDone(WriteDone, Result<()>),
-    ReadDone(ReadDone, Result<Vec<u8>>),
+    WriteDone(Finished),
     Imm(u32),
     Message(Vec<u8>),
     /// The sender's hello arrived: call `on_accept`.
@@ -72,6 +73,37 @@ pub(crate) enum Action {
     Disconnect(Error),
     /// Tear the connection down (on the progress thread).
     Kill(Error),
+}
+
+/// A write that completed (or failed): its registrations, its memory and
+/// its callback, released in that order by [`Finished::run`], never under
+/// the connection's lock; the progress thread hands the ones holding
+/// registrations to the deregistration thread (`ibv_dereg_mr` can take
+/// long for a large region).
+pub(crate) struct Finished {
+    mrs: Vec<Option<Mr>>,
+    segs: Vec<Segment>,
+    done: Option<WriteDone>,
+    res: Result<()>,
+}
+
+impl Finished {
+    pub(crate) fn registered(&self) -> bool {
+        self.mrs.iter().any(|m| m.is_some())
+    }
+
+    fn failed(done: WriteDone, why: Error) -> Finished {
+        Finished { mrs: Vec::new(), segs: Vec::new(), done: Some(done), res: Err(why) }
+    }
+
+    pub(crate) fn run(self) {
+        let Finished { mrs, segs, done, res } = self;
+        drop(mrs);
+        drop(segs);
+        if let Some(d) = done {
+            d(res);
+        }
+    }
 }
 
 struct WriteOp {
@@ -88,17 +120,8 @@ struct WriteOp {
     last_chunk: u32,
 }
 
-struct ReadOp {
-    mr: Option<Mr>,
-    buf: Vec<u8>,
-    done: Option<ReadDone>,
-    remote_off: u64,
-    posted: bool,
-}
-
 enum Op {
     Write(WriteOp),
-    Read(ReadOp),
 }
 
 struct OpSlot {
@@ -242,9 +265,17 @@ impl Conn {
         if inner.phase != Phase::Handshake {
             return Err(Error::PeerLost(format!("connection {} closed during the handshake", self.id)));
         }
+        let Some((addr, rkey)) = inner.arena_mr.as_ref().map(|m| (m.addr, m.rkey)) else {
+            return Err(Error::Internal(format!("connection {}: no arena registration to offer", self.id)));
+        };
         inner.phase = Phase::Ready;
         inner.owes_disconnect = true;
-        inner.queue.push_back(Work::Msg { kind: MSG_HELLO_OK, data: reply, sent: 0, started: false });
+        // The arena's address and key first, then the node's reply.
+        let mut data = Vec::with_capacity(HELLO_OK_KEYS + reply.len());
+        data.extend_from_slice(&addr.to_le_bytes());
+        data.extend_from_slice(&rkey.to_le_bytes());
+        data.extend_from_slice(&reply);
+        inner.queue.push_back(Work::Msg { kind: MSG_HELLO_OK, data, sent: 0, started: false });
         Ok(self.pump(&mut inner))
     }
 
@@ -278,23 +309,23 @@ impl Conn {
             if inner.phase != Phase::Ready {
                 drop(inner);
                 drop(segs);
-                return vec![Action::WriteDone(done, Err(closed()))];
+                return vec![Action::WriteDone(Finished::failed(done, closed()))];
             }
             (inner.dev.clone(), inner.remote.map(|r| r.arena_len).unwrap_or(0))
         };
         if remote_off.checked_add(total as u64).map_or(true, |end| end > arena_len) {
             drop(segs);
-            return vec![Action::WriteDone(done, Err(Error::InvalidArgument(format!(
+            return vec![Action::WriteDone(Finished::failed(done, Error::InvalidArgument(format!(
                 "write of {total} bytes at {remote_off} is outside the peer's arena of {arena_len} bytes"
             ))))];
         }
-        let register = total >= self.sizing.register_threshold || self.sizing.n_chunks == 0;
+        let mut register = total >= self.sizing.register_threshold || self.sizing.n_chunks == 0;
         let mut mrs = Vec::new();
         if register {
             // Outside the lock: pinning can take a while and must not stall
             // this connection's completions.
             let Some(dev) = dev else {
-                return vec![Action::WriteDone(done, Err(Error::Internal("no device".into())))];
+                return vec![Action::WriteDone(Finished::failed(done, Error::Internal("no device".into())))];
             };
             for s in &segs {
                 let b = (**s).as_ref();
@@ -303,13 +334,21 @@ impl Conn {
                     continue;
                 }
                 // SAFETY: the segment is owned by this op and dropped only
-                // after the MR (field order of WriteOp) and the completion.
+                // after the MR (Finished::run) and the completion.
                 match unsafe { Mr::register(&dev.pd, b.as_ptr(), b.len(), super::mr::ACCESS_LOCAL_READ) } {
                     Ok(mr) => mrs.push(Some(mr)),
+                    Err(e) if self.sizing.n_chunks > 0 => {
+                        // Out of pinnable memory (memlock) or MR resources:
+                        // copy through the staging chunks instead of failing.
+                        log::warn!("verbs: conn {}: registering a {total}-byte write failed ({e}); it goes through the staging buffers", self.id);
+                        mrs.clear();
+                        register = false;
+                        break;
+                    }
                     Err(e) => {
                         drop(mrs);
                         drop(segs);
-                        return vec![Action::WriteDone(done, Err(e))];
+                        return vec![Action::WriteDone(Finished::failed(done, e))];
                     }
                 }
             }
@@ -319,7 +358,7 @@ impl Conn {
             drop(inner);
             drop(mrs);
             drop(segs);
-            return vec![Action::WriteDone(done, Err(closed()))];
+            return vec![Action::WriteDone(Finished::failed(done, closed()))];
         }
         let op = Op::Write(WriteOp {
             mrs,
@@ -334,37 +373,6 @@ impl Conn {
             last_chunk: NO_CHUNK,
         });
         let slot = alloc_op(&mut inner, op);
-        inner.queue.push_back(Work::Op(slot));
-        self.pump(&mut inner)
-    }
-
-    /// Start a read into a freshly registered buffer.
-    pub fn read(&self, remote_off: u64, len: usize, done: ReadDone) -> Vec<Action> {
-        let mut inner = self.inner.lock();
-        if inner.phase != Phase::Ready {
-            return vec![Action::ReadDone(done, Err(Error::PeerLost(format!("connection {} is closed", self.id))))];
-        }
-        let arena_len = inner.remote.map(|r| r.arena_len).unwrap_or(0);
-        if len > super::MAX_WR_BYTES || remote_off.checked_add(len as u64).map_or(true, |e| e > arena_len) {
-            return vec![Action::ReadDone(done, Err(Error::InvalidArgument(format!(
-                "read of {len} bytes at {remote_off} is outside the peer's arena of {arena_len} bytes (or too long)"
-            ))))];
-        }
-        let buf = vec![0u8; len];
-        let mr = if len == 0 {
-            None
-        } else {
-            let Some(dev) = inner.dev.clone() else {
-                return vec![Action::ReadDone(done, Err(Error::Internal("no device".into())))];
-            };
-            // SAFETY: buf's heap block does not move (the Vec is moved, not
-            // its allocation) and outlives the MR (ReadOp field order).
-            match unsafe { Mr::register(&dev.pd, buf.as_ptr(), len, super::mr::ACCESS_LOCAL_WRITE) } {
-                Ok(mr) => Some(mr),
-                Err(e) => return vec![Action::ReadDone(done, Err(e))],
-            }
-        };
-        let slot = alloc_op(&mut inner, Op::Read(ReadOp { mr, buf, done: Some(done), remote_off, posted: false }));
         inner.queue.push_back(Work::Op(slot));
         self.pump(&mut inner)
     }
@@ -409,25 +417,15 @@ impl Conn {
                     inner.free_chunks.push(idx);
                 }
             }
-            WrKind::WriteLast | WrKind::Read => {
+            WrKind::WriteLast => {
                 if let Some(op) = take_op(&mut inner, idx, gen) {
                     let res = if ok { Ok(()) } else { Err(err()) };
                     match op {
-                        Op::Write(mut w) => {
+                        Op::Write(w) => {
                             if w.last_chunk != NO_CHUNK {
                                 inner.free_chunks.push(w.last_chunk);
                             }
-                            let done = w.done.take();
-                            drop(w);
-                            if let Some(d) = done {
-                                acts.push(Action::WriteDone(d, res));
-                            }
-                        }
-                        Op::Read(mut r) => {
-                            drop(r.mr.take());
-                            if let Some(d) = r.done.take() {
-                                acts.push(Action::ReadDone(d, res.map(|_| std::mem::take(&mut r.buf))));
-                            }
+                            acts.push(Action::WriteDone(Finished { mrs: w.mrs, segs: w.segs, done: w.done, res }));
                         }
                     }
                 }
@@ -479,7 +477,18 @@ impl Conn {
             (MSG_USER, _, Phase::Ready) => acts.push(Action::Message(msg)),
             (MSG_HELLO, Role::Passive, Phase::Handshake) => acts.push(Action::Accept(msg)),
             (MSG_HELLO_OK, Role::Active, Phase::Handshake) => {
-                inner.peer_hello = msg;
+                let (Some(addr), Some(rkey)) = (
+                    msg.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes),
+                    msg.get(8..HELLO_OK_KEYS).and_then(|b| b.try_into().ok()).map(u32::from_le_bytes),
+                ) else {
+                    return Err(Error::Protocol(format!("hello answer of {} bytes is too short for the arena's keys", msg.len())));
+                };
+                let Some(remote) = inner.remote.as_mut() else {
+                    return Err(Error::Protocol("hello answer before the connection was established".into()));
+                };
+                remote.arena_addr = addr;
+                remote.arena_rkey = rkey;
+                inner.peer_hello = msg[HELLO_OK_KEYS..].to_vec();
                 inner.phase = Phase::Ready;
                 inner.result = Some(Ok(()));
                 self.cv.notify_all();
@@ -520,18 +529,8 @@ impl Conn {
         let mut acts = Vec::new();
         for s in inner.ops.iter_mut() {
             match s.op.take() {
-                Some(Op::Write(mut w)) => {
-                    let d = w.done.take();
-                    drop(w);
-                    if let Some(d) = d {
-                        acts.push(Action::WriteDone(d, Err(why.clone())));
-                    }
-                }
-                Some(Op::Read(mut r)) => {
-                    drop(r.mr.take());
-                    if let Some(d) = r.done.take() {
-                        acts.push(Action::ReadDone(d, Err(why.clone())));
-                    }
+                Some(Op::Write(w)) => {
+                    acts.push(Action::WriteDone(Finished { mrs: w.mrs, segs: w.segs, done: w.done, res: Err(why.clone()) }));
                 }
                 None => {}
             }

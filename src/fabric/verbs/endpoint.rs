@@ -10,7 +10,7 @@ use super::cm::{self, CmId, RawAddr};
 use super::conn::{Conn, Phase, Role, MSG_USER};
 use super::progress::{self, Request, Shared};
 use crate::error::{Error, Result};
-use crate::fabric::{ConnId, Endpoint, FabricEvents, ReadDone, Segment, TransportKind, WriteDone};
+use crate::fabric::{ConnId, Endpoint, FabricEvents, Segment, TransportKind, WriteDone};
 
 /// A connected sender. Only handed out once the receiver accepted, so
 /// every data-path method has a live remote arena behind it.
@@ -108,11 +108,6 @@ impl Endpoint for VerbsEndpoint {
 
     fn write_imm(&self, remote_off: u64, segs: Vec<Segment>, imm: u32, done: WriteDone) {
         let acts = self.conn.write_imm(remote_off, segs, imm, done);
-        progress::run_actions(&self.shared, &self.conn, acts);
-    }
-
-    fn read(&self, remote_off: u64, len: usize, done: ReadDone) {
-        let acts = self.conn.read(remote_off, len, done);
         progress::run_actions(&self.shared, &self.conn, acts);
     }
 

@@ -45,10 +45,14 @@ impl ListenerShared {
             )));
         }
         device::memlock_check(len as u64 + (super::MIN_MEMLOCK_BYTES / 2), "the receive arena")?;
-        // SAFETY: the arena mapping lives as long as `self.arena`, which
-        // this listener holds; the MR is dropped (in close_listener and with
-        // the last connection holding it) before the listener goes.
-        let mr = unsafe { Mr::register(&dev.pd, self.arena.as_ptr(), len, ACCESS_REMOTE)? };
+        // The arena's own pages through a mapping that is never remapped
+        // (shm senders' windows are mapped over ranges of the main one;
+        // see fabric/arena.rs), so a verbs peer never reaches their pages.
+        let base = self.arena.registration_base()?;
+        // SAFETY: that mapping lives as long as `self.arena`, which this
+        // listener holds; the MR is dropped (in close_listener and with the
+        // last connection holding it) before the listener goes.
+        let mr = unsafe { Mr::register(&dev.pd, base, len, ACCESS_REMOTE)? };
         let mr = Arc::new(mr);
         mrs.insert(self.token, mr.clone());
         Ok(mr)
@@ -122,6 +126,15 @@ impl Listener for VerbsListener {
         let acts = c.send_msg(MSG_USER, msg.to_vec())?;
         progress::run_actions(&self.shared, &c, acts);
         Ok(())
+    }
+
+    fn grant(&self, conn: ConnId, off: u64, len: u64) -> Result<bool> {
+        if !self.lst.conns.lock().contains(&conn) {
+            return Ok(false);
+        }
+        // The NIC writes the registered base pages: show those there.
+        self.lst.arena.show(off as usize, len as usize, None)?;
+        Ok(true)
     }
 
     fn close_conn(&self, conn: ConnId) {

@@ -13,10 +13,9 @@ use crate::error::{Error, Result};
 pub const ACCESS_LOCAL_READ: u32 = 0;
 /// Access for memory the NIC writes locally (receives, read targets).
 pub const ACCESS_LOCAL_WRITE: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
-/// Access for the receive arena: peers write and read it.
-pub const ACCESS_REMOTE: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
-    | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
-    | ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+/// Access for the receive arena: peers write it. No remote read: nothing
+/// in the protocol reads a peer's memory, so no peer can read ours.
+pub const ACCESS_REMOTE: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
 
 /// A registered memory region. Holds its PD (and so the context) alive.
 pub struct Mr {

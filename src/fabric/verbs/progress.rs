@@ -22,6 +22,7 @@ use super::device::{self, Context, Device};
 use super::listener::ListenerShared;
 use super::VerbsOptions;
 
+mod dereg;
 mod events;
 use events::on_cm_event;
 use crate::error::{Error, Result};
@@ -79,6 +80,7 @@ impl Runtime {
             .name("rdev-verbs".into())
             .spawn(move || {
                 *sh.thread.lock() = Some(std::thread::current().id());
+                crate::fabric::mark_event_thread();
                 // A panic here must not unwind into libibverbs or kill TF.
                 if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&sh))).is_err() {
                     log::error!("verbs: progress thread panicked; connections are lost");
@@ -209,8 +211,13 @@ impl Shared {
 pub(crate) fn run_actions(sh: &Arc<Shared>, c: &Arc<Conn>, acts: Vec<Action>) {
     for a in acts {
         match a {
-            Action::WriteDone(d, r) => d(r),
-            Action::ReadDone(d, r) => d(r),
+            Action::WriteDone(f) => {
+                if f.registered() && sh.on_progress_thread() {
+                    dereg::later(f);
+                } else {
+                    f.run();
+                }
+            }
             Action::Imm(imm) => c.events.on_write_imm(c.id, imm),
             Action::Message(m) => c.events.on_message(c.id, &m),
             Action::Disconnect(e) => c.events.on_disconnect(c.id, e),

@@ -94,14 +94,6 @@ impl Conn {
             let chunk_ptr = staging_chunk.and_then(|c| inner.slab.as_ref().map(|s| s.chunk_buf(c)));
             let Some(op) = inner.ops[slot as usize].op.as_mut() else { return Ok(true) };
             let (wr_id, opcode, sge, remote, imm, last) = match op {
-                Op::Read(r) => {
-                    if r.posted {
-                        return Ok(true);
-                    }
-                    r.posted = true;
-                    let sge = r.mr.as_ref().map(|m| ibv_sge { addr: m.addr, length: r.buf.len() as u32, lkey: m.lkey });
-                    (wr::encode(WrKind::Read, gen, slot), ibv_wr_opcode::IBV_WR_RDMA_READ, sge, rbase + r.remote_off, 0, true)
-                }
                 Op::Write(w) => {
                     // Skip empty segments so the cursor points at real bytes.
                     while w.seg < w.segs.len() && w.seg_off >= (*w.segs[w.seg]).as_ref().len() {

@@ -193,9 +193,12 @@ fn on_connect_request(sh: &Arc<Shared>, ev: cm::Event) {
         lst.conns.lock().insert(id);
         let ours = mtu_of(&dev, &inner);
         log::debug!("verbs: conn {id} accepted on {gid}, MTU ours {ours} peer's {}", peer.mtu);
+        // The arena's address and key go out only with the answer to the
+        // sender's hello, once the node accepted it (`Conn::accept_ok`):
+        // a peer that is refused never learns where or how to write.
         let acc = AcceptData {
-            arena_addr: mr.addr,
-            arena_rkey: mr.rkey,
+            arena_addr: 0,
+            arena_rkey: 0,
             arena_len: mr.len as u64,
             mtu: ours,
             recv_depth: c.sizing.n_recv,
