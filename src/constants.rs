@@ -3,8 +3,8 @@
 
 /// Largest control message a backend must carry. Control traffic is small
 /// (publications, credits, announcements); bulk data never goes this way
-/// except the chunked inline fallback, which splits to this size. 64 KiB
-/// fits comfortably in a few pre-posted verbs receive buffers.
+/// except the last-resort message stream (`STREAM_MSG_BYTES`). 64 KiB fits
+/// comfortably in a few pre-posted verbs receive buffers.
 pub const MAX_MSG_BYTES: usize = 64 * 1024;
 
 /// Bytes reserved at the start of each receive slot for the tensor header
@@ -14,7 +14,8 @@ pub const MAX_MSG_BYTES: usize = 64 * 1024;
 pub const HEADER_BYTES: usize = 256;
 
 /// Most dimensions a header can describe: (256 - 64 fixed bytes) / 8.
-/// Tensors of higher rank take the inline path.
+/// Tensors of higher rank take the streamed path (their shape travels in
+/// `Msg::StreamBegin`, which has no such limit).
 pub const MAX_DIMS: usize = 24;
 
 /// Slots start on page boundaries: simplest way to guarantee alignment
@@ -26,9 +27,45 @@ pub const SLOT_ALIGN: usize = 4096;
 /// one receiver (bounded by `max_outstanding_writes`, at most 4096).
 pub const RING_ENTRIES: usize = 8192;
 
-/// Inline (fallback) data is sent in chunks of at most this many payload
-/// bytes, leaving room for the chunk's own framing within MAX_MSG_BYTES.
-pub const INLINE_CHUNK_BYTES: usize = MAX_MSG_BYTES - 1024;
+/// Streamed tensors (bigger than a slot the receiver can place, rank >
+/// MAX_DIMS, or an edge that cannot grow) are cut into chunks of at most
+/// this many bytes, each one one-sided write into one of a few per-link
+/// "stream slots" of this capacity (see `rendezvous::stream`). 16 MiB: a
+/// write that size takes ~2-4 ms on shm and ~1.3 ms at 100 Gb/s, so the
+/// per-chunk round trip (write, immediate, copy-out, credit: tens of µs) is
+/// a few percent; far below verbs' MAX_WR_BYTES (1 GiB), so a chunk is one
+/// work request; and a link's working set (STREAM_SLOTS chunks) stays small.
+pub const STREAM_CHUNK_BYTES: u64 = 16 << 20;
+
+/// Stream slots placed per link (on its first streamed tensor, kept for the
+/// link's life). Two would keep one slot filling while the other drains;
+/// four keep the sender writing while the receiver copies out and while
+/// credits are in flight, at a working set of 4 chunks per link.
+pub const STREAM_SLOTS: usize = 4;
+
+/// A link's stream slots take at most 1/STREAM_ARENA_FRACTION of the arena
+/// (so with the 1 GiB default they are the full 16 MiB; a 64 MiB arena gets
+/// 2 MiB chunks). Several sender links may stream at once; what remains
+/// serves ordinary edges.
+pub const STREAM_ARENA_FRACTION: u64 = 8;
+
+/// Smallest useful stream slot: below this (a tiny or full arena) the
+/// stream goes through control messages instead.
+pub const STREAM_MIN_CHUNK: u64 = 64 << 10;
+
+/// Last resort, when not even stream slots can be placed: the stream's
+/// chunks travel as `Msg::StreamData` of at most this many bytes, leaving
+/// room for the message's own framing within MAX_MSG_BYTES.
+pub const STREAM_MSG_BYTES: usize = MAX_MSG_BYTES - 1024;
+
+/// Such messages a sender keeps unacknowledged per stream (the receiver acks
+/// each once copied): 1 MiB in flight, a bounded working set and far below
+/// the verbs backend's queue limit (MAX_QUEUED_WORK).
+pub const STREAM_MSG_WINDOW: u32 = 16;
+
+/// Largest tensor a receiver accepts as a stream (it allocates the whole
+/// tensor once the stream begins); bigger ones are refused with an error.
+pub const MAX_STREAM_TOTAL: u64 = 1 << 36;
 
 /// Steps remembered as finished, so late pushes for them are dropped
 /// instead of waiting forever. TF keeps few steps in flight; 4096 covers
@@ -39,8 +76,9 @@ pub const FINISHED_STEPS_REMEMBERED: usize = 4096;
 pub const MAGIC: u32 = 0x5244_4556;
 
 /// Wire protocol version: both handshakes carry it; a mismatch is refused
-/// with a clear error instead of misparsing.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// with a clear error instead of misparsing. 3: streamed tensors (chunk
+/// headers, `Stream*` messages) replace the inline messages.
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Upper bound of the adaptive spin window of a progress thread. While
 /// small writes keep arriving, the thread polls for twice the recent gap
@@ -54,6 +92,6 @@ pub const MAX_ADAPTIVE_SPIN_US: u64 = 200;
 /// Most slots one edge may hold. An edge starts with RDMA_DEVICE_SLOTS_PER_EDGE
 /// slots and grows by one whenever all are busy (arrived, or lent to an
 /// application that keeps received tensors alive); past this bound the
-/// sender takes the inline path instead of waiting for a credit that may
+/// sender streams the tensor instead of waiting for a credit that may
 /// never come.
 pub const MAX_SLOTS_PER_EDGE: usize = 64;

@@ -142,7 +142,7 @@ fn a_stale_write_fails_the_link() {
     let s = slots[0];
     let waiter = recv_async(&b, EVIL, "s", 1);
     // A header from another life of the sender (incarnation 8, not 7).
-    let h = rdma_device::rendezvous::SlotHeader { edge_id, slot: s.id, gen: s.gen, incarnation: 8, step: 1, len: 8, meta: meta(2) };
+    let h = rdma_device::rendezvous::SlotHeader { edge_id, slot: s.id, gen: s.gen, incarnation: 8, step: 1, len: 8, meta: meta(2), chunk: None };
     let (tx, rx) = std::sync::mpsc::channel();
     ep.write_imm(s.offset, vec![Box::new(h.encode())], s.id, Box::new(move |r| tx.send(r).unwrap()));
     rx.recv_timeout(Duration::from_secs(5)).unwrap().unwrap();

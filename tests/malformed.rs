@@ -94,11 +94,18 @@ fn hostile_inputs_are_rejected_without_panics() {
     let reply = evs.iter().find_map(|x| if let Ev::Msg(_, m) = x { Some(Msg::decode(m).unwrap()) } else { None }).unwrap();
     assert!(matches!(reply, Msg::NoSpace { .. }), "{reply:?}");
 
-    // 4. Inline data claiming an absurd total, or arriving out of order.
-    ep.send_msg(&Msg::Inline { key: "i".into(), step: 1, meta: TensorMeta::default(), total: u64::MAX, offset: 0, bytes: vec![1] }.encode()).unwrap();
+    // 4. A stream claiming an absurd total: refused with a reason, the
+    // connection survives. Stream data out of order, or of a stream never
+    // begun, closes it.
+    ep.send_msg(&Msg::StreamBegin { stream: 1, key: "i".into(), step: 1, meta: TensorMeta::default(), total: u64::MAX }.encode()).unwrap();
+    let evs = ev.wait_for("a refusal", |e| e.iter().filter(|x| matches!(x, Ev::Msg(..))).count() >= 2);
+    let refused = evs.iter().filter_map(|x| if let Ev::Msg(_, m) = x { Msg::decode(m).ok() } else { None }).any(|m| matches!(m, Msg::StreamReady { outcome: rdma_device::rendezvous::wire::STREAM_REFUSED, .. }));
+    assert!(refused, "{evs:?}");
+    ep.send_msg(&Msg::StreamData { stream: 7, offset: 0, bytes: vec![1] }.encode()).unwrap();
     closed(&ev);
     let (ep, ev) = evil(&f);
-    ep.send_msg(&Msg::Inline { key: "i".into(), step: 1, meta: TensorMeta::default(), total: 10, offset: 5, bytes: vec![1] }.encode()).unwrap();
+    ep.send_msg(&Msg::StreamBegin { stream: 1, key: "i".into(), step: 1, meta: TensorMeta::default(), total: 10 }.encode()).unwrap();
+    ep.send_msg(&Msg::StreamData { stream: 1, offset: 5, bytes: vec![1] }.encode()).unwrap();
     closed(&ev);
 
     // 5. Writes into slots never published, and with a forged header.
@@ -114,7 +121,7 @@ fn hostile_inputs_are_rejected_without_panics() {
         panic!("expected a publish")
     };
     let s = slots[0];
-    let forged = SlotHeader { edge_id, slot: s.id, gen: s.gen, incarnation: 7, step: 1, len: s.capacity + 1, meta: TensorMeta::default() };
+    let forged = SlotHeader { edge_id, slot: s.id, gen: s.gen, incarnation: 7, step: 1, len: s.capacity + 1, meta: TensorMeta::default(), chunk: None };
     let (tx, rx) = std::sync::mpsc::channel();
     ep.write_imm(s.offset, vec![Box::new(forged.encode())], s.id, Box::new(move |r| tx.send(r).unwrap()));
     rx.recv_timeout(Duration::from_secs(5)).unwrap().unwrap();

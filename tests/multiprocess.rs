@@ -103,45 +103,64 @@ fn child_exchange(me: usize, ports: &[u16], edges: usize, steps: u64, seed: u64)
     ))
 }
 
-/// Child: send big tensors to task 1 forever (the parent kills someone).
+/// What the stream roles move, from the environment: tensor bytes
+/// (RDEV_BYTES, 4 MiB), arena (RDEV_ARENA, the test default), steps
+/// (RDEV_STEPS, unbounded), the step after which to say PROGRESS (20).
+fn stream_setup() -> (usize, rdma_device::config::Config, u64, u64) {
+    let env = |k: &str, d: u64| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let mut cfg = small_config();
+    cfg.arena_bytes = env("RDEV_ARENA", cfg.arena_bytes as u64) as usize;
+    (env("RDEV_BYTES", 4 << 20) as usize, cfg, env("RDEV_STEPS", u64::MAX), env("RDEV_PROGRESS_AT", 20))
+}
+
+/// Child: send big tensors to task 1 (until killed, or RDEV_STEPS).
 fn child_stream_sender(ports: &[u16]) -> Result<String, String> {
-    let node = Node::new(small_config(), &task(0), &format!("localhost:{}", ports[0])).map_err(|e| e.to_string())?;
+    let (bytes, cfg, steps, progress_at) = stream_setup();
+    let node = Node::new(cfg, &task(0), &format!("localhost:{}", ports[0])).map_err(|e| e.to_string())?;
     node.add_peer(&task(1), &format!("localhost:{}", ports[1]));
     barrier();
-    for step in 1.. {
+    let early = std::env::var("RDEV_PROGRESS_EARLY").is_ok();
+    for step in 1..=steps {
+        let data = pattern(step, bytes);
         let t0 = Instant::now();
-        match send_wait(&node, &task(1), "stream", step, TensorMeta { dtype: 1, flags: 0, dims: vec![1 << 20] }, pattern(step, 4 << 20)) {
+        if early && step == progress_at {
+            // The parent kills us while this tensor is on its way.
+            println!("PROGRESS");
+        }
+        match send_wait(&node, &task(1), "stream", step, TensorMeta { dtype: 1, flags: 0, dims: vec![bytes as i64 / 4] }, data) {
             Ok(()) => {
-                if step == 20 {
+                if step == progress_at && !early {
                     println!("PROGRESS");
                 }
             }
             Err(e) => return Ok(format!("SEND_ERROR after {} ms: {e}", t0.elapsed().as_millis())),
         }
     }
-    unreachable!()
+    let c = node.counters();
+    Ok(format!("sent {steps}, streamed {}, chunks {}", c.inline_tensors, c.stream_chunks))
 }
 
 /// Child: receive the stream; report how fast a failure surfaces.
 fn child_stream_receiver(ports: &[u16]) -> Result<String, String> {
-    let node = Node::new(small_config(), &task(1), &format!("localhost:{}", ports[1])).map_err(|e| e.to_string())?;
+    let (bytes, cfg, steps, progress_at) = stream_setup();
+    let node = Node::new(cfg, &task(1), &format!("localhost:{}", ports[1])).map_err(|e| e.to_string())?;
     node.add_peer(&task(0), &format!("localhost:{}", ports[0]));
     barrier();
-    for step in 1.. {
+    for step in 1..=steps {
         let t0 = Instant::now();
         match recv_wait(&node, &task(0), "stream", step) {
             Ok(l) => {
-                if checksum(l.bytes()) != checksum(&pattern(step, 4 << 20)) {
+                if l.len() != bytes || checksum(l.bytes()) != checksum(&pattern(step, bytes)) {
                     return Err(format!("corrupt tensor at step {step}"));
                 }
-                if step == 20 {
+                if step == progress_at {
                     println!("PROGRESS");
                 }
             }
             Err(e) => return Ok(format!("RECV_ERROR after {} ms: {e}", t0.elapsed().as_millis())),
         }
     }
-    unreachable!()
+    Ok(format!("received {steps} intact"))
 }
 
 /// Child: says it listens, then waits for the parent's go. Every task
@@ -268,14 +287,57 @@ fn kill(c: &mut Child) {
     let _ = c.wait();
 }
 
-/// SIGKILL the sender mid-stream: the receiver's pending recv fails < 5 s.
-fn sender_killed_mid_transfer() -> Result<(), String> {
+/// Tensors larger than the receiver's whole arena (streamed through its
+/// stream slots) between two processes, checked byte for byte.
+fn streamed_tensors_between_processes() -> Result<(), String> {
     let ports = [free_port(), free_port()];
-    let mut s = spawn("stream-sender", 0, &ports, &[]);
-    let mut r = spawn("stream-receiver", 1, &ports, &[]);
+    let env = [("RDEV_BYTES", (200 << 20).to_string()), ("RDEV_ARENA", (16 << 20).to_string()), ("RDEV_STEPS", "3".to_string())];
+    let mut s = spawn("stream-sender", 0, &ports, &env);
+    let mut r = spawn("stream-receiver", 1, &ports, &env);
     let (so, ro) = (lines(&mut s), lines(&mut r));
     release(&mut [&mut s, &mut r], &[&so, &ro])?;
-    wait_line(&ro, "PROGRESS", Duration::from_secs(60))?;
+    let res = wait_line(&ro, "RESULT", Duration::from_secs(120)).and_then(|rl| Ok((rl, wait_line(&so, "RESULT", Duration::from_secs(30))?)));
+    kill(&mut s);
+    kill(&mut r);
+    let (rl, sl) = res?;
+    println!("  receiver: {rl}; sender: {sl}");
+    // 3 tensors of 200 MiB in chunks of (16 MiB / 32 - header) bytes.
+    let chunks = 3 * (200u64 << 20).div_ceil((16 << 20) / 32 - 256);
+    if !sl.contains(&format!("streamed 3, chunks {chunks}")) {
+        return Err(format!("expected 3 streamed tensors in {chunks} chunks: {sl}"));
+    }
+    Ok(())
+}
+
+/// SIGKILL the sender mid-stream: the receiver's pending recv fails < 5 s.
+fn sender_killed_mid_transfer() -> Result<(), String> {
+    sender_killed(&[])
+}
+
+/// The same while a tensor larger than the arena is being streamed (the
+/// sender says PROGRESS as it starts sending it: 512 MiB take ~0.3-1.3 s).
+fn sender_killed_mid_stream() -> Result<(), String> {
+    let env = [
+        ("RDEV_BYTES", (512 << 20).to_string()),
+        ("RDEV_ARENA", (16 << 20).to_string()),
+        ("RDEV_PROGRESS_AT", "1".to_string()),
+        ("RDEV_PROGRESS_EARLY", "1".to_string()),
+    ];
+    sender_killed(&env)
+}
+
+fn sender_killed(env: &[(&str, String)]) -> Result<(), String> {
+    let ports = [free_port(), free_port()];
+    let mut s = spawn("stream-sender", 0, &ports, env);
+    let mut r = spawn("stream-receiver", 1, &ports, env);
+    let (so, ro) = (lines(&mut s), lines(&mut r));
+    release(&mut [&mut s, &mut r], &[&so, &ro])?;
+    if env.iter().any(|(k, _)| *k == "RDEV_PROGRESS_EARLY") {
+        wait_line(&so, "PROGRESS", Duration::from_secs(60))?;
+        std::thread::sleep(Duration::from_millis(100));
+    } else {
+        wait_line(&ro, "PROGRESS", Duration::from_secs(60))?;
+    }
     let t0 = Instant::now();
     kill(&mut s);
     let l = wait_line(&ro, "RESULT", Duration::from_secs(5));
@@ -320,6 +382,8 @@ fn main() {
         ("two_processes_exchange_thousands", two_processes_exchange_thousands),
         ("three_processes_exchange_thousands", three_processes_exchange_thousands),
         ("sender_killed_mid_transfer", sender_killed_mid_transfer),
+        ("streamed_tensors_between_processes", streamed_tensors_between_processes),
+        ("sender_killed_mid_stream", sender_killed_mid_stream),
         ("receiver_killed_mid_transfer", receiver_killed_mid_transfer),
     ];
     let (mut passed, mut failed) = (0, 0);

@@ -41,6 +41,7 @@ mod handoff;
 mod lease;
 mod peers;
 mod pool;
+mod stream;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -285,7 +286,7 @@ impl Drop for Node {
 fn abandon(a: Action) {
     let gone = || Error::Aborted("transport shut down".into());
     match a {
-        Action::Write { done, .. } | Action::Inline { done, .. } => done(Err(gone())),
+        Action::Write { done, .. } => done(Err(gone())),
         Action::SendDone { done, result } => done(result),
         Action::Deliver { done, result } => done(result),
         _ => {}
@@ -463,6 +464,8 @@ impl Inner {
             (&c.bytes_received, t.bytes_received),
             (&c.inline_tensors, t.inline_tensors),
             (&c.inline_bytes, t.inline_bytes),
+            (&c.stream_chunks, t.stream_chunks),
+            (&c.stream_messages, t.stream_messages),
             (&c.negotiation_messages, t.negotiation_messages),
             (&c.credits_sent, t.credits_sent),
             (&c.edges_static, t.edges_static),
@@ -537,7 +540,10 @@ impl Inner {
     fn exec(&self, acts: Vec<Action>) {
         let on_event_thread = fabric::on_event_thread();
         for a in acts {
-            if on_event_thread && matches!(a, Action::Write { .. } | Action::Inline { .. } | Action::Deliver { .. } | Action::SendDone { .. }) {
+            // Stream chunk writes and slot copies go to the rdev-stream pool
+            // themselves; a message-borne chunk is copied here, so it moves.
+            let copies = matches!(a, Action::SendChunk { .. } | Action::CopyChunk { src: rendezvous::ChunkSrc::Bytes(_), .. });
+            if on_event_thread && (copies || matches!(a, Action::Write { .. } | Action::Deliver { .. } | Action::SendDone { .. })) {
                 // Not on a backend's event thread: see handoff.rs.
                 let me = self.me.clone();
                 self.handoff.run(move || match me.upgrade() {
@@ -584,11 +590,10 @@ impl Inner {
                         }),
                     );
                 }
-                Action::Inline { link, key, step, meta, payload, done } => {
-                    let msgs = rendezvous::inline_messages(&key, step, &meta, payload.bytes());
-                    let res = msgs.iter().try_for_each(|m| self.send_msg(link, m));
-                    done(res);
-                }
+                Action::WriteChunk { link, stream, offset, header, payload, imm } => self.write_chunk(link, stream, offset, header, payload, imm),
+                Action::SendChunk { link, stream, offset, payload } => self.send_chunk(link, stream, offset, payload),
+                Action::StreamAlloc { link, stream, total } => self.stream_alloc(link, stream, total),
+                Action::CopyChunk { link, stream, src, len, dst, at } => self.copy_chunk(link, stream, src, len, dst, at),
                 Action::Send { link, msg } => {
                     log::trace!("{}: send on {link}: {msg:?}", self.task);
                     if let Err(e) = self.send_msg(link, &msg) {

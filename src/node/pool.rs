@@ -4,7 +4,10 @@
 //! - [`CONNECT`] (`rdev-connect-N`): connecting to a peer and sending what
 //!   queued for it, and watching a peer we only receive from;
 //! - [`PLACE`] (`rdev-place-N`): placing an edge on another task's behalf
-//!   (`PlaceFor`), which waits for the receiver's answer.
+//!   (`PlaceFor`), which waits for the receiver's answer;
+//! - [`STREAM`] (`rdev-stream-N`): the chunk writes and copies of streamed
+//!   tensors (memcpys of up to 16 MiB; a shm write may also wait for ring
+//!   space, 10 s at most).
 //!
 //! Each pool is a fixed number of named threads, started on first use and
 //! kept for the process's life, with an unbounded queue in front: queueing
@@ -33,6 +36,9 @@ pub(super) struct Pool {
 pub(super) static CONNECT: Pool = Pool::new("rdev-connect", 4);
 /// Placements on another task's behalf.
 pub(super) static PLACE: Pool = Pool::new("rdev-place", 4);
+/// Chunk writes and copies of streamed tensors: at most STREAM_SLOTS of
+/// each per link are queued at once.
+pub(super) static STREAM: Pool = Pool::new("rdev-stream", 4);
 
 impl Pool {
     const fn new(name: &'static str, threads: usize) -> Pool {

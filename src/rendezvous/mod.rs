@@ -3,7 +3,7 @@
 //! Owns: edges (a rendezvous key without its step), the receiver's slots and
 //! their placement in the arena, the sender's view of free slots, matching
 //! arrivals to receives on (edge, step), credits, re-placement on size
-//! change, the inline fallback, aborts and generations. Must not touch:
+//! change, streamed tensors (see [`stream`]), aborts and generations. Must not touch:
 //! memory, threads, sockets or any transport type. Every input is a method
 //! call; every effect is an [`Action`] the caller executes after releasing
 //! its lock (so callbacks may call back in).
@@ -18,9 +18,11 @@
 pub mod alloc;
 mod rpc;
 mod rx;
+pub mod stream;
 mod tx;
 pub use rx::SlotMemory;
-pub use tx::{inline_messages, Placement};
+pub use stream::{stream_chunk_bytes, ChunkSrc, PayloadRange, StreamBuf, STREAM_KEY};
+pub use tx::Placement;
 pub mod wire;
 #[cfg(test)]
 mod rpc_tests;
@@ -28,10 +30,11 @@ mod rpc_tests;
 mod tests;
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 
 use crate::constants::FINISHED_STEPS_REMEMBERED;
 use crate::error::{Error, Result};
-pub use wire::{Hello, Msg, SlotDesc, SlotHeader, TensorMeta, FLAG_DEAD, FLAG_SERIALIZED, STEP_AHEAD};
+pub use wire::{ChunkAt, Hello, Msg, SlotDesc, SlotHeader, TensorMeta, FLAG_DEAD, FLAG_SERIALIZED, STEP_AHEAD};
 
 /// A connection, as the protocol knows it (the fabric's id, opaque here).
 pub type LinkId = u64;
@@ -57,7 +60,7 @@ pub enum Data {
     /// In place in the arena: `offset..offset+len`. Release with
     /// [`Rendezvous::release`] (`link`, `slot`, `gen`) when done.
     Slot { link: LinkId, slot: u32, gen: u32, offset: u64, len: u64 },
-    /// Assembled from inline messages.
+    /// Assembled from a stream (the tensor did not go through one slot).
     Owned(Vec<u8>),
 }
 
@@ -73,8 +76,22 @@ pub enum Action {
     /// arena, then immediate `imm`. When it completes, call
     /// [`Rendezvous::write_done`] and then `done`.
     Write { link: LinkId, offset: u64, header: Vec<u8>, payload: Box<dyn Payload>, imm: u32, done: SendDone, bytes: u64 },
-    /// Send `payload` as chunked `Msg::Inline` messages, then call `done`.
-    Inline { link: LinkId, key: String, step: u64, meta: TensorMeta, payload: Box<dyn Payload>, done: SendDone },
+    /// One chunk of stream `stream`: a one-sided write like `Write`, off
+    /// the caller's thread if it is large. When it completes, call
+    /// [`Rendezvous::chunk_written`] with its result.
+    WriteChunk { link: LinkId, stream: u32, offset: u64, header: Vec<u8>, payload: Box<dyn Payload>, imm: u32 },
+    /// Last resort: send `payload` (a range of stream `stream` at `offset`)
+    /// as one `Msg::StreamData` (encoded outside the lock; a failure to send
+    /// fails the link, as for `Send`).
+    SendChunk { link: LinkId, stream: u32, offset: u64, payload: Box<dyn Payload> },
+    /// Allocate the zeroed destination of stream `stream` (`total` bytes;
+    /// failure is a value, never an abort), then call
+    /// [`Rendezvous::stream_alloc_done`].
+    StreamAlloc { link: LinkId, stream: u32, total: u64 },
+    /// Copy `len` bytes from `src` into `dst` at `at`, off any progress
+    /// thread when large, drop `dst`, then call
+    /// [`Rendezvous::chunk_copied`]. A slot source stays ours until then.
+    CopyChunk { link: LinkId, stream: u32, src: ChunkSrc, len: u64, dst: Arc<StreamBuf>, at: u64 },
     /// Send a control message on `link`.
     Send { link: LinkId, msg: Msg },
     /// Close `link` (protocol violation).
@@ -96,7 +113,12 @@ impl std::fmt::Debug for Action {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Action::Write { link, offset, imm, bytes, .. } => write!(f, "Write(link {link}, off {offset}, imm {imm}, {bytes} B)"),
-            Action::Inline { link, key, step, .. } => write!(f, "Inline(link {link}, {key}, step {step})"),
+            Action::WriteChunk { link, stream, offset, imm, payload, .. } => {
+                write!(f, "WriteChunk(link {link}, stream {stream}, off {offset}, imm {imm}, {} B)", payload.bytes().len())
+            }
+            Action::SendChunk { link, stream, offset, payload } => write!(f, "SendChunk(link {link}, stream {stream}, at {offset}, {} B)", payload.bytes().len()),
+            Action::StreamAlloc { link, stream, total } => write!(f, "StreamAlloc(link {link}, stream {stream}, {total} B)"),
+            Action::CopyChunk { link, stream, len, at, .. } => write!(f, "CopyChunk(link {link}, stream {stream}, {len} B at {at})"),
             Action::Send { link, msg } => write!(f, "Send(link {link}, {msg:?})"),
             Action::Close { link, why } => write!(f, "Close(link {link}, {why})"),
             Action::SendDone { result, .. } => write!(f, "SendDone({result:?})"),
@@ -127,8 +149,14 @@ pub struct Tally {
     pub bytes_pushed: u64,
     pub tensors_received: u64,
     pub bytes_received: u64,
+    /// Tensors (bytes) the sender streamed: bigger than any slot the
+    /// receiver could place, rank > MAX_DIMS, or an edge that cannot grow.
     pub inline_tensors: u64,
     pub inline_bytes: u64,
+    /// Chunks of streamed tensors written into stream slots.
+    pub stream_chunks: u64,
+    /// Chunks sent as control messages (no room for stream slots).
+    pub stream_messages: u64,
     pub negotiation_messages: u64,
     pub credits_sent: u64,
     pub edges_static: u64,
@@ -151,6 +179,8 @@ impl Tally {
         self.bytes_received += o.bytes_received;
         self.inline_tensors += o.inline_tensors;
         self.inline_bytes += o.inline_bytes;
+        self.stream_chunks += o.stream_chunks;
+        self.stream_messages += o.stream_messages;
         self.negotiation_messages += o.negotiation_messages;
         self.credits_sent += o.credits_sent;
         self.edges_static += o.edges_static;
@@ -168,6 +198,9 @@ impl Tally {
 enum Entry {
     Waiting { peer: String, done: RecvDone },
     Ready(Received),
+    /// The tensor will not come (its stream was refused or abandoned): the
+    /// receive fails with this error when it is made.
+    Failed(Error),
 }
 
 pub struct Rendezvous {
@@ -252,7 +285,11 @@ impl Rendezvous {
             let _ = writeln!(o, "rx link {l} ← {}: {}", r.peer, r.describe());
         }
         for ((k, s), e) in &self.table {
-            let what = match e { Entry::Waiting { peer, .. } => format!("waiting on {peer}"), Entry::Ready(_) => "ready".into() };
+            let what = match e {
+                Entry::Waiting { peer, .. } => format!("waiting on {peer}"),
+                Entry::Ready(_) => "ready".into(),
+                Entry::Failed(e) => format!("failed: {e}"),
+            };
             let _ = writeln!(o, "table ({k}, {s}): {what}");
         }
         let quarantined: u64 = self.quarantine.values().flatten().map(|(_, b)| b).sum();
@@ -290,9 +327,12 @@ impl Rendezvous {
             (Msg::PlaceDone { req, outcome, error }, _, _) => Ok(vec![Action::PlaceDone { req, outcome, error }]),
             (Msg::Announce { key, step, need, returned }, _, true) => self.rx_announce(link, key, step, need, returned),
             (Msg::ReturnSlot { slot, gen }, _, true) => self.rx_return(link, slot, gen),
-            (Msg::Inline { key, step, meta, total, offset, bytes }, _, true) => {
-                self.rx_inline(link, key, step, meta, total, offset, bytes)
-            }
+            (Msg::StreamReady { stream, outcome, error }, true, _) => self.tx_stream_ready(link, stream, outcome, error),
+            (Msg::StreamAck { stream }, true, _) => self.tx_stream_ack(link, stream),
+            (Msg::StreamCancel { stream }, true, _) => Ok(self.tx_stream_cancel(link, stream)),
+            (Msg::StreamBegin { stream, key, step, meta, total }, _, true) => self.rx_stream_begin(link, stream, key, step, meta, total),
+            (Msg::StreamData { stream, offset, bytes }, _, true) => self.rx_stream_data(link, stream, offset, bytes),
+            (Msg::StreamCancel { stream }, _, true) => Ok(self.rx_stream_cancel(link, stream)),
             (m, _, _) => Err(Error::Protocol(format!("unexpected message on link {link}: {m:?}"))),
         };
         r.unwrap_or_else(|e| vec![Action::Close { link, why: e }])
@@ -371,12 +411,11 @@ impl Rendezvous {
                 }
             }
         }
-        for t in self.tx.values_mut() {
-            acts.extend(t.fail_step(step, &why));
+        for (link, t) in self.tx.iter_mut() {
+            acts.extend(t.fail_step(*link, step, &why));
         }
-        for r in self.rx.values_mut() {
-            r.inline.retain(|(_, s), _| *s != step);
-        }
+        self.table.retain(|(_, s), e| *s != step || !matches!(e, Entry::Failed(_)));
+        acts.extend(self.rx_discard_streams(step));
         for reqs in self.unsent_requests.values_mut() {
             reqs.retain(|(_, s)| *s != step);
         }
@@ -414,7 +453,7 @@ impl Rendezvous {
         let why = Error::Aborted(format!("{peer} aborted step {step}: {reason}"));
         let mut acts = self.fail_waiters(|p, s| p == peer && s == step, &why);
         if let Some(t) = self.tx.get_mut(&link) {
-            acts.extend(t.fail_step(step, &why));
+            acts.extend(t.fail_step(link, step, &why));
         }
         let k = (peer, step);
         if self.peer_aborts.insert(k.clone(), why.message().to_string()).is_none() {

@@ -1,13 +1,14 @@
 //! The receiver's half: per sender link, edges and their slots in the
-//! arena; arrivals matched to receives; credits; re-placement; inline
-//! assembly.
+//! arena; arrivals matched to receives; credits; re-placement. Streamed
+//! tensors (the receiver's part) are in `stream.rs`.
 
 use std::collections::HashMap;
 
+use super::stream::{RxStream, STREAM_KEY};
 use super::{Action, Data, Entry, LinkId, Received, RecvDone, Rendezvous};
 use crate::constants::HEADER_BYTES;
 use crate::error::{Error, Result};
-use crate::rendezvous::wire::{Msg, SlotDesc, SlotHeader, TensorMeta};
+use crate::rendezvous::wire::{Msg, SlotDesc, SlotHeader};
 
 /// Read access to slot headers in the arena (the caller owns the memory).
 pub trait SlotMemory {
@@ -15,55 +16,52 @@ pub trait SlotMemory {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Token {
+pub(super) enum Token {
     AtSender,
     AtReceiver,
 }
 
-struct RxSlot {
-    edge_id: u32,
-    gen: u32,
-    offset: u64,
+pub(super) struct RxSlot {
+    pub(super) edge_id: u32,
+    pub(super) gen: u32,
+    pub(super) offset: u64,
     /// Bytes reserved in the arena (header + payload capacity).
-    reserved: u64,
-    capacity: u64,
-    token: Token,
+    pub(super) reserved: u64,
+    pub(super) capacity: u64,
+    pub(super) token: Token,
     /// No longer in the edge's current set: free it when we get the token.
-    retired: bool,
+    pub(super) retired: bool,
     /// With us and handed to the application (not merely arrived).
-    lent: bool,
+    pub(super) lent: bool,
 }
 
-struct RxEdge {
-    key: String,
-    set: Vec<u32>,
+pub(super) struct RxEdge {
+    pub(super) key: String,
+    pub(super) set: Vec<u32>,
     /// Logical time of the last arrival (for choosing cold edges).
-    last_used: u64,
+    pub(super) last_used: u64,
     /// A Revoke is out for this edge's slots.
-    revoking: bool,
+    pub(super) revoking: bool,
     /// The sender asked for one more slot of this size while we were
     /// merely behind (arrivals not yet taken); granted once all are lent.
-    more_wanted: Option<u64>,
+    pub(super) more_wanted: Option<u64>,
 }
-
-pub(super) struct Assembly {
-    meta: TensorMeta,
-    total: u64,
-    buf: Vec<u8>,
-}
-
-/// Largest tensor the inline path assembles (it buffers in memory).
-const MAX_INLINE_TOTAL: u64 = 1 << 36;
 
 pub(super) struct RxLink {
     pub(super) peer: String,
     incarnation: u64,
     edges: HashMap<String, u32>,
-    edge_info: HashMap<u32, RxEdge>,
-    slots: HashMap<u32, RxSlot>,
-    next_slot: u32,
-    next_edge: u32,
-    pub(super) inline: HashMap<(String, u64), Assembly>,
+    pub(super) edge_info: HashMap<u32, RxEdge>,
+    pub(super) slots: HashMap<u32, RxSlot>,
+    pub(super) next_slot: u32,
+    pub(super) next_edge: u32,
+    /// Streams under way from this sender, by id.
+    pub(super) streams: HashMap<u32, RxStream>,
+    /// The highest stream id begun (ids strictly increase).
+    pub(super) last_stream: u32,
+    /// The edge holding this link's stream slots (not in `edges`: no key
+    /// of the sender's can name it).
+    pub(super) stream_edge: Option<u32>,
 }
 
 impl RxLink {
@@ -78,6 +76,7 @@ impl RxLink {
             let s = &self.slots[id];
             o.push_str(&format!("\n  slot {id} edge {} gen {} cap {} {:?} retired {}", s.edge_id, s.gen, s.capacity, s.token, s.retired));
         }
+        o.push_str(&super::stream::describe_rx(&self.streams));
         o
     }
 }
@@ -103,7 +102,9 @@ impl Rendezvous {
                 slots: HashMap::new(),
                 next_slot: 1,
                 next_edge: 1,
-                inline: HashMap::new(),
+                streams: HashMap::new(),
+                last_stream: 0,
+                stream_edge: None,
             },
         );
     }
@@ -121,6 +122,10 @@ impl Rendezvous {
                 let mut acts = self.lend(&r);
                 acts.push(Action::Deliver { done, result: Ok(r) });
                 return acts;
+            }
+            Some(Entry::Failed(why)) => {
+                self.tally.waiters_failed += 1;
+                return vec![Action::Deliver { done, result: Err(why) }];
             }
             Some(w @ Entry::Waiting { .. }) => {
                 self.table.insert(k, w);
@@ -162,7 +167,7 @@ impl Rendezvous {
         self.fail_waiters(|p, _| p == peer, &why)
     }
 
-    fn arrive(&mut self, key: String, step: u64, r: Received) -> Vec<Action> {
+    pub(super) fn arrive(&mut self, key: String, step: u64, r: Received) -> Vec<Action> {
         self.tally.tensors_received += 1;
         self.tally.bytes_received += match &r.data {
             Data::Slot { len, .. } => *len,
@@ -189,8 +194,30 @@ impl Rendezvous {
                 let why = Error::Protocol(format!("second tensor for {} in step {}", k.0, k.1));
                 link.map(|link| vec![Action::Close { link, why }]).unwrap_or_default()
             }
-            None => {
+            None | Some(Entry::Failed(_)) => {
                 self.table.insert(k, Entry::Ready(r));
+                Vec::new()
+            }
+        }
+    }
+
+    /// The tensor `(key, step)` will not come: fail its receive, now or
+    /// when it is made.
+    pub(super) fn fail_receive(&mut self, key: String, step: u64, why: Error) -> Vec<Action> {
+        let k = (key, step);
+        match self.table.remove(&k) {
+            Some(Entry::Waiting { done, .. }) => {
+                self.tally.waiters_failed += 1;
+                vec![Action::Deliver { done, result: Err(why) }]
+            }
+            Some(ready @ Entry::Ready(_)) => {
+                self.table.insert(k, ready);
+                Vec::new()
+            }
+            None | Some(Entry::Failed(_)) => {
+                if !self.finished_set.contains(&k.1) {
+                    self.table.insert(k, Entry::Failed(why));
+                }
                 Vec::new()
             }
         }
@@ -230,13 +257,18 @@ impl Rendezvous {
             ));
             return vec![Action::Close { link, why }];
         }
-        if h.slot != imm || h.edge_id != s.edge_id || h.len > s.capacity {
+        if h.slot != imm || h.edge_id != s.edge_id || h.len > s.capacity || h.chunk.is_some() != (r.stream_edge == Some(s.edge_id)) {
             self.tally.rejected_writes += 1;
             let why = Error::Protocol(format!(
-                "slot {imm}: header names slot {} edge {} with {} bytes (slot has edge {}, {} bytes)",
-                h.slot, h.edge_id, h.len, s.edge_id, s.capacity
+                "slot {imm}: header names slot {} edge {} with {} bytes{} (slot has edge {}, {} bytes{})",
+                h.slot, h.edge_id, h.len, if h.chunk.is_some() { ", a stream chunk" } else { "" },
+                s.edge_id, s.capacity, if r.stream_edge == Some(s.edge_id) { ", a stream slot" } else { "" }
             ));
             return vec![Action::Close { link, why }];
+        }
+        if let Some(c) = h.chunk {
+            let (gen, offset) = (s.gen, s.offset);
+            return self.rx_chunk(link, imm, gen, offset, h.step, h.len, c);
         }
         s.token = Token::AtReceiver;
         self.clock += 1;
@@ -287,6 +319,9 @@ impl Rendezvous {
         returned: Vec<(u32, u32)>,
     ) -> Result<Vec<Action>> {
         let n = self.params.slots_per_edge;
+        if key == STREAM_KEY {
+            return Err(Error::Protocol("Announce for the reserved stream edge".into()));
+        }
         let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("announce on unknown link".into()))?;
         for (id, gen) in returned {
             if r.slots.get(&id).is_some_and(|s| s.gen == gen && s.token == Token::AtSender) {
@@ -323,7 +358,7 @@ impl Rendezvous {
         // `need` is the peer's: a size that cannot fit the arena at all
         // (or overflows with the header) is refused like a full arena.
         let Some(reserved) = self.alloc.slot_bytes(need) else {
-            log::warn!("{key}: {need} bytes cannot fit a receive arena of {} bytes; it takes the slower chunked path", self.alloc.total());
+            log::warn!("{key}: {need} bytes cannot fit a receive arena of {} bytes; it is streamed through the link's stream slots", self.alloc.total());
             return Ok(vec![Action::Send { link, msg: Msg::NoSpace { key, need } }]);
         };
         let mut placed = Vec::new();
@@ -336,7 +371,7 @@ impl Rendezvous {
         if placed.is_empty() {
             let mut acts = self.reclaim_cold(link, edge_id, reserved);
             log::warn!(
-                "receive arena full ({} of {} bytes placed): {key} ({need} bytes) takes the slower chunked path; raise RDMA_DEVICE_ARENA_BYTES to avoid this",
+                "receive arena full ({} of {} bytes placed): {key} ({need} bytes) is streamed through the link's stream slots; raise RDMA_DEVICE_ARENA_BYTES to avoid this",
                 self.alloc.in_use(),
                 self.alloc.total()
             );
@@ -385,7 +420,7 @@ impl Rendezvous {
     /// the sender gets a credit soon, or the slot once they are all lent.
     pub(super) fn rx_more(&mut self, link: LinkId, edge_id: u32, need: u64) -> Result<Vec<Action>> {
         let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("more on unknown link".into()))?;
-        if !r.edge_info.contains_key(&edge_id) {
+        if !r.edge_info.contains_key(&edge_id) || r.stream_edge == Some(edge_id) {
             return Err(Error::Protocol(format!("More for unknown edge {edge_id}")));
         }
         if !all_lent(r, edge_id) {
@@ -436,11 +471,12 @@ impl Rendezvous {
     /// The arena is full: ask senders to give back the slots of the
     /// least recently used idle edges (all slots with the sender), enough
     /// to hold `want` bytes, never `except` on `except_link`.
-    fn reclaim_cold(&mut self, except_link: LinkId, except: u32, want: u64) -> Vec<Action> {
+    /// Stream slots are never reclaimed (a stream may need them at once).
+    pub(super) fn reclaim_cold(&mut self, except_link: LinkId, except: u32, want: u64) -> Vec<Action> {
         let mut cands: Vec<(u64, LinkId, u32, u64)> = Vec::new();
         for (l, r) in &self.rx {
             for (id, e) in &r.edge_info {
-                if (*l == except_link && *id == except) || e.revoking || e.set.is_empty() {
+                if (*l == except_link && *id == except) || e.revoking || e.set.is_empty() || r.stream_edge == Some(*id) {
                     continue;
                 }
                 let idle = e.set.iter().all(|s| r.slots.get(s).is_some_and(|s| s.token == Token::AtSender && !s.retired));
@@ -464,42 +500,6 @@ impl Rendezvous {
             acts.push(Action::Send { link: l, msg: Msg::Revoke { edge_id: id } });
         }
         acts
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn rx_inline(
-        &mut self,
-        link: LinkId,
-        key: String,
-        step: u64,
-        meta: TensorMeta,
-        total: u64,
-        offset: u64,
-        bytes: Vec<u8>,
-    ) -> Result<Vec<Action>> {
-        if total > MAX_INLINE_TOTAL {
-            return Err(Error::Protocol(format!("inline tensor of {total} bytes exceeds {MAX_INLINE_TOTAL}")));
-        }
-        let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("inline on unknown link".into()))?;
-        let k = (key.clone(), step);
-        let a = r.inline.entry(k.clone()).or_insert_with(|| Assembly { meta: meta.clone(), total, buf: Vec::new() });
-        if a.total != total || a.meta != meta || offset != a.buf.len() as u64 || a.buf.len() as u64 + bytes.len() as u64 > total {
-            r.inline.remove(&k);
-            return Err(Error::Protocol(format!("inline chunk for {key} step {step} out of order or inconsistent")));
-        }
-        // Memory grows with the bytes that actually arrived, never with the
-        // total the peer claims, and a failed allocation fails the link
-        // instead of aborting the process.
-        if a.buf.try_reserve(bytes.len()).is_err() {
-            r.inline.remove(&k);
-            return Err(Error::Protocol(format!("cannot buffer inline tensor {key} step {step} ({total} bytes): out of memory")));
-        }
-        a.buf.extend_from_slice(&bytes);
-        if (a.buf.len() as u64) < total {
-            return Ok(Vec::new());
-        }
-        let a = r.inline.remove(&k).expect("present");
-        Ok(self.arrive(key, step, Received { meta: a.meta, data: Data::Owned(a.buf) }))
     }
 
     /// The sender of the dead `link` can no longer write into our arena:

@@ -28,6 +28,16 @@ struct Sim {
     to_rx: VecDeque<Msg>,
     to_tx: VecDeque<Msg>,
     imms: VecDeque<u32>,
+    /// Chunk copies the receiver asked for, not yet done (run in any order).
+    copies: VecDeque<Action>,
+    /// Chunks written and not yet copied out, and the most seen at once.
+    chunks_pending: usize,
+    max_chunks_pending: usize,
+    /// Messages of a stream sent and not yet acknowledged (most at once).
+    msgs_pending: usize,
+    max_msgs_pending: usize,
+    /// Largest stream buffer the receiver may allocate.
+    alloc_limit: u64,
     rng: u64,
     got: Got,
     sent_ok: Arc<Mutex<u64>>,
@@ -47,6 +57,12 @@ impl Sim {
             to_rx: VecDeque::new(),
             to_tx: VecDeque::new(),
             imms: VecDeque::new(),
+            copies: VecDeque::new(),
+            chunks_pending: 0,
+            max_chunks_pending: 0,
+            msgs_pending: 0,
+            max_msgs_pending: 0,
+            alloc_limit: 1 << 30,
             rng: seed | 1,
             got: Arc::new(Mutex::new(Vec::new())),
             sent_ok: Arc::new(Mutex::new(0)),
@@ -75,11 +91,23 @@ impl Sim {
                     let more = self.tx.write_done(LINK);
                     self.run_tx(more);
                 }
-                Action::Inline { key, step, meta, payload, done, .. } => {
-                    for m in inline_messages(&key, step, &meta, payload.bytes()) {
-                        self.to_rx.push_back(m);
-                    }
-                    done(Ok(()));
+                Action::WriteChunk { stream, offset, header, payload, imm, .. } => {
+                    let mut m = self.mem.lock().unwrap();
+                    let o = offset as usize;
+                    m[o..o + header.len()].copy_from_slice(&header);
+                    let b = payload.bytes();
+                    m[o + header.len()..o + header.len() + b.len()].copy_from_slice(b);
+                    drop(m);
+                    self.imms.push_back(imm);
+                    self.chunks_pending += 1;
+                    self.max_chunks_pending = self.max_chunks_pending.max(self.chunks_pending);
+                    let more = self.tx.chunk_written(LINK, stream, Ok(()));
+                    self.run_tx(more);
+                }
+                Action::SendChunk { stream, offset, payload, .. } => {
+                    self.msgs_pending += 1;
+                    self.max_msgs_pending = self.max_msgs_pending.max(self.msgs_pending);
+                    self.to_rx.push_back(Msg::StreamData { stream, offset, bytes: payload.bytes().to_vec() });
                 }
                 Action::Send { msg, .. } => self.to_rx.push_back(msg),
                 Action::SendDone { done, result } => done(result),
@@ -98,21 +126,46 @@ impl Sim {
                     let more = self.rx.release(link, slot, gen);
                     self.run_rx(more);
                 }
+                Action::StreamAlloc { link, stream, total } => {
+                    let buf = (total <= self.alloc_limit).then(|| vec![0u8; total as usize]);
+                    let more = self.rx.stream_alloc_done(link, stream, buf);
+                    self.run_rx(more);
+                }
+                c @ Action::CopyChunk { .. } => self.copies.push_back(c),
                 Action::Close { why, .. } => panic!("receiver closed the link: {why}"),
                 other => panic!("unexpected receiver action {other:?}"),
             }
         }
     }
 
+    /// Run one pending chunk copy (the oldest).
+    fn settle_one_copy(&mut self) {
+        let Some(Action::CopyChunk { link, stream, src, len, dst, at }) = self.copies.pop_front() else { return };
+        let (slot, res) = match src {
+            ChunkSrc::Slot { slot, gen, offset } => {
+                self.chunks_pending -= 1;
+                let m = self.mem.lock().unwrap();
+                (Some((slot, gen)), dst.write_at(at, &m[offset as usize..(offset + len) as usize]))
+            }
+            ChunkSrc::Bytes(b) => {
+                self.msgs_pending -= 1;
+                (None, dst.write_at(at, &b))
+            }
+        };
+        drop(dst);
+        let acts = self.rx.chunk_copied(link, stream, slot, len, res);
+        self.run_rx(acts);
+    }
+
     /// Deliver pending events in a random interleaving until quiet.
     fn settle(&mut self) {
         for _ in 0..1_000_000 {
-            let choices = [!self.to_rx.is_empty(), !self.to_tx.is_empty(), !self.imms.is_empty()];
+            let choices = [!self.to_rx.is_empty(), !self.to_tx.is_empty(), !self.imms.is_empty(), !self.copies.is_empty()];
             if !choices.iter().any(|c| *c) {
                 return;
             }
             let pick = loop {
-                let i = (self.rand() % 3) as usize;
+                let i = (self.rand() % 4) as usize;
                 if choices[i] {
                     break i;
                 }
@@ -128,10 +181,29 @@ impl Sim {
                     let acts = self.tx.on_message(LINK, &m.encode());
                     self.run_tx(acts);
                 }
-                _ => {
+                2 => {
                     let imm = self.imms.pop_front().unwrap();
                     let mem = Mem(self.mem.clone());
                     let acts = self.rx.on_write_imm(LINK, imm, &mem);
+                    self.run_rx(acts);
+                }
+                _ => {
+                    // Copies finish in any order.
+                    let i = (self.rand() % self.copies.len() as u64) as usize;
+                    let Some(Action::CopyChunk { link, stream, src, len, dst, at }) = self.copies.remove(i) else { unreachable!() };
+                    let (slot, res) = match src {
+                        ChunkSrc::Slot { slot, gen, offset } => {
+                            self.chunks_pending -= 1;
+                            let m = self.mem.lock().unwrap();
+                            (Some((slot, gen)), dst.write_at(at, &m[offset as usize..(offset + len) as usize]))
+                        }
+                        ChunkSrc::Bytes(b) => {
+                            self.msgs_pending -= 1;
+                            (None, dst.write_at(at, &b))
+                        }
+                    };
+                    drop(dst);
+                    let acts = self.rx.chunk_copied(link, stream, slot, len, res);
                     self.run_rx(acts);
                 }
             }
@@ -276,7 +348,7 @@ fn stale_generation_fails_the_link() {
         s.settle();
         (slot, offset - HEADER_BYTES as u64, gen)
     };
-    let h = SlotHeader { edge_id: 1, slot, gen, incarnation: 999, step: 2, len: 1, meta: TensorMeta::default() };
+    let h = SlotHeader { edge_id: 1, slot, gen, incarnation: 999, step: 2, len: 1, meta: TensorMeta::default(), chunk: None };
     s.mem.lock().unwrap()[off as usize..off as usize + HEADER_BYTES].copy_from_slice(&h.encode());
     let acts = s.rx.on_write_imm(LINK, slot, &Mem(s.mem.clone()));
     assert!(
@@ -339,20 +411,241 @@ fn announce_of_absurd_size_is_refused_not_wrapped() {
     assert_eq!(rx.arena_in_use(), arena);
 }
 
-/// An inline tensor's claimed total is the peer's to choose (up to the
-/// inline cap): the receiver must not reserve it up front, where a claim it
-/// cannot back aborts the process. Memory follows the bytes that arrive.
+/// A stream's claimed total is the peer's to choose: the state machine
+/// never allocates it (the node does, fallibly, on `StreamAlloc`), and a
+/// total past the limit is refused with a reason, the link kept.
 #[test]
-fn inline_total_claimed_by_the_peer_is_not_reserved_up_front() {
+fn stream_total_claimed_by_the_peer_is_not_reserved_up_front() {
     let p = Params { slots_per_edge: 2, max_outstanding_writes: 4, incarnation: 22, rpc: false };
     let mut rx = Rendezvous::new(p, 1 << 20);
     rx.add_rx_link(LINK, "tx", 11);
     let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![] };
-    for (i, total) in [(1u64 << 36) - 1, 1 << 36, (1 << 35) + 7].into_iter().enumerate() {
-        let m = Msg::Inline { key: format!("big{i}"), step: 1, meta: meta.clone(), total, offset: 0, bytes: vec![7; 1000] };
+    let m = Msg::StreamBegin { stream: 1, key: "big".into(), step: 1, meta: meta.clone(), total: crate::constants::MAX_STREAM_TOTAL };
+    let acts = rx.on_message(LINK, &m.encode());
+    assert!(matches!(acts.as_slice(), [Action::StreamAlloc { stream: 1, total, .. }] if *total == crate::constants::MAX_STREAM_TOTAL), "{acts:?}");
+    for (i, total) in [crate::constants::MAX_STREAM_TOTAL + 1, u64::MAX].into_iter().enumerate() {
+        let m = Msg::StreamBegin { stream: 2 + i as u32, key: format!("big{i}"), step: 1, meta: meta.clone(), total };
         let acts = rx.on_message(LINK, &m.encode());
-        assert!(acts.is_empty(), "total {total}: {acts:?}");
-        let m = Msg::Inline { key: format!("big{i}"), step: 1, meta: meta.clone(), total, offset: 1000, bytes: vec![8; 1000] };
-        assert!(rx.on_message(LINK, &m.encode()).is_empty());
+        assert!(matches!(acts.as_slice(), [Action::Send { msg: Msg::StreamReady { outcome: wire::STREAM_REFUSED, .. }, .. }]), "{acts:?}");
     }
+    // The refused receive fails when it is made.
+    let got = Arc::new(Mutex::new(None));
+    let g = got.clone();
+    let acts = rx.recv("tx", "big0", 1, Box::new(move |r| *g.lock().unwrap() = Some(r)));
+    for a in acts {
+        if let Action::Deliver { done, result } = a {
+            done(result);
+        }
+    }
+    assert!(matches!(got.lock().unwrap().take(), Some(Err(Error::ResourceExhausted(_)))));
+    assert_eq!(rx.arena_in_use(), 0);
+}
+
+/// Sends `data` and records the send's result (which may be an error).
+fn send_any(s: &mut Sim, key: &str, step: u64, meta: TensorMeta, data: Vec<u8>) -> Arc<Mutex<Option<Result<()>>>> {
+    let res = Arc::new(Mutex::new(None));
+    let r2 = res.clone();
+    let acts = s.tx.send(LINK, key, step, meta, Box::new(data), Box::new(move |r| *r2.lock().unwrap() = Some(r)));
+    s.run_tx(acts);
+    res
+}
+
+fn take_got(s: &Sim) -> Vec<(u64, Result<Received>)> {
+    std::mem::take(&mut *s.got.lock().unwrap())
+}
+
+/// Tensors larger than the arena, exactly a chunk multiple, one byte more,
+/// and several at once on different edges: every byte arrives, chunks
+/// land and are copied in any order, and at most STREAM_SLOTS chunks are
+/// ever in flight (the sender's working set is bounded).
+#[test]
+fn streams_through_slots_in_any_order() {
+    use crate::constants::STREAM_SLOTS;
+    let arena = 8u64 << 20;
+    let chunk = stream_chunk_bytes(arena).unwrap();
+    for seed in 1..=12u64 {
+        let mut s = Sim::new(arena as usize, 2, seed);
+        let sizes = [arena as usize + 12345, chunk as usize * 40, chunk as usize * 40 + 1, 3 * arena as usize];
+        let mut sends = Vec::new();
+        for (i, len) in sizes.iter().enumerate() {
+            let key = format!("big{i}");
+            if seed % 2 == 0 {
+                s.recv(&key, 1);
+            }
+            let m = TensorMeta { dtype: 1, flags: 0, dims: vec![*len as i64] };
+            sends.push(send_any(&mut s, &key, 1, m, pattern(seed + i as u64, *len)));
+        }
+        s.settle();
+        if seed % 2 == 1 {
+            for i in 0..sizes.len() {
+                s.recv(&format!("big{i}"), 1);
+            }
+        }
+        let got = take_got(&s);
+        assert_eq!(got.len(), sizes.len(), "seed {seed}");
+        for (_, r) in &got {
+            let r = r.as_ref().expect("recv ok");
+            let len = r.meta.dims[0] as usize;
+            let i = sizes.iter().position(|l| *l == len).unwrap();
+            assert!(s.bytes(r) == pattern(seed + i as u64, len), "seed {seed}: tensor {i} corrupted");
+            assert!(matches!(r.data, Data::Owned(_)));
+        }
+        for r in &sends {
+            assert!(matches!(*r.lock().unwrap(), Some(Ok(()))), "seed {seed}");
+        }
+        let want: u64 = sizes.iter().map(|l| (*l as u64).div_ceil(chunk)).sum();
+        assert_eq!(s.tx.tally.stream_chunks, want, "seed {seed}");
+        assert_eq!(s.tx.tally.inline_tensors, sizes.len() as u64);
+        assert!(s.max_chunks_pending <= STREAM_SLOTS, "seed {seed}: {} chunks in flight", s.max_chunks_pending);
+        assert!(s.max_chunks_pending >= 2, "seed {seed}: the pipeline never overlapped");
+        // The stream slots stay placed for the link (at most 1/8 of the arena).
+        assert!(s.rx.arena_in_use() <= arena / 8, "{}", s.rx.arena_in_use());
+    }
+}
+
+/// With no room for stream slots, chunks go as messages, produced lazily:
+/// at most STREAM_MSG_WINDOW unacknowledged.
+#[test]
+fn streams_through_messages_when_no_slot_fits() {
+    let arena = 1u64 << 20; // too small for stream slots
+    assert!(stream_chunk_bytes(arena).is_none());
+    let mut s = Sim::new(arena as usize, 2, 7);
+    let len = 3 << 20;
+    s.recv("big", 1);
+    let r = send_any(&mut s, "big", 1, TensorMeta { dtype: 1, flags: 0, dims: vec![len as i64] }, pattern(3, len));
+    s.settle();
+    let got = take_got(&s);
+    assert!(s.bytes(got[0].1.as_ref().unwrap()) == pattern(3, len));
+    assert!(matches!(*r.lock().unwrap(), Some(Ok(()))));
+    assert_eq!(s.tx.tally.stream_messages, (len as u64).div_ceil(crate::constants::STREAM_MSG_BYTES as u64));
+    assert!(s.max_msgs_pending <= crate::constants::STREAM_MSG_WINDOW as usize, "{}", s.max_msgs_pending);
+}
+
+/// Rank above what a header holds: streamed, shape intact; a dead tensor
+/// of such rank (no bytes) too.
+#[test]
+fn high_rank_tensors_are_streamed_with_their_shape() {
+    let mut s = Sim::new(8 << 20, 2, 9);
+    let dims: Vec<i64> = vec![1; 30];
+    s.recv("r", 1);
+    send_any(&mut s, "r", 1, TensorMeta { dtype: 1, flags: 0, dims: dims.clone() }, vec![5; 4]);
+    send_any(&mut s, "d", 1, TensorMeta { dtype: 1, flags: FLAG_DEAD, dims: dims.clone() }, vec![]);
+    s.recv("d", 1);
+    s.settle();
+    let got = take_got(&s);
+    assert_eq!(got.len(), 2);
+    for (_, r) in got {
+        let r = r.unwrap();
+        assert_eq!(r.meta.dims, dims);
+        assert_eq!(s.bytes(&r), if r.meta.flags == FLAG_DEAD { vec![] } else { vec![5; 4] });
+    }
+}
+
+/// The receiver's step ends mid-stream: the buffer goes, the sender's send
+/// fails, chunks still on their way are dropped and their slots credited,
+/// and the link keeps streaming.
+#[test]
+fn step_end_mid_stream_discards_it_on_both_sides() {
+    let arena = 8u64 << 20;
+    let mut s = Sim::new(arena as usize, 2, 11);
+    let len = 3 * arena as usize;
+    let r = send_any(&mut s, "big", 4, TensorMeta { dtype: 1, flags: 0, dims: vec![len as i64] }, pattern(1, len));
+    // Let a few chunks move, then end the step at the receiver.
+    for _ in 0..40 {
+        let choices = [!s.to_rx.is_empty(), !s.to_tx.is_empty(), !s.imms.is_empty(), !s.copies.is_empty()];
+        if let Some(i) = choices.iter().position(|c| *c) {
+            match i {
+                0 => { let m = s.to_rx.pop_front().unwrap(); let a = s.rx.on_message(LINK, &m.encode()); s.run_rx(a); }
+                1 => { let m = s.to_tx.pop_front().unwrap(); let a = s.tx.on_message(LINK, &m.encode()); s.run_tx(a); }
+                2 => { let imm = s.imms.pop_front().unwrap(); let a = s.rx.on_write_imm(LINK, imm, &Mem(s.mem.clone())); s.run_rx(a); }
+                _ => s.settle_one_copy(),
+            }
+        }
+    }
+    assert!(s.tx.tally.stream_chunks > 0);
+    let acts = s.rx.step_done(4);
+    s.run_rx(acts);
+    s.settle();
+    assert!(matches!(*r.lock().unwrap(), Some(Err(Error::Aborted(_)))), "{:?}", r.lock().unwrap());
+    assert!(s.rx.describe().matches("stream").count() <= 1, "{}", s.rx.describe());
+    // The link still streams.
+    s.recv("big", 5);
+    let r = send_any(&mut s, "big", 5, TensorMeta { dtype: 1, flags: 0, dims: vec![len as i64] }, pattern(2, len));
+    s.settle();
+    assert!(matches!(*r.lock().unwrap(), Some(Ok(()))));
+    let got = take_got(&s);
+    assert!(s.bytes(got.last().unwrap().1.as_ref().unwrap()) == pattern(2, len));
+}
+
+/// The receiver has no memory for the tensor: the send fails with a
+/// reason, the receive too, and the link survives.
+#[test]
+fn stream_without_memory_fails_the_transfer_not_the_link() {
+    let mut s = Sim::new(8 << 20, 2, 13);
+    s.alloc_limit = 1 << 20;
+    s.recv("big", 1);
+    let r = send_any(&mut s, "big", 1, TensorMeta { dtype: 1, flags: 0, dims: vec![] }, vec![1; 9 << 20]);
+    s.settle();
+    assert!(matches!(&*r.lock().unwrap(), Some(Err(Error::ResourceExhausted(m))) if m.contains("no memory")), "{:?}", r.lock().unwrap());
+    assert!(matches!(take_got(&s)[0].1, Err(Error::ResourceExhausted(_))));
+    s.recv("small", 2);
+    send_any(&mut s, "small", 2, TensorMeta::default(), vec![3; 10]);
+    s.settle();
+    assert!(take_got(&s)[0].1.is_ok());
+}
+
+/// Forged chunks close the link, whatever is wrong with them.
+#[test]
+fn forged_chunks_close_the_link() {
+    use crate::rendezvous::wire::ChunkAt;
+    let arena = 8u64 << 20;
+    let chunk = stream_chunk_bytes(arena).unwrap();
+    let len = arena as usize + 10;
+    type Forge = fn(&mut SlotHeader, u64);
+    let forgeries: [(&str, Forge); 6] = [
+        ("misaligned", |h, _| h.chunk = Some(ChunkAt { stream: 1, offset: 7 })),
+        ("past the end", |h, c| h.chunk = Some(ChunkAt { stream: 1, offset: (8 << 20) / c * c + c })),
+        ("never begun", |h, _| h.chunk = Some(ChunkAt { stream: 9, offset: 0 })),
+        ("short", |h, _| h.len = 5),
+        ("other step", |h, _| h.step = 99),
+        ("not a chunk", |h, _| h.chunk = None),
+    ];
+    for (what, forge) in forgeries {
+        let mut s = Sim::new(arena as usize, 2, 17);
+        send_any(&mut s, "big", 1, TensorMeta::default(), vec![1; len]);
+        // Deliver messages only: the sender writes its chunks (imms queued).
+        while !s.to_rx.is_empty() || !s.to_tx.is_empty() {
+            if let Some(m) = s.to_rx.pop_front() { let a = s.rx.on_message(LINK, &m.encode()); s.run_rx(a); }
+            if let Some(m) = s.to_tx.pop_front() { let a = s.tx.on_message(LINK, &m.encode()); s.run_tx(a); }
+        }
+        let imm = s.imms.pop_front().expect("a chunk was written");
+        // Find the slot's header in memory and forge it.
+        let off = (0..arena as usize / 4096).map(|p| p * 4096).find(|o| {
+            SlotHeader::decode(&s.mem.lock().unwrap()[*o..*o + HEADER_BYTES]).is_ok_and(|h| h.slot == imm)
+        }).unwrap();
+        let mut h = SlotHeader::decode(&s.mem.lock().unwrap()[off..off + HEADER_BYTES]).unwrap();
+        forge(&mut h, chunk);
+        s.mem.lock().unwrap()[off..off + HEADER_BYTES].copy_from_slice(&h.encode());
+        let acts = s.rx.on_write_imm(LINK, imm, &Mem(s.mem.clone()));
+        assert!(matches!(&acts[..], [Action::Close { why: Error::Protocol(_), .. }]), "{what}: {acts:?}");
+    }
+    // A duplicate chunk: the same write twice.
+    let mut s = Sim::new(arena as usize, 2, 19);
+    send_any(&mut s, "big", 1, TensorMeta::default(), vec![1; len]);
+    while !s.to_rx.is_empty() || !s.to_tx.is_empty() {
+        if let Some(m) = s.to_rx.pop_front() { let a = s.rx.on_message(LINK, &m.encode()); s.run_rx(a); }
+        if let Some(m) = s.to_tx.pop_front() { let a = s.tx.on_message(LINK, &m.encode()); s.run_tx(a); }
+    }
+    let imm = s.imms.pop_front().unwrap();
+    let a = s.rx.on_write_imm(LINK, imm, &Mem(s.mem.clone()));
+    s.run_rx(a);
+    s.settle_one_copy();
+    s.to_tx.clear(); // the credit is lost: the sender never rewrites it
+    let acts = s.rx.on_write_imm(LINK, imm, &Mem(s.mem.clone()));
+    // The slot is with the sender again, so the header decides: a chunk at
+    // an offset already taken.
+    assert!(matches!(&acts[..], [Action::Close { why: Error::Protocol(m), .. }] if m.contains("duplicate")), "{acts:?}");
+    // A reused stream id.
+    let m = Msg::StreamBegin { stream: 1, key: "again".into(), step: 1, meta: TensorMeta::default(), total: 5 };
+    assert!(matches!(&s.rx.on_message(LINK, &m.encode())[..], [Action::Close { .. }]));
 }

@@ -1,8 +1,10 @@
 //! The sender's half: per receiver link, the published slots of each edge
 //! (which are free), queued sends, and the outstanding-write budget.
+//! Streamed tensors (the sender's part) are in `stream.rs`.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
+use super::stream::{TxStreams, STREAM_KEY};
 use super::{Action, LinkId, Payload, Rendezvous, SendDone};
 use crate::constants::{HEADER_BYTES, MAX_DIMS};
 use crate::error::{Error, Result};
@@ -15,29 +17,29 @@ pub enum Placement {
     Pending,
     /// Placed; the largest slot holds this many bytes.
     Placed(u64),
-    /// The receiver had no room: the edge goes inline.
+    /// The receiver had no room: the edge's tensors are streamed.
     NoSpace,
     LinkLost,
 }
 
 pub(super) struct Pending {
-    step: u64,
-    meta: TensorMeta,
-    payload: Box<dyn Payload>,
-    done: SendDone,
+    pub(super) step: u64,
+    pub(super) meta: TensorMeta,
+    pub(super) payload: Box<dyn Payload>,
+    pub(super) done: SendDone,
 }
 
 #[derive(Default)]
 pub(super) struct TxEdge {
-    edge_id: Option<u32>,
+    pub(super) edge_id: Option<u32>,
     /// The current set: (slot, free?). Slots not free are with the receiver.
-    slots: Vec<(SlotDesc, bool)>,
+    pub(super) slots: Vec<(SlotDesc, bool)>,
     awaiting_publish: bool,
-    /// Sizes at or above this go inline (the receiver had no room).
+    /// Sizes at or above this are streamed (the receiver had no room).
     inline_from: Option<u64>,
     /// A `More` request is out.
     more_pending: bool,
-    /// The receiver cannot add slots: while none is free, go inline.
+    /// The receiver cannot add slots: while none is free, stream.
     no_more: bool,
     pending: VecDeque<Pending>,
     /// rpc mode: steps whose receive has requested this edge's tensor.
@@ -49,11 +51,13 @@ pub(super) struct TxLink {
     pub(super) edges: HashMap<String, TxEdge>,
     by_id: HashMap<u32, String>,
     outstanding: usize,
+    /// Streamed tensors under way.
+    pub(super) streams: TxStreams,
 }
 
 impl TxLink {
     pub(super) fn describe(&self) -> String {
-        let mut o = format!("outstanding {}", self.outstanding);
+        let mut o = format!("outstanding {}{}", self.outstanding, self.streams.describe());
         for (k, e) in &self.edges {
             o.push_str(&format!(
                 "\n  edge {k} id {:?} awaiting {} inline_from {:?} pending steps {:?} slots {:?}",
@@ -79,18 +83,26 @@ impl TxLink {
 
     pub(super) fn fail_all(self, why: &Error) -> Vec<Action> {
         let mut s = self;
-        s.drain_pending(|_| true, why)
+        let mut acts = s.drain_pending(|_| true, why);
+        acts.extend(s.streams.fail(None, |_| true, why));
+        acts
     }
 
     pub(super) fn fail_pending(&mut self, why: &Error) -> Vec<Action> {
-        self.drain_pending(|_| true, why)
+        let mut acts = self.drain_pending(|_| true, why);
+        acts.extend(self.streams.fail(None, |_| true, why));
+        acts
     }
 
-    pub(super) fn fail_step(&mut self, step: u64, why: &Error) -> Vec<Action> {
+    /// Fail the step's queued sends and its streams under way (the
+    /// receiver is told, so it frees the stream's buffer).
+    pub(super) fn fail_step(&mut self, link: LinkId, step: u64, why: &Error) -> Vec<Action> {
         for e in self.edges.values_mut() {
             e.requested.remove(&step);
         }
-        self.drain_pending(|p| p.step == step, why)
+        let mut acts = self.drain_pending(|p| p.step == step, why);
+        acts.extend(self.streams.fail(Some(link), |s| s.step == step, why));
+        acts
     }
 }
 
@@ -98,7 +110,10 @@ impl Rendezvous {
     /// We connected to `peer` as a sender on `link`.
     pub fn add_tx_link(&mut self, link: LinkId, peer: &str) {
         self.lost.remove(peer);
-        self.tx.insert(link, TxLink { peer: peer.to_string(), edges: HashMap::new(), by_id: HashMap::new(), outstanding: 0 });
+        self.tx.insert(
+            link,
+            TxLink { peer: peer.to_string(), edges: HashMap::new(), by_id: HashMap::new(), outstanding: 0, streams: TxStreams::default() },
+        );
     }
 
     pub fn has_tx_link(&self, link: LinkId) -> bool {
@@ -118,6 +133,9 @@ impl Rendezvous {
         if self.finished_set.contains(&step) {
             return vec![Action::SendDone { done, result: Err(Error::Aborted(format!("step {step} was aborted"))) }];
         }
+        if key == STREAM_KEY {
+            return vec![Action::SendDone { done, result: Err(Error::InvalidArgument("reserved rendezvous key".into())) }];
+        }
         let Some(t) = self.tx.get_mut(&link) else {
             let why = self.lost_reason(link);
             return vec![Action::SendDone { done, result: Err(why) }];
@@ -132,6 +150,9 @@ impl Rendezvous {
 
     /// Start every queued send of `key` that can start now.
     pub(super) fn pump(&mut self, link: LinkId, key: &str) -> Vec<Action> {
+        if key == STREAM_KEY {
+            return self.pump_streams(link);
+        }
         let max = self.params.max_outstanding_writes;
         let incarnation = self.params.incarnation;
         let rpc = self.params.rpc;
@@ -162,9 +183,7 @@ impl Rendezvous {
                 if e.requested.remove(&p.step) {
                     self.tally.requests_served += 1;
                 }
-                self.tally.inline_tensors += 1;
-                self.tally.inline_bytes += len;
-                acts.push(Action::Inline { link, key: key.to_string(), step: p.step, meta: p.meta, payload: p.payload, done: p.done });
+                acts.extend(t.streams.begin(link, key, p, &mut self.tally));
                 continue;
             }
             if t.outstanding >= max {
@@ -193,6 +212,7 @@ impl Rendezvous {
                     step: p.step,
                     len,
                     meta: p.meta,
+                    chunk: None,
                 };
                 t.outstanding += 1;
                 self.tally.tensors_pushed += 1;
@@ -204,15 +224,13 @@ impl Rendezvous {
                 // Every slot that fits is busy: with the receiver, maybe lent
                 // to an application that keeps the tensor. Ask for one more
                 // slot rather than count on a credit; if none can be added,
-                // this tensor takes the inline path.
+                // this tensor is streamed.
                 if e.no_more {
                     let p = e.pending.pop_front().expect("front exists");
-                if e.requested.remove(&p.step) {
-                    self.tally.requests_served += 1;
-                }
-                    self.tally.inline_tensors += 1;
-                    self.tally.inline_bytes += len;
-                    acts.push(Action::Inline { link, key: key.to_string(), step: p.step, meta: p.meta, payload: p.payload, done: p.done });
+                    if e.requested.remove(&p.step) {
+                        self.tally.requests_served += 1;
+                    }
+                    acts.extend(t.streams.begin(link, key, p, &mut self.tally));
                     continue;
                 }
                 if !e.more_pending {
@@ -287,7 +305,7 @@ impl Rendezvous {
     pub(super) fn tx_nospace(&mut self, link: LinkId, key: String, need: u64) -> Result<Vec<Action>> {
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("nospace on unknown link".into()))?;
         if let Some(e) = t.edges.get_mut(&key) {
-            log::info!("receiver has no arena room for {need} bytes of {key}; sending it inline");
+            log::info!("receiver has no arena room for {need} bytes of {key}; streaming it");
             e.awaiting_publish = false;
             e.inline_from = Some(need);
         }
@@ -373,24 +391,6 @@ impl Rendezvous {
         let keys: Vec<String> = t.edges.iter().filter(|(_, e)| !e.pending.is_empty()).map(|(k, _)| k.clone()).collect();
         keys.iter().flat_map(|k| self.pump(link, k)).collect()
     }
-}
-
-/// Split an inline payload into messages (done by the caller, outside the
-/// lock, since it copies the payload).
-pub fn inline_messages(key: &str, step: u64, meta: &TensorMeta, payload: &[u8]) -> Vec<Msg> {
-    let total = payload.len() as u64;
-    let chunk = crate::constants::INLINE_CHUNK_BYTES.saturating_sub(key.len() + 8 * meta.dims.len()).max(1024);
-    let mut out = Vec::new();
-    let mut off = 0usize;
-    loop {
-        let end = (off + chunk).min(payload.len());
-        out.push(Msg::Inline { key: key.to_string(), step, meta: meta.clone(), total, offset: off as u64, bytes: payload[off..end].to_vec() });
-        off = end;
-        if off >= payload.len() {
-            break;
-        }
-    }
-    out
 }
 
 const _: () = assert!(HEADER_BYTES % 64 == 0);

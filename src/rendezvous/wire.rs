@@ -41,7 +41,7 @@ pub enum Msg {
     Credit { edge_id: u32, slot: u32, gen: u32 },
     /// Sender → receiver: a slot the sender no longer uses.
     ReturnSlot { slot: u32, gen: u32 },
-    /// Receiver → sender: no room to place `need` bytes; send inline.
+    /// Receiver → sender: no room to place `need` bytes; stream it.
     NoSpace { key: String, need: u64 },
     /// Sender → receiver: every slot of the edge is busy (arrived or lent
     /// to the application): add one that holds `need` bytes.
@@ -67,16 +67,34 @@ pub enum Msg {
     /// Sender → receiver, `RDMA_DEVICE_MODE=rpc` only, first on a new
     /// link: the link is up, requests may use it.
     Ready,
-    /// Sender → receiver: a piece of a tensor sent through messages.
-    Inline { key: String, step: u64, meta: TensorMeta, total: u64, offset: u64, bytes: Vec<u8> },
+    /// Sender → receiver: tensor `(key, step)` of `total` bytes follows as
+    /// stream `stream` (ids strictly increase per link). The sender waits
+    /// for `StreamReady` before it writes any chunk.
+    StreamBegin { stream: u32, key: String, step: u64, meta: TensorMeta, total: u64 },
+    /// Receiver → sender: the destination of `stream` is allocated.
+    /// `outcome`: `STREAM_SLOTS` (write chunks into the link's stream
+    /// slots, published before this), `STREAM_MESSAGES` (no room for them:
+    /// send `StreamData`), `STREAM_REFUSED` (`error` says why).
+    StreamReady { stream: u32, outcome: u32, error: String },
+    /// Sender → receiver, last resort: `bytes` at `offset` of `stream`.
+    StreamData { stream: u32, offset: u64, bytes: Vec<u8> },
+    /// Receiver → sender: one `StreamData` of `stream` was consumed.
+    StreamAck { stream: u32 },
+    /// Either way: `stream` is abandoned (receiver: discarded, e.g. its step
+    /// finished; sender: it will send no more of it).
+    StreamCancel { stream: u32 },
 }
+
+/// `StreamReady.outcome` values.
+pub const STREAM_SLOTS: u32 = 0;
+pub const STREAM_MESSAGES: u32 = 1;
+pub const STREAM_REFUSED: u32 = 2;
 
 const T_ANNOUNCE: u8 = 1;
 const T_PUBLISH: u8 = 2;
 const T_CREDIT: u8 = 3;
 const T_RETURN: u8 = 4;
 const T_NOSPACE: u8 = 5;
-const T_INLINE: u8 = 6;
 const T_REVOKE: u8 = 7;
 const T_MORE: u8 = 8;
 const T_NOMORE: u8 = 9;
@@ -86,6 +104,11 @@ const T_PLACE_FOR: u8 = 12;
 const T_PLACE_DONE: u8 = 13;
 const T_REQUEST: u8 = 14;
 const T_READY: u8 = 15;
+const T_STREAM_BEGIN: u8 = 16;
+const T_STREAM_READY: u8 = 17;
+const T_STREAM_DATA: u8 = 18;
+const T_STREAM_ACK: u8 = 19;
+const T_STREAM_CANCEL: u8 = 20;
 
 /// `Announce.step` of a placement made ahead of time (from a static shape,
 /// before the first step). TensorFlow's step ids use 56 bits, so this value
@@ -186,7 +209,11 @@ impl Msg {
             Msg::Abort { .. } => "Abort",
             Msg::Request { .. } => "Request",
             Msg::Ready => "Ready",
-            Msg::Inline { .. } => "Inline",
+            Msg::StreamBegin { .. } => "StreamBegin",
+            Msg::StreamReady { .. } => "StreamReady",
+            Msg::StreamData { .. } => "StreamData",
+            Msg::StreamAck { .. } => "StreamAck",
+            Msg::StreamCancel { .. } => "StreamCancel",
         }
     }
 
@@ -195,7 +222,7 @@ impl Msg {
     /// link at the receiver (reasons are truncated by `encode` instead).
     pub fn check(&self) -> Result<()> {
         let keys: &[&str] = match self {
-            Msg::Announce { key, .. } | Msg::Publish { key, .. } | Msg::NoSpace { key, .. } | Msg::Inline { key, .. } | Msg::Request { key, .. } => &[key],
+            Msg::Announce { key, .. } | Msg::Publish { key, .. } | Msg::NoSpace { key, .. } | Msg::StreamBegin { key, .. } | Msg::Request { key, .. } => &[key],
             Msg::PlaceFor { receiver, key, .. } => &[receiver, key],
             _ => &[],
         };
@@ -230,10 +257,13 @@ impl Msg {
             Msg::Request { key, step } => { w.u8(T_REQUEST); w.bytes(key.as_bytes()); w.u64(*step) }
             Msg::Ready => w.u8(T_READY),
             Msg::Abort { step, reason } => { w.u8(T_ABORT); w.u64(*step); w.text(reason) }
-            Msg::Inline { key, step, meta, total, offset, bytes } => {
-                w.u8(T_INLINE); w.bytes(key.as_bytes()); w.u64(*step); w.meta(meta);
-                w.u64(*total); w.u64(*offset); w.bytes(bytes)
+            Msg::StreamBegin { stream, key, step, meta, total } => {
+                w.u8(T_STREAM_BEGIN); w.u32(*stream); w.bytes(key.as_bytes()); w.u64(*step); w.meta(meta); w.u64(*total)
             }
+            Msg::StreamReady { stream, outcome, error } => { w.u8(T_STREAM_READY); w.u32(*stream); w.u32(*outcome); w.text(error) }
+            Msg::StreamData { stream, offset, bytes } => { w.u8(T_STREAM_DATA); w.u32(*stream); w.u64(*offset); w.bytes(bytes) }
+            Msg::StreamAck { stream } => { w.u8(T_STREAM_ACK); w.u32(*stream) }
+            Msg::StreamCancel { stream } => { w.u8(T_STREAM_CANCEL); w.u32(*stream) }
         }
         w.0
     }
@@ -270,12 +300,14 @@ impl Msg {
             T_REQUEST => Msg::Request { key: r.string()?, step: r.u64()? },
             T_READY => Msg::Ready,
             T_ABORT => Msg::Abort { step: r.u64()?, reason: String::from_utf8_lossy(r.bytes(MAX_KEY)?).into_owned() },
-            T_INLINE => {
-                let key = r.string()?; let step = r.u64()?; let meta = r.meta()?;
-                let total = r.u64()?; let offset = r.u64()?;
-                let bytes = r.bytes(MAX_MSG_BYTES)?.to_vec();
-                Msg::Inline { key, step, meta, total, offset, bytes }
+            T_STREAM_BEGIN => {
+                let stream = r.u32()?; let key = r.string()?; let step = r.u64()?; let meta = r.meta()?;
+                Msg::StreamBegin { stream, key, step, meta, total: r.u64()? }
             }
+            T_STREAM_READY => Msg::StreamReady { stream: r.u32()?, outcome: r.u32()?, error: String::from_utf8_lossy(r.bytes(MAX_KEY)?).into_owned() },
+            T_STREAM_DATA => Msg::StreamData { stream: r.u32()?, offset: r.u64()?, bytes: r.bytes(MAX_MSG_BYTES)?.to_vec() },
+            T_STREAM_ACK => Msg::StreamAck { stream: r.u32()? },
+            T_STREAM_CANCEL => Msg::StreamCancel { stream: r.u32()? },
             t => return Err(Error::Protocol(format!("unknown message type {t}"))),
         };
         r.end()?;
@@ -326,6 +358,12 @@ impl Hello {
 
 /// The header the sender writes at the start of a slot, in the same write
 /// as the payload.
+///
+/// Layout (little endian): 0 magic, 4 version (low 16 bits) | ndims << 16
+/// | `HDR_CHUNK` (bit 31), 8 edge, 12 slot, 16 gen, 20 flags, 24 dtype,
+/// 28 stream (chunks), 32 incarnation, 40 step, 48 len, 56 chunk offset
+/// (chunks), 64.. dims. A chunk of a streamed tensor carries no shape
+/// (that came in `StreamBegin`); `len` is the chunk's length.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotHeader {
     pub edge_id: u32,
@@ -335,7 +373,20 @@ pub struct SlotHeader {
     pub step: u64,
     pub len: u64,
     pub meta: TensorMeta,
+    /// Set on a chunk of a streamed tensor.
+    pub chunk: Option<ChunkAt>,
 }
+
+/// Where a chunk written into a stream slot belongs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkAt {
+    pub stream: u32,
+    /// Byte offset of the chunk in the tensor.
+    pub offset: u64,
+}
+
+/// Header bit: the slot holds a chunk of a streamed tensor.
+const HDR_CHUNK: u32 = 1 << 31;
 
 impl SlotHeader {
     /// Encode into exactly `HEADER_BYTES`. Callers ensure
@@ -345,7 +396,12 @@ impl SlotHeader {
         let put32 = |b: &mut Vec<u8>, at: usize, v: u32| b[at..at + 4].copy_from_slice(&v.to_le_bytes());
         let put64 = |b: &mut Vec<u8>, at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_le_bytes());
         put32(&mut b, 0, MAGIC);
-        put32(&mut b, 4, (PROTOCOL_VERSION & 0xffff) | ((self.meta.dims.len() as u32) << 16));
+        let chunk = if self.chunk.is_some() { HDR_CHUNK } else { 0 };
+        put32(&mut b, 4, (PROTOCOL_VERSION & 0xffff) | ((self.meta.dims.len() as u32) << 16) | chunk);
+        if let Some(c) = self.chunk {
+            put32(&mut b, 28, c.stream);
+            put64(&mut b, 56, c.offset);
+        }
         put32(&mut b, 8, self.edge_id);
         put32(&mut b, 12, self.slot);
         put32(&mut b, 16, self.gen);
@@ -373,7 +429,7 @@ impl SlotHeader {
         if vn & 0xffff != PROTOCOL_VERSION {
             return Err(Error::Protocol(format!("slot header version {} unsupported", vn & 0xffff)));
         }
-        let ndims = (vn >> 16) as usize;
+        let ndims = ((vn & !HDR_CHUNK) >> 16) as usize;
         if ndims > MAX_DIMS {
             return Err(Error::Protocol(format!("slot header claims {ndims} dims (max {MAX_DIMS})")));
         }
@@ -385,6 +441,7 @@ impl SlotHeader {
             step: g64(40),
             len: g64(48),
             meta: TensorMeta { dtype: g32(24), flags: g32(20), dims: (0..ndims).map(|i| g64(64 + 8 * i) as i64).collect() },
+            chunk: (vn & HDR_CHUNK != 0).then(|| ChunkAt { stream: g32(28), offset: g64(56) }),
         })
     }
 }
@@ -409,7 +466,11 @@ mod tests {
             Msg::PlaceFor { req: 1, receiver: "r".into(), key: "k".into(), bytes: 9 },
             Msg::PlaceDone { req: 1, outcome: 2, error: "e".into() },
             Msg::Grow { edge_id: 1, slot: SlotDesc { id: 2, gen: 3, offset: 4096, capacity: 5 } },
-            Msg::Inline { key: "k".into(), step: 1, meta: TensorMeta { dtype: 1, flags: 2, dims: vec![2, 3] }, total: 6, offset: 0, bytes: vec![1, 2, 3] },
+            Msg::StreamBegin { stream: 3, key: "k".into(), step: 1, meta: TensorMeta { dtype: 1, flags: 2, dims: vec![2; 30] }, total: 6 << 30 },
+            Msg::StreamReady { stream: 3, outcome: STREAM_REFUSED, error: "no memory".into() },
+            Msg::StreamData { stream: 3, offset: 1 << 33, bytes: vec![1, 2, 3] },
+            Msg::StreamAck { stream: 3 },
+            Msg::StreamCancel { stream: 4 },
         ]
     }
 
@@ -453,7 +514,7 @@ mod tests {
     #[test]
     fn header_round_trip_and_checks() {
         let h = SlotHeader { edge_id: 1, slot: 2, gen: 3, incarnation: 4, step: 5, len: 6,
-            meta: TensorMeta { dtype: 7, flags: FLAG_DEAD, dims: vec![1, -1, 3] } };
+            meta: TensorMeta { dtype: 7, flags: FLAG_DEAD, dims: vec![1, -1, 3] }, chunk: None };
         let b = h.encode();
         assert_eq!(b.len(), HEADER_BYTES);
         assert_eq!(SlotHeader::decode(&b).unwrap(), h);
@@ -461,6 +522,13 @@ mod tests {
         assert!(SlotHeader::decode(&bad).is_err());
         let mut bad = b; bad[6] = 200;
         assert!(SlotHeader::decode(&bad).is_err());
+        // A chunk header: stream and offset (past 4 GiB) round-trip, and
+        // the chunk bit does not leak into the rank.
+        let c = SlotHeader { edge_id: 1, slot: 2, gen: 3, incarnation: 4, step: 5, len: 16 << 20,
+            meta: TensorMeta { dtype: 7, flags: 0, dims: vec![] }, chunk: Some(ChunkAt { stream: u32::MAX, offset: (5 << 30) + 4096 }) };
+        assert_eq!(SlotHeader::decode(&c.encode()).unwrap(), c);
+        let mut plain = c.clone(); plain.chunk = None;
+        assert_eq!(SlotHeader::decode(&plain.encode()).unwrap().chunk, None);
     }
 
     #[test]

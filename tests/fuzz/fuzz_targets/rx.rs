@@ -2,17 +2,22 @@
 //! one sender link on a single `Rendezvous`, driven by arbitrary control
 //! messages (raw bytes and well-formed ones with arbitrary fields), slot
 //! headers written into the arena followed by write immediates, releases,
-//! receives, sends, step ends, aborts and lost links, in any order.
-//! Nothing may panic, and the arena accounting must stay within the arena.
+//! receives, sends, step ends, aborts and lost links, in any order; and
+//! streamed tensors: stream messages, chunk headers, chunk writes and
+//! copies completing in any order, stream buffers that cannot be allocated.
+//! Nothing may panic, the arena accounting must stay within the arena, and
+//! every copy the protocol asks for must lie inside the arena and its
+//! destination buffer.
 #![no_main]
 
 use std::collections::VecDeque;
 
 use rdma_device::constants::HEADER_BYTES;
 use rdma_device::error::Error;
-use rdma_device::rendezvous::{Action, Data, Msg, Params, Rendezvous, SlotDesc, SlotHeader, SlotMemory, TensorMeta};
+use rdma_device::rendezvous::{stream_chunk_bytes, STREAM_KEY, Action, ChunkAt, ChunkSrc, Data, Msg, Params, Rendezvous, SlotDesc, SlotHeader, SlotMemory, TensorMeta};
 
-const ARENA: usize = 1 << 20;
+/// Large enough for stream slots (1/8 of it, in 4 chunks of 128 KiB).
+const ARENA: usize = 4 << 20;
 const RX: u64 = 1;
 const TX: u64 = 2;
 const INCARNATION: u64 = 11;
@@ -53,7 +58,11 @@ impl In<'_> {
             _ => v,
         })
     }
-    fn key(&mut self) -> Option<String> { Some(format!("k{}", self.u8()? % 4)) }
+    /// One of a few keys, or the reserved key of the stream slots.
+    fn key(&mut self) -> Option<String> {
+        let k = self.u8()? % 5;
+        Some(if k == 4 { STREAM_KEY.to_string() } else { format!("k{k}") })
+    }
     fn bytes(&mut self, max: usize) -> Option<&[u8]> {
         let n = (self.n(2)? as usize).min(max).min(self.0.len());
         let (h, t) = self.0.split_at(n);
@@ -63,7 +72,7 @@ impl In<'_> {
 }
 
 fn message(i: &mut In) -> Option<Msg> {
-    Some(match i.u8()? % 9 {
+    Some(match i.u8()? % 13 {
         0 => Msg::Announce { key: i.key()?, step: i.u64()? % 8, need: i.size()?, returned: vec![(i.u32()? % 8, i.u32()? % 4)] },
         1 => Msg::Publish {
             key: i.key()?,
@@ -76,12 +85,21 @@ fn message(i: &mut In) -> Option<Msg> {
         5 => Msg::Revoke { edge_id: i.u32()? % 8 },
         6 => Msg::More { edge_id: i.u32()? % 8, need: i.size()? },
         7 => Msg::Grow { edge_id: i.u32()? % 8, slot: SlotDesc { id: i.u32()? % 8, gen: i.u32()? % 4, offset: i.size()?, capacity: i.size()? } },
-        _ => {
-            let total = i.size()?;
+        8 => Msg::StreamBegin {
+            stream: i.u32()? % 8,
+            key: i.key()?,
+            step: i.u64()? % 8,
+            meta: TensorMeta { dtype: 1, flags: 0, dims: vec![1; (i.u8()? % 32) as usize] },
+            total: i.size()?,
+        },
+        9 => Msg::StreamReady { stream: i.u32()? % 8, outcome: i.u32()? % 4, error: String::new() },
+        10 => {
+            let stream = i.u32()? % 8;
             let offset = i.size()?;
-            let bytes = i.bytes(4096)?.to_vec();
-            Msg::Inline { key: i.key()?, step: i.u64()? % 8, meta: TensorMeta { dtype: 1, flags: 0, dims: vec![] }, total, offset, bytes }
+            Msg::StreamData { stream, offset, bytes: i.bytes(4096)?.to_vec() }
         }
+        11 => Msg::StreamAck { stream: i.u32()? % 8 },
+        _ => Msg::StreamCancel { stream: i.u32()? % 8 },
     })
 }
 
@@ -91,16 +109,55 @@ struct World {
     /// Slots delivered to us and not yet released.
     held: VecDeque<(u64, u32, u32)>,
     /// Writes we were asked to make (as a sender) and have not completed.
-    writes: VecDeque<Box<dyn FnOnce(rdma_device::Result<()>) + Send>>,
+    writes: VecDeque<Write>,
+    /// Chunk copies the receiver asked for, not yet done.
+    copies: VecDeque<Action>,
 }
 
+enum Write {
+    Tensor(Box<dyn FnOnce(rdma_device::Result<()>) + Send>),
+    Chunk(u32),
+}
+
+/// Largest stream buffer the harness allocates (bigger ones "fail").
+const ALLOC_LIMIT: u64 = 1 << 20;
+
 impl World {
+    /// Carry out a chunk copy the protocol asked for; it must lie inside
+    /// the arena and inside its destination.
+    fn copy(&mut self, c: Action) -> Vec<Action> {
+        let Action::CopyChunk { link, stream, src, len, dst, at } = c else { unreachable!() };
+        let (slot, res) = match src {
+            ChunkSrc::Slot { slot, gen, offset } => {
+                let end = offset.checked_add(len).expect("chunk end overflows");
+                assert!(end <= ARENA as u64, "chunk copy from outside the arena");
+                (Some((slot, gen)), dst.write_at(at, &self.mem.0[offset as usize..end as usize]))
+            }
+            ChunkSrc::Bytes(b) => {
+                assert_eq!(b.len() as u64, len);
+                (None, dst.write_at(at, &b))
+            }
+        };
+        assert!(res.is_ok(), "chunk copy outside its destination: {res:?}");
+        drop(dst);
+        self.r.chunk_copied(link, stream, slot, len, res)
+    }
+
     fn run(&mut self, acts: Vec<Action>) {
         let mut q: VecDeque<Action> = acts.into();
         while let Some(a) = q.pop_front() {
             match a {
-                Action::Write { done, .. } => self.writes.push_back(done),
-                Action::Inline { done, .. } => done(Ok(())),
+                Action::Write { done, .. } => self.writes.push_back(Write::Tensor(done)),
+                Action::WriteChunk { stream, payload, .. } => {
+                    assert!(!payload.bytes().is_empty(), "empty chunk write");
+                    self.writes.push_back(Write::Chunk(stream));
+                }
+                Action::SendChunk { payload, .. } => assert!(!payload.bytes().is_empty(), "empty stream message"),
+                Action::StreamAlloc { link, stream, total } => {
+                    let buf = (total <= ALLOC_LIMIT).then(|| vec![0u8; total as usize]);
+                    q.extend(self.r.stream_alloc_done(link, stream, buf));
+                }
+                c @ Action::CopyChunk { .. } => self.copies.push_back(c),
                 Action::SendDone { done, result } => done(result),
                 Action::Deliver { done, result } => {
                     if let Ok(r) = &result {
@@ -125,7 +182,13 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     // The first byte's low bit picks the mode: push (the default) or rpc.
     let rpc = data.first().is_some_and(|b| b & 1 == 1);
     let params = Params { slots_per_edge: 2, max_outstanding_writes: 4, incarnation: 22, rpc };
-    let mut w = World { r: Rendezvous::new(params, ARENA as u64), mem: Mem(vec![0; ARENA]), held: VecDeque::new(), writes: VecDeque::new() };
+    let mut w = World {
+        r: Rendezvous::new(params, ARENA as u64),
+        mem: Mem(vec![0; ARENA]),
+        held: VecDeque::new(),
+        writes: VecDeque::new(),
+        copies: VecDeque::new(),
+    };
     w.r.add_rx_link(RX, "tx", INCARNATION);
     w.r.add_tx_link(TX, "rx");
     let mut i = In(data);
@@ -136,7 +199,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
             break;
         }
         let link = if op & 0x80 != 0 { TX } else { RX };
-        let acts = match op % 12 {
+        let acts = match op % 13 {
             0 => match i.bytes(4096) {
                 Some(b) => w.r.on_message(link, &b.to_vec()),
                 None => break,
@@ -150,14 +213,22 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
                 let (Some(off), Some(imm), Some(gen), Some(edge), Some(step), Some(len), Some(inc)) =
                     (i.u32(), i.u32(), i.u32(), i.u32(), i.u64(), i.size(), i.u8())
                 else { break };
+                // Chunk headers (every other one) aim at chunk boundaries of
+                // the stream slots' size, sometimes a little off.
+                let cg = stream_chunk_bytes(ARENA as u64).unwrap_or(65536);
+                let chunk = (op & 0x40 != 0).then(|| ChunkAt {
+                    stream: ((step >> 8) % 8) as u32,
+                    offset: (step >> 16) % 64 * cg + if inc & 0x10 != 0 { (step >> 24) % 7 } else { 0 },
+                });
                 let h = SlotHeader {
                     edge_id: edge % 8,
                     slot: imm % 8,
                     gen: gen % 4,
                     incarnation: if inc & 1 == 0 { INCARNATION } else { inc as u64 },
                     step: step % 8,
-                    len,
+                    len: if chunk.is_some() && inc & 0x20 != 0 { cg } else { len },
                     meta: TensorMeta { dtype: 1, flags: (inc >> 1) as u32 & 3, dims: vec![len as i64] },
+                    chunk,
                 };
                 let at = (off as usize % (ARENA / 4096)) * 4096;
                 w.mem.0[at..at + HEADER_BYTES].copy_from_slice(&h.encode());
@@ -183,9 +254,13 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
                 _ => break,
             },
             8 => match w.writes.pop_front() {
-                Some(done) => {
+                Some(Write::Tensor(done)) => {
                     done(Ok(()));
                     w.r.write_done(TX)
+                }
+                Some(Write::Chunk(stream)) => {
+                    let res = if op & 0x40 != 0 { Err(Error::PeerLost("fuzz".into())) } else { Ok(()) };
+                    w.r.chunk_written(TX, stream, res)
                 }
                 None => Vec::new(),
             },
@@ -195,6 +270,14 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
             },
             10 => match i.u64() {
                 Some(s) => w.r.abort_step(s % 8, Error::Aborted("fuzz".into()), op & 0x40 != 0),
+                None => break,
+            },
+            12 => match i.u8() {
+                Some(k) if !w.copies.is_empty() => {
+                    let c = w.copies.remove(k as usize % w.copies.len()).expect("in range");
+                    w.copy(c)
+                }
+                Some(_) => Vec::new(),
                 None => break,
             },
             _ => {
@@ -210,7 +293,12 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         };
         w.run(acts);
     }
-    // Everything still held goes back; the arena must then be consistent.
+    // Copies finish; everything still held goes back; the arena must then
+    // be consistent.
+    while let Some(c) = w.copies.pop_front() {
+        let a = w.copy(c);
+        w.run(a);
+    }
     while let Some((l, s, g)) = w.held.pop_front() {
         let a = w.r.release(l, s, g);
         w.run(a);
