@@ -11,45 +11,67 @@ use std::sync::OnceLock;
 
 use parking_lot::Mutex;
 
+/// The one table of counters. Protocol counters are moved by the protocol
+/// state machine into a per-node [`Tally`] (plain integers, under its
+/// lock) and added to the process-wide [`Counters`] in one step; process
+/// counters are moved directly by the layers that own them. Each name,
+/// its help line and its place in `stats()` are written once, here.
 macro_rules! counters {
-    ($($name:ident : $help:literal,)*) => {
+    (protocol { $($p:ident : $ph:literal,)* } process { $($q:ident : $qh:literal,)* }) => {
+        /// One node's protocol counters (see the `counters!` table).
+        #[derive(Debug, Default, Clone, PartialEq, Eq)]
+        pub struct Tally { $(#[doc = $ph] pub $p: u64,)* }
+        impl Tally {
+            /// Add every counter of `o` to ours.
+            pub fn add(&mut self, o: &Tally) { $(self.$p += o.$p;)* }
+        }
         /// Monotonic counters (plus a few gauges, noted as such).
         #[derive(Default)]
-        pub struct Counters { $(#[doc = $help] pub $name: AtomicU64,)* }
+        pub struct Counters { $(#[doc = $ph] pub $p: AtomicU64,)* $(#[doc = $qh] pub $q: AtomicU64,)* }
         impl Counters {
             fn each(&self) -> Vec<(&'static str, u64)> {
-                vec![$((stringify!($name), self.$name.load(Relaxed)),)*]
+                vec![$((stringify!($p), self.$p.load(Relaxed)),)* $((stringify!($q), self.$q.load(Relaxed)),)*]
             }
-            fn clear(&self) { $(self.$name.store(0, Relaxed);)* }
+            fn clear(&self) { $(self.$p.store(0, Relaxed);)* $(self.$q.store(0, Relaxed);)* }
+            /// Add a node's protocol counters to the process-wide ones.
+            pub fn add_tally(&self, t: &Tally) { $(if t.$p != 0 { self.$p.fetch_add(t.$p, Relaxed); })* }
+            /// Every counter's name and help line, in `stats()` order.
+            pub fn help() -> &'static [(&'static str, &'static str)] {
+                &[$((stringify!($p), $ph),)* $((stringify!($q), $qh),)*]
+            }
         }
     };
 }
 
 counters! {
-    tensors_pushed: "tensors written one-sided into a receiver's slot",
-    bytes_pushed: "payload bytes of those tensors",
-    tensors_received: "tensors handed to a receiver (push or inline)",
-    bytes_received: "payload bytes of those tensors",
-    inline_tensors: "tensors streamed in chunks instead of one slot (larger than a slot the receiver can place, arena full, rank > 24, edge out of slots)",
-    inline_bytes: "payload bytes of those tensors",
-    stream_chunks: "chunks of streamed tensors written one-sided into stream slots",
-    stream_messages: "chunks of streamed tensors sent as control messages (no room for stream slots)",
-    fallback_tensors: "tensors that went over stock gRPC",
-    fallback_bytes: "payload bytes of those tensors",
-    negotiation_messages: "announce/publish messages (first use, size change)",
-    credits_sent: "slot credits returned to senders",
-    edges_static: "edges placed ahead of time from static shapes",
-    edges_traced: "edges placed on first use",
-    replacements: "edges re-placed after a size change",
-    slots_reclaimed: "idle slots reclaimed to make room in the arena",
-    rejected_writes: "pushes rejected (stale generation, bad header)",
-    dropped_late: "pushes that arrived after their step finished",
-    peers_lost: "connections lost (peer exit, transport error)",
-    waiters_failed: "receives that completed with an error",
-    requests_sent: "RDMA_DEVICE_MODE=rpc: tensors this receiver requested (one round trip each)",
-    requests_served: "RDMA_DEVICE_MODE=rpc: requests this sender answered with a write or inline send",
-    arena_bytes_in_use: "gauge: bytes of the receive arena placed in slots",
-    arena_bytes_total: "gauge: size of the receive arena",
+    protocol {
+        tensors_pushed: "tensors written one-sided into a receiver's slot",
+        bytes_pushed: "payload bytes of those tensors",
+        tensors_received: "tensors handed to a receiver (push or inline)",
+        bytes_received: "payload bytes of those tensors",
+        inline_tensors: "tensors streamed in chunks instead of one slot (larger than a slot the receiver can place, arena full, rank > 24, edge out of slots)",
+        inline_bytes: "payload bytes of those tensors",
+        stream_chunks: "chunks of streamed tensors written one-sided into stream slots",
+        stream_messages: "chunks of streamed tensors sent as control messages (no room for stream slots)",
+        negotiation_messages: "announce/publish messages (first use, size change)",
+        credits_sent: "slot credits returned to senders",
+        edges_static: "edges placed ahead of time from static shapes",
+        edges_traced: "edges placed on first use",
+        replacements: "edges re-placed after a size change",
+        slots_reclaimed: "idle slots reclaimed to make room in the arena",
+        rejected_writes: "pushes rejected (stale generation, bad header)",
+        dropped_late: "pushes that arrived after their step finished",
+        waiters_failed: "receives that completed with an error",
+        requests_sent: "RDMA_DEVICE_MODE=rpc: tensors this receiver requested (one round trip each)",
+        requests_served: "RDMA_DEVICE_MODE=rpc: requests this sender answered with a write or inline send",
+    }
+    process {
+        fallback_tensors: "tensors that went over stock gRPC",
+        fallback_bytes: "payload bytes of those tensors",
+        peers_lost: "connections lost (peer exit, transport error)",
+        arena_bytes_in_use: "gauge: bytes of the receive arena placed in slots",
+        arena_bytes_total: "gauge: size of the receive arena",
+    }
 }
 
 pub struct Stats {

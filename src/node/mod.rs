@@ -457,31 +457,7 @@ impl Inner {
             self.totals.lock().add(&t);
         }
         let c = &Stats::global().c;
-        for (ctr, v) in [
-            (&c.tensors_pushed, t.tensors_pushed),
-            (&c.bytes_pushed, t.bytes_pushed),
-            (&c.tensors_received, t.tensors_received),
-            (&c.bytes_received, t.bytes_received),
-            (&c.inline_tensors, t.inline_tensors),
-            (&c.inline_bytes, t.inline_bytes),
-            (&c.stream_chunks, t.stream_chunks),
-            (&c.stream_messages, t.stream_messages),
-            (&c.negotiation_messages, t.negotiation_messages),
-            (&c.credits_sent, t.credits_sent),
-            (&c.edges_static, t.edges_static),
-            (&c.edges_traced, t.edges_traced),
-            (&c.replacements, t.replacements),
-            (&c.slots_reclaimed, t.slots_reclaimed),
-            (&c.rejected_writes, t.rejected_writes),
-            (&c.dropped_late, t.dropped_late),
-            (&c.waiters_failed, t.waiters_failed),
-            (&c.requests_sent, t.requests_sent),
-            (&c.requests_served, t.requests_served),
-        ] {
-            if v != 0 {
-                Stats::add(ctr, v);
-            }
-        }
+        c.add_tally(&t);
         c.arena_bytes_in_use.store(in_use, std::sync::atomic::Ordering::Relaxed);
         out
     }

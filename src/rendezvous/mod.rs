@@ -142,58 +142,9 @@ pub struct Params {
     pub rpc: bool,
 }
 
-/// Counters the protocol moves; the caller mirrors them into `Stats`.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Tally {
-    pub tensors_pushed: u64,
-    pub bytes_pushed: u64,
-    pub tensors_received: u64,
-    pub bytes_received: u64,
-    /// Tensors (bytes) the sender streamed: bigger than any slot the
-    /// receiver could place, rank > MAX_DIMS, or an edge that cannot grow.
-    pub inline_tensors: u64,
-    pub inline_bytes: u64,
-    /// Chunks of streamed tensors written into stream slots.
-    pub stream_chunks: u64,
-    /// Chunks sent as control messages (no room for stream slots).
-    pub stream_messages: u64,
-    pub negotiation_messages: u64,
-    pub credits_sent: u64,
-    pub edges_static: u64,
-    pub edges_traced: u64,
-    pub replacements: u64,
-    pub slots_reclaimed: u64,
-    pub rejected_writes: u64,
-    pub dropped_late: u64,
-    pub waiters_failed: u64,
-    pub requests_sent: u64,
-    pub requests_served: u64,
-}
-
-impl Tally {
-    /// Add every counter of `o` to ours.
-    pub fn add(&mut self, o: &Tally) {
-        self.tensors_pushed += o.tensors_pushed;
-        self.bytes_pushed += o.bytes_pushed;
-        self.tensors_received += o.tensors_received;
-        self.bytes_received += o.bytes_received;
-        self.inline_tensors += o.inline_tensors;
-        self.inline_bytes += o.inline_bytes;
-        self.stream_chunks += o.stream_chunks;
-        self.stream_messages += o.stream_messages;
-        self.negotiation_messages += o.negotiation_messages;
-        self.credits_sent += o.credits_sent;
-        self.edges_static += o.edges_static;
-        self.edges_traced += o.edges_traced;
-        self.replacements += o.replacements;
-        self.slots_reclaimed += o.slots_reclaimed;
-        self.rejected_writes += o.rejected_writes;
-        self.dropped_late += o.dropped_late;
-        self.waiters_failed += o.waiters_failed;
-        self.requests_sent += o.requests_sent;
-        self.requests_served += o.requests_served;
-    }
-}
+/// Counters the protocol moves; the caller adds them to `Stats` (one
+/// table for both: `stats.rs`).
+pub use crate::stats::Tally;
 
 enum Entry {
     Waiting { peer: String, done: RecvDone },

@@ -58,7 +58,9 @@ impl Rendezvous {
         if e.requested.len() >= MAX_REQUESTS_PER_EDGE {
             return Err(Error::Protocol(format!("more than {MAX_REQUESTS_PER_EDGE} outstanding requests for {key}")));
         }
-        e.requested.insert(step);
+        if e.requested.insert(step) {
+            t.requests += 1;
+        }
         Ok(self.pump(link, &key))
     }
 

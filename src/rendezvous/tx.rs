@@ -51,6 +51,11 @@ pub(super) struct TxLink {
     pub(super) edges: HashMap<String, TxEdge>,
     by_id: HashMap<u32, String>,
     outstanding: usize,
+    /// Sends queued over all edges, and outstanding rpc-mode requests:
+    /// when both are 0 (the steady state), ending a step need not look at
+    /// any edge (no O(edges) scan per step under the protocol lock).
+    queued: usize,
+    pub(super) requests: usize,
     /// Streamed tensors under way.
     pub(super) streams: TxStreams,
 }
@@ -74,8 +79,12 @@ impl TxLink {
     fn drain_pending(&mut self, pred: impl Fn(&Pending) -> bool, why: &Error) -> Vec<Action> {
         let mut acts = Vec::new();
         for e in self.edges.values_mut() {
+            if e.pending.is_empty() {
+                continue;
+            }
             let (fail, keep): (VecDeque<Pending>, VecDeque<Pending>) = e.pending.drain(..).partition(|p| pred(p));
             e.pending = keep;
+            self.queued = self.queued.saturating_sub(fail.len());
             acts.extend(fail.into_iter().map(|p| Action::SendDone { done: p.done, result: Err(why.clone()) }));
         }
         acts
@@ -97,10 +106,17 @@ impl TxLink {
     /// Fail the step's queued sends and its streams under way (the
     /// receiver is told, so it frees the stream's buffer).
     pub(super) fn fail_step(&mut self, link: LinkId, step: u64, why: &Error) -> Vec<Action> {
-        for e in self.edges.values_mut() {
-            e.requested.remove(&step);
+        let mut acts = Vec::new();
+        if self.requests > 0 {
+            for e in self.edges.values_mut() {
+                if e.requested.remove(&step) {
+                    self.requests -= 1;
+                }
+            }
         }
-        let mut acts = self.drain_pending(|p| p.step == step, why);
+        if self.queued > 0 {
+            acts.extend(self.drain_pending(|p| p.step == step, why));
+        }
         acts.extend(self.streams.fail(Some(link), |s| s.step == step, why));
         acts
     }
@@ -112,7 +128,7 @@ impl Rendezvous {
         self.lost.remove(peer);
         self.tx.insert(
             link,
-            TxLink { peer: peer.to_string(), edges: HashMap::new(), by_id: HashMap::new(), outstanding: 0, streams: TxStreams::default() },
+            TxLink { peer: peer.to_string(), edges: HashMap::new(), by_id: HashMap::new(), outstanding: 0, queued: 0, requests: 0, streams: TxStreams::default() },
         );
     }
 
@@ -140,7 +156,13 @@ impl Rendezvous {
             let why = self.lost_reason(link);
             return vec![Action::SendDone { done, result: Err(why) }];
         };
-        t.edges.entry(key.to_string()).or_default().pending.push_back(Pending { step, meta, payload, done });
+        let p = Pending { step, meta, payload, done };
+        // The edge's key is copied only the first time it is used.
+        match t.edges.get_mut(key) {
+            Some(e) => e.pending.push_back(p),
+            None => t.edges.entry(key.to_string()).or_default().pending.push_back(p),
+        }
+        t.queued += 1;
         self.pump(link, key)
     }
 
@@ -180,7 +202,9 @@ impl Rendezvous {
             let goes_inline = front.meta.dims.len() > MAX_DIMS || e.inline_from.is_some_and(|n| len >= n);
             if goes_inline {
                 let p = e.pending.pop_front().expect("front exists");
+                t.queued = t.queued.saturating_sub(1);
                 if e.requested.remove(&p.step) {
+                    t.requests = t.requests.saturating_sub(1);
                     self.tally.requests_served += 1;
                 }
                 acts.extend(t.streams.begin(link, key, p, &mut self.tally));
@@ -199,7 +223,9 @@ impl Rendezvous {
                 .map(|(i, _)| i);
             if let Some(i) = best {
                 let p = e.pending.pop_front().expect("front exists");
+                t.queued = t.queued.saturating_sub(1);
                 if e.requested.remove(&p.step) {
+                    t.requests = t.requests.saturating_sub(1);
                     self.tally.requests_served += 1;
                 }
                 e.slots[i].1 = false;
@@ -227,7 +253,9 @@ impl Rendezvous {
                 // this tensor is streamed.
                 if e.no_more {
                     let p = e.pending.pop_front().expect("front exists");
+                    t.queued = t.queued.saturating_sub(1);
                     if e.requested.remove(&p.step) {
+                        t.requests = t.requests.saturating_sub(1);
                         self.tally.requests_served += 1;
                     }
                     acts.extend(t.streams.begin(link, key, p, &mut self.tally));
