@@ -1,7 +1,10 @@
 """A short soak (the bench's `soak` command) on a real 3-task cluster: random
 shapes and dtypes, a checksum per hop, worker:1 killed with SIGKILL and
 restarted halfway. Nothing may be lost or corrupted, and the tensors must
-have gone over the transport (not a gRPC fallback)."""
+have gone over the transport (not a gRPC fallback). Also: the soak's
+checksum detects corruption and allocates no tensor-sized temporaries from
+TensorFlow's CPU allocator (whose pool keeps its high-water mark, so such
+temporaries made the soak's RSS grow on any transport)."""
 
 import json
 import os
@@ -13,10 +16,75 @@ import rdma_device
 STEPS = 300
 
 
-def test_soak_random_tensors_with_worker_restart(plugin_built):
+def _env():
     env = dict(os.environ)
     pkg_parent = os.path.dirname(os.path.dirname(rdma_device.__file__))
     env["PYTHONPATH"] = pkg_parent + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return env
+
+
+_CHECKSUM_CHECK = r"""
+import json
+import numpy as np
+import tensorflow as tf
+from rdma_device.soak import _checksum
+
+tf.compat.v1.disable_eager_execution()
+g = tf.Graph()
+with g.as_default():
+    x = tf.compat.v1.placeholder(tf.float64, [None])
+    before = set(op.name for op in g.get_operations())
+    c = _checksum(tf, x)
+    ops = set(op.name for op in g.get_operations()) - before
+    x2 = tf.compat.v1.placeholder(tf.float64, [None, None])
+    c2 = _checksum(tf, x2)
+    b = tf.compat.v1.placeholder(tf.bool, [None])
+    cb = _checksum(tf, b)
+v = np.random.default_rng(0).uniform(-1e3, 1e3, 1 << 21)  # 16 MiB, the soak's largest
+flipped = v.copy()
+flipped[12345] = np.nextafter(flipped[12345], 0.0)  # one bit of one element
+swapped = v.copy()
+swapped[[7, 8]] = swapped[[8, 7]]
+with tf.compat.v1.Session(graph=g) as s:
+    md = tf.compat.v1.RunMetadata()
+    full = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    ref = s.run(c, {x: v}, options=full, run_metadata=md)
+    largest = 0
+    for dev in md.step_stats.dev_stats:
+        for n in dev.node_stats:
+            if n.node_name not in ops:
+                continue
+            for o in n.output:
+                largest = max(largest, o.tensor_description.allocation_description.requested_bytes)
+            for m in n.memory:
+                largest = max(largest, m.peak_bytes)
+    print(json.dumps(dict(
+        ops_traced=sum(n.node_name in ops for dev in md.step_stats.dev_stats for n in dev.node_stats),
+        largest_allocation=largest,
+        same=bool(s.run(c, {x: v.copy()}) == ref),
+        flipped=bool(s.run(c, {x: flipped}) != ref),
+        swapped=bool(s.run(c, {x: swapped}) != ref),
+        reshaped=bool(s.run(c2, {x2: v.reshape(2, -1)}) != ref),
+        bools=bool(s.run(cb, {b: [True, False]}) != s.run(cb, {b: [False, True]})),
+    )))
+"""
+
+
+def test_soak_checksum_detects_corruption_without_large_temporaries():
+    p = subprocess.run([sys.executable, "-c", _CHECKSUM_CHECK], env=_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["same"] and r["flipped"] and r["swapped"] and r["reshaped"] and r["bools"], r
+    # The earlier checksum (bytes cast to int64, weighted by position)
+    # allocated 128 MiB at once for this 16 MiB tensor, 944 MiB in all.
+    assert r["ops_traced"] > 0, r
+    assert r["largest_allocation"] <= 1 << 20, r
+
+
+def test_soak_random_tensors_with_worker_restart(plugin_built):
+    env = _env()
     p = subprocess.run([sys.executable, "-m", "rdma_device.bench", "soak", "--steps", str(STEPS), "--json",
                         "--step-timeout-ms", "30000"],
                        env=env, capture_output=True, text=True, timeout=600)
