@@ -7,6 +7,8 @@
 #   SOFTROCE_MEASURE=1 tests/softroce/run.sh   # also print the staging vs
 #                                               # registration measurements
 #   SOFTROCE_HOST_CHECKS=0 ...                  # skip the host-side checks
+#   SOFTROCE_ENV="K=V ..." ...                  # more environment for the tests
+#                                               # in the VM (suites_over_verbs.sh)
 #
 # Steps: install missing Debian packages; fetch (never install) the kernel
 # package into a cache outside the repo; build the test binaries with the
@@ -87,7 +89,7 @@ ibv_devices
 ibv_devinfo -d rxe0 | grep -E 'hca_id|transport|state|active_mtu|link_layer'
 rdma link show
 ulimit -l unlimited
-export RDMA_DEVICE_TEST_VERBS=1 RDMA_DEVICE_TEST_VERBS_ADDR=10.0.2.15 RUST_BACKTRACE=1 RDMA_DEVICE_LOG=info $measure
+export RDMA_DEVICE_TEST_VERBS=1 RDMA_DEVICE_TEST_VERBS_ADDR=10.0.2.15 RUST_BACKTRACE=1 RDMA_DEVICE_LOG=info $measure ${SOFTROCE_ENV:-}
 rc=0
 for t in /tests/*; do
     echo "=== SOFTROCE-RUN \$t"
@@ -118,7 +120,7 @@ qemu_rc=${PIPESTATUS[0]}
 set -e
 rc="$(sed -n 's/^=== SOFTROCE-EXIT-CODE \([0-9]*\).*/\1/p' "$log" | tail -n1)"
 echo "---- softroce summary (device, test results) ----"
-grep -E '^(hca_id|[[:space:]]+device|[[:space:]]+rxe0|link rxe0)|hca_id:|test result:|verbs-measure:|two-process:' "$log" || true
+grep -E '^(hca_id|[[:space:]]+device|[[:space:]]+rxe0|link rxe0)|hca_id:|test result:|verbs-measure:|two-process:|^multiprocess:|^=== SOFTROCE-RUN|FAILED|panicked' "$log" || true
 if [ -n "$bench" ]; then sed -n '/^=== SOFTROCE-BENCH/,/^=== SOFTROCE-EXIT-CODE/p' "$log"; fi
 if [ -z "$rc" ]; then
     say "no exit marker from the VM (qemu exit $qemu_rc): timeout or crash"
