@@ -70,7 +70,7 @@ while ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do
 done
 boot b 10.0.3.2 52:54:00:00:03:02 "connect=127.0.0.1:$port" "$log_b"
 pid_b=$!
-trap 'kill "$pid_a" "$pid_b" 2>/dev/null; rm -rf "$stage"' EXIT
+trap 'kill "$pid_a" "$pid_b" 2>/dev/null || true; rm -rf "$stage"' EXIT
 
 set +e
 wait "$pid_a"; wait "$pid_b"
