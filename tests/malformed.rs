@@ -42,7 +42,7 @@ fn fixture() -> Fixture {
     let a = Node::new(small_config(), &task(0), &addr(pa)).unwrap();
     a.add_peer(&task(1), &b_addr);
     b.add_peer(&task(0), &addr(pa));
-    b.add_peer("/job:evil/replica:0/task:0", "localhost:1");
+    b.add_peer("/job:evil/replica:0/task:0", &addr(1));
     Fixture { b, b_addr, a }
 }
 
