@@ -21,3 +21,6 @@ echo "== TensorFlow cluster tests (pytest)"
 
 echo "== verbs on Soft-RoCE (qemu VM)"
 bash tests/softroce/run.sh
+
+echo "== verbs between two VMs (two rxe devices on one virtual L2, SIGKILL of either side)"
+bash tests/softroce/two_hosts.sh

@@ -49,10 +49,10 @@ fn key(src: usize, dst: usize, edge: usize) -> String {
 /// to every other task and checks everything it receives.
 fn child_exchange(me: usize, ports: &[u16], edges: usize, steps: u64, seed: u64) -> Result<String, String> {
     let n = ports.len();
-    let node = Node::new(small_config(), &task(me), &format!("localhost:{}", ports[me])).map_err(|e| e.to_string())?;
+    let node = Node::new(small_config(), &task(me), &addr(ports[me])).map_err(|e| e.to_string())?;
     for (j, p) in ports.iter().enumerate() {
         if j != me {
-            let c = node.add_peer(&task(j), &format!("localhost:{p}"));
+            let c = node.add_peer(&task(j), &addr(p));
             if c.transport.is_none() {
                 return Err(format!("no transport to task {j}: {}", c.reason));
             }
@@ -116,8 +116,8 @@ fn stream_setup() -> (usize, rdma_device::config::Config, u64, u64) {
 /// Child: send big tensors to task 1 (until killed, or RDEV_STEPS).
 fn child_stream_sender(ports: &[u16]) -> Result<String, String> {
     let (bytes, cfg, steps, progress_at) = stream_setup();
-    let node = Node::new(cfg, &task(0), &format!("localhost:{}", ports[0])).map_err(|e| e.to_string())?;
-    node.add_peer(&task(1), &format!("localhost:{}", ports[1]));
+    let node = Node::new(cfg, &task(0), &addr(ports[0])).map_err(|e| e.to_string())?;
+    node.add_peer(&task(1), &addr(ports[1]));
     barrier();
     let early = std::env::var("RDEV_PROGRESS_EARLY").is_ok();
     for step in 1..=steps {
@@ -143,8 +143,8 @@ fn child_stream_sender(ports: &[u16]) -> Result<String, String> {
 /// Child: receive the stream; report how fast a failure surfaces.
 fn child_stream_receiver(ports: &[u16]) -> Result<String, String> {
     let (bytes, cfg, steps, progress_at) = stream_setup();
-    let node = Node::new(cfg, &task(1), &format!("localhost:{}", ports[1])).map_err(|e| e.to_string())?;
-    node.add_peer(&task(0), &format!("localhost:{}", ports[0]));
+    let node = Node::new(cfg, &task(1), &addr(ports[1])).map_err(|e| e.to_string())?;
+    node.add_peer(&task(0), &addr(ports[0]));
     barrier();
     for step in 1..=steps {
         let t0 = Instant::now();

@@ -14,12 +14,13 @@ use rdma_device::Error;
 fn pair(cfg: rdma_device::config::Config) -> (Node, Node, String, String) {
     let (pa, pb) = (free_port(), free_port());
     let (ta, tb) = (task(0), task(1));
-    let a = Node::new(cfg.clone(), &ta, &format!("localhost:{pa}")).unwrap();
-    let b = Node::new(cfg, &tb, &format!("localhost:{pb}")).unwrap();
-    let ca = a.add_peer(&tb, &format!("localhost:{pb}"));
-    let cb = b.add_peer(&ta, &format!("localhost:{pa}"));
-    assert_eq!(ca.transport.map(|k| k.name()), Some("shm"), "{}", ca.reason);
-    assert_eq!(cb.transport.map(|k| k.name()), Some("shm"), "{}", cb.reason);
+    let a = Node::new(cfg.clone(), &ta, &addr(pa)).unwrap();
+    let b = Node::new(cfg, &tb, &addr(pb)).unwrap();
+    let ca = a.add_peer(&tb, &addr(pb));
+    let cb = b.add_peer(&ta, &addr(pa));
+    let want = local_transport();
+    assert_eq!(ca.transport.map(|k| k.name()), Some(want.as_str()), "{}", ca.reason);
+    assert_eq!(cb.transport.map(|k| k.name()), Some(want.as_str()), "{}", cb.reason);
     (a, b, ta, tb)
 }
 
@@ -115,12 +116,12 @@ fn receiver_without_connection_learns_peer_is_gone() {
     cfg.connect_timeout_ms = 500;
     let pb = free_port();
     let tb = task(1);
-    let b = Node::new(cfg, &tb, &format!("localhost:{pb}")).unwrap();
+    let b = Node::new(cfg, &tb, &addr(pb)).unwrap();
     // A peer with no listener on first contact (it never started, or runs
     // plain gRPC): the receive fails at once instead of hanging, NotViable,
     // so that the shim pulls the tensor over gRPC.
     let ghost = free_port();
-    b.add_peer(&task(7), &format!("localhost:{ghost}"));
+    b.add_peer(&task(7), &addr(ghost));
     let r = recv_async(&b, &task(7), "k", 1);
     let e = r.recv_timeout(Duration::from_secs(5)).expect("error, not a hang").unwrap_err();
     assert!(matches!(e, Error::NotViable(_)), "{e}");
@@ -249,9 +250,9 @@ fn send_async(node: &Node, peer: &str, key: &str, step: u64, data: Vec<u8>) -> (
 #[test]
 fn disagreeing_routes_demote_the_peer_to_grpc() {
     let (pa, pb) = (free_port(), free_port());
-    let a = Node::new(small_config(), &task(0), &format!("localhost:{pa}")).unwrap();
-    let b = Node::new(small_config(), &task(1), &format!("localhost:{pb}")).unwrap();
-    assert!(a.add_peer(&task(1), &format!("localhost:{pb}")).transport.is_some());
+    let a = Node::new(small_config(), &task(0), &addr(pa)).unwrap();
+    let b = Node::new(small_config(), &task(1), &addr(pb)).unwrap();
+    assert!(a.add_peer(&task(1), &addr(pb)).transport.is_some());
     // B believes A is on another host: it routes A over gRPC.
     assert!(b.add_peer(&task(0), "192.0.2.1:5").transport.is_none());
     // The first send returns at once (it never connects on the caller's
@@ -274,8 +275,8 @@ fn disagreeing_routes_demote_the_peer_to_grpc() {
 fn peer_without_the_transport_goes_to_grpc_at_once() {
     // Nothing listens for task 1 (it runs plain gRPC): no connect timeout.
     let (pa, pb) = (free_port(), free_port());
-    let a = Node::new(small_config(), &task(0), &format!("localhost:{pa}")).unwrap();
-    assert!(a.add_peer(&task(1), &format!("localhost:{pb}")).transport.is_some());
+    let a = Node::new(small_config(), &task(0), &addr(pa)).unwrap();
+    assert!(a.add_peer(&task(1), &addr(pb)).transport.is_some());
     let t0 = Instant::now();
     let e = recv_async(&a, &task(1), "in", 1).recv_timeout(Duration::from_secs(5)).expect("fails, does not hang").unwrap_err();
     assert!(matches!(e, Error::NotViable(_)), "{e}");
@@ -305,11 +306,11 @@ fn aborted_step_on_the_sender_fails_the_receiver() {
 fn restarted_peer_is_reached_again() {
     let (pa, pb) = (free_port(), free_port());
     let (ta, tb) = (task(0), task(1));
-    let b = Node::new(small_config(), &tb, &format!("localhost:{pb}")).unwrap();
-    b.add_peer(&ta, &format!("localhost:{pa}"));
+    let b = Node::new(small_config(), &tb, &addr(pb)).unwrap();
+    b.add_peer(&ta, &addr(pa));
     for life in 0..2u64 {
-        let a = Node::new(small_config(), &ta, &format!("localhost:{pa}")).unwrap();
-        a.add_peer(&tb, &format!("localhost:{pb}"));
+        let a = Node::new(small_config(), &ta, &addr(pa)).unwrap();
+        a.add_peer(&tb, &addr(pb));
         // The receive is posted before the new life connects: it waits.
         let r = recv_async(&b, &ta, "k", 10 + life);
         std::thread::sleep(Duration::from_millis(50));
@@ -327,11 +328,11 @@ fn placement_requested_by_a_third_task() {
     // Task 0 partitions a function whose edge runs from task 1 to task 2:
     // it asks task 1 to place the edge at task 2 before the first step.
     let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
-    let nodes: Vec<Node> = (0..3).map(|i| Node::new(small_config(), &task(i), &format!("localhost:{}", ports[i])).unwrap()).collect();
+    let nodes: Vec<Node> = (0..3).map(|i| Node::new(small_config(), &task(i), &addr(ports[i])).unwrap()).collect();
     for (i, n) in nodes.iter().enumerate() {
         for (j, p) in ports.iter().enumerate() {
             if i != j {
-                n.add_peer(&task(j), &format!("localhost:{p}"));
+                n.add_peer(&task(j), &addr(p));
             }
         }
     }
@@ -355,9 +356,9 @@ fn receiver_learns_quickly_that_the_sender_will_not_push() {
     // A waits for a push from B, but B routes A over gRPC: A's watch
     // connection is refused, so the receive fails promptly, naming why.
     let (pa, pb) = (free_port(), free_port());
-    let a = Node::new(small_config(), &task(0), &format!("localhost:{pa}")).unwrap();
-    let b = Node::new(small_config(), &task(1), &format!("localhost:{pb}")).unwrap();
-    assert!(a.add_peer(&task(1), &format!("localhost:{pb}")).transport.is_some());
+    let a = Node::new(small_config(), &task(0), &addr(pa)).unwrap();
+    let b = Node::new(small_config(), &task(1), &addr(pb)).unwrap();
+    assert!(a.add_peer(&task(1), &addr(pb)).transport.is_some());
     assert!(b.add_peer(&task(0), "192.0.2.1:5").transport.is_none());
     let t0 = Instant::now();
     let e = recv_async(&a, &task(1), "k", 1).recv_timeout(Duration::from_secs(5)).expect("fails, does not hang").unwrap_err();

@@ -15,6 +15,24 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// The host part of the tests' node addresses: "localhost", or, to run the
+/// node-level suites over verbs, an address of an RDMA port
+/// (`RDMA_DEVICE_TEST_HOST`; tests/softroce/suites_over_verbs.sh sets it to
+/// the VM's 10.0.2.15 together with `RDMA_DEVICE_TRANSPORTS=verbs`).
+pub fn host() -> String {
+    std::env::var("RDMA_DEVICE_TEST_HOST").unwrap_or_else(|_| "localhost".into())
+}
+
+pub fn addr(port: impl std::fmt::Display) -> String {
+    format!("{}:{port}", host())
+}
+
+/// The transport two nodes of one host choose: the first one allowed
+/// (`RDMA_DEVICE_TRANSPORTS`, default "shm").
+pub fn local_transport() -> String {
+    small_config().transports.first().cloned().unwrap_or_default()
+}
+
 pub fn task(i: usize) -> String {
     format!("/job:worker/replica:0/task:{i}")
 }
@@ -23,6 +41,9 @@ pub fn small_config() -> Config {
     let mut c = Config { arena_bytes: 256 << 20, ..Config::default() };
     if let Ok(l) = std::env::var("RDMA_DEVICE_LOG") {
         c.log = l;
+    }
+    if let Ok(t) = std::env::var("RDMA_DEVICE_TRANSPORTS") {
+        c.transports = t.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect();
     }
     c
 }

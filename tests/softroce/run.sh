@@ -7,6 +7,8 @@
 #   SOFTROCE_MEASURE=1 tests/softroce/run.sh   # also print the staging vs
 #                                               # registration measurements
 #   SOFTROCE_HOST_CHECKS=0 ...                  # skip the host-side checks
+#   SOFTROCE_ENV="K=V ..." ...                  # more environment for the tests
+#                                               # in the VM (suites_over_verbs.sh)
 #
 # Steps: install missing Debian packages; fetch (never install) the kernel
 # package into a cache outside the repo; build the test binaries with the
@@ -18,56 +20,13 @@
 # marker. Everything is bounded by SOFTROCE_TIMEOUT seconds (default 600).
 set -euo pipefail
 
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-root="$(cd "$here/../.." && pwd)"
 deadline=$((SECONDS + ${SOFTROCE_TIMEOUT:-600}))
-left() { local l=$((deadline - SECONDS)); if ((l < 5)); then echo "softroce: out of time" >&2; exit 124; fi; echo "$l"; }
-say() { echo "softroce: $*" >&2; }
-
-cache="${SOFTROCE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rdma_device/softroce}"
-mkdir -p "$cache"
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 tests="${SOFTROCE_TESTS:-fabric_verbs}"
 
-# ---- 1. packages ---------------------------------------------------------
-pkgs=(qemu-system-x86 busybox-static rdma-core ibverbs-utils ibverbs-providers
-      libibverbs-dev librdmacm-dev rdmacm-utils iproute2 kmod cpio gzip
-      libclang-dev pkg-config)
-missing=()
-for p in "${pkgs[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-sudo=""
-if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
-if ((${#missing[@]})); then
-    say "installing ${missing[*]}"
-    timeout "$(left)" $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive timeout "$(left)" $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
-
-# ---- 2. kernel (downloaded, unpacked in the cache, never installed) ------
-kpkg="${SOFTROCE_KERNEL_PKG:-}"
-if [ -z "$kpkg" ]; then
-    kpkg="$(apt-cache depends linux-image-amd64 2>/dev/null | sed -n 's/^ *Depends: \(linux-image-[0-9][^ ]*\)$/\1/p' | head -n1)"
-fi
-if [ -z "$kpkg" ]; then
-    timeout "$(left)" $sudo apt-get update -qq
-    kpkg="$(apt-cache depends linux-image-amd64 | sed -n 's/^ *Depends: \(linux-image-[0-9][^ ]*\)$/\1/p' | head -n1)"
-fi
-[ -n "$kpkg" ] || { say "cannot find the package linux-image-amd64 depends on"; exit 1; }
-kdir="$cache/$kpkg"
-if [ ! -f "$kdir/.ready" ]; then
-    say "fetching $kpkg"
-    rm -rf "$kdir" && mkdir -p "$kdir/root"
-    (cd "$kdir" && timeout "$(left)" apt-get download -q "$kpkg" >/dev/null)
-    dpkg-deb -x "$kdir"/*.deb "$kdir/root"
-    rm -f "$kdir"/*.deb
-    kver="$(ls "$kdir/root/lib/modules" | head -n1)"
-    depmod -b "$kdir/root" "$kver"
-    touch "$kdir/.ready"
-fi
-kver="$(ls "$kdir/root/lib/modules" | head -n1)"
-vmlinuz="$kdir/root/boot/vmlinuz-$kver"
-[ -f "$vmlinuz" ] || { say "no kernel image in $kpkg"; exit 1; }
+# ---- 1. packages; 2. kernel (downloaded, unpacked in the cache, never installed)
+ensure_packages
+ensure_kernel
 
 # ---- 3. test binaries ----------------------------------------------------
 say "building test binaries ($tests) with --features verbs,verbs-device-tests"
@@ -101,61 +60,18 @@ if [ "${SOFTROCE_HOST_CHECKS:-1}" = 1 ]; then
 fi
 
 # ---- 4. initramfs --------------------------------------------------------
-stage="$(mktemp -d "${TMPDIR:-/tmp}/softroce.XXXXXX")"
-trap 'rm -rf "$stage"' EXIT
-mkdir -p "$stage"/{bin,sbin,tests,proc,sys,dev,tmp,etc/libibverbs.d,lib/modules}
-cp "$(command -v busybox)" "$stage/bin/busybox"
-
-# Copy a file and every library ldd lists for it, at the same paths.
-copy_with_libs() {
-    local f="$1" dst="$2"
-    mkdir -p "$(dirname "$stage$dst")"
-    cp -L "$f" "$stage$dst"
-    ldd "$f" 2>/dev/null | grep -o '/[^ ]*' | while read -r lib; do
-        [ -e "$stage$lib" ] && continue
-        mkdir -p "$stage$(dirname "$lib")"
-        cp -L "$lib" "$stage$lib"
-    done
-}
+new_stage
 i=0
 for b in "${bins[@]}"; do
     i=$((i + 1))
     copy_with_libs "$b" "/tests/$(printf '%02d' $i)-$(basename "$b")"
 done
 [ -n "$bench" ] && copy_with_libs "$bench" /bin/rdma-device-bench
-for tool in ibv_devices ibv_devinfo rdma; do
-    copy_with_libs "$(command -v $tool)" "/bin/$tool"
-done
-# glibc dlopens libgcc_s for thread exit; ldd does not list it.
-gcc_s="$(ldconfig -p | sed -n 's/.*libgcc_s.so.1 (libc6,x86-64) => \(.*\)/\1/p' | head -n1)"
-copy_with_libs "$gcc_s" "$gcc_s"
-provider="$(ls /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so | head -n1)"
-copy_with_libs "$provider" "$provider"
-cp /etc/libibverbs.d/rxe.driver "$stage/etc/libibverbs.d/"
+stage_rdma_userland
 
 # Modules in dependency order (resolved from modules.dep), decompressed so
 # busybox insmod can load them.
-mods_order=()
-add_mod() {
-    local name="$1" path dep
-    path="$(grep -E "(^|/)$name\.ko(\.[a-z]+)?:" "$kdir/root/lib/modules/$kver/modules.dep" | head -n1 | cut -d: -f1)"
-    [ -n "$path" ] || { say "module $name not in $kpkg"; exit 1; }
-    for dep in $(grep -E "^$path:" "$kdir/root/lib/modules/$kver/modules.dep" | cut -d: -f2); do
-        add_mod "$(basename "$dep" | sed 's/\.ko.*//')"
-    done
-    local m
-    for m in "${mods_order[@]:-}"; do [ "$m" = "$name" ] && return 0; done
-    mods_order+=("$name")
-    local src="$kdir/root/lib/modules/$kver/$path" out="$stage/lib/modules/$name.ko"
-    case "$src" in
-        *.xz) xz -dc "$src" >"$out" ;;
-        *.zst) zstd -qdc "$src" >"$out" ;;
-        *.gz) gzip -dc "$src" >"$out" ;;
-        *) cp "$src" "$out" ;;
-    esac
-}
 for m in virtio_pci virtio_net crc32_generic rdma_rxe rdma_ucm; do add_mod "$m"; done
-printf '%s\n' "${mods_order[@]}" >"$stage/modules.order"
 
 measure=""
 [ "${SOFTROCE_MEASURE:-0}" = 1 ] && measure="RDMA_DEVICE_TEST_VERBS_MEASURE=1"
@@ -173,7 +89,7 @@ ibv_devices
 ibv_devinfo -d rxe0 | grep -E 'hca_id|transport|state|active_mtu|link_layer'
 rdma link show
 ulimit -l unlimited
-export RDMA_DEVICE_TEST_VERBS=1 RDMA_DEVICE_TEST_VERBS_ADDR=10.0.2.15 RUST_BACKTRACE=1 RDMA_DEVICE_LOG=info $measure
+export RDMA_DEVICE_TEST_VERBS=1 RDMA_DEVICE_TEST_VERBS_ADDR=10.0.2.15 RUST_BACKTRACE=1 RDMA_DEVICE_LOG=info $measure ${SOFTROCE_ENV:-}
 rc=0
 for t in /tests/*; do
     echo "=== SOFTROCE-RUN \$t"
@@ -191,22 +107,20 @@ poweroff -f
 EOF
 chmod +x "$stage/init"
 initrd="$cache/initrd.cpio.gz"
-(cd "$stage" && find . | cpio -o -H newc --quiet | gzip -1 >"$initrd")
+pack_initrd "$initrd"
 say "initramfs $(du -h "$initrd" | cut -f1), kernel $kver, modules: ${mods_order[*]}"
 
 # ---- 5. boot ---------------------------------------------------------------
 log="$cache/console.log"
 say "booting qemu (TCG); console log: $log"
 set +e
-timeout "$(left)" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -m 2048 -smp 2 \
-    -nographic -no-reboot -kernel "$vmlinuz" -initrd "$initrd" \
-    -append 'console=ttyS0 quiet panic=-1' \
+timeout "$(left)" "${qemu_tcg[@]}" -m 2048 -initrd "$initrd" -append "$kargs" \
     -netdev user,id=n0,restrict=on -device virtio-net-pci,netdev=n0 </dev/null | tr -d '\r' | tee "$log"
 qemu_rc=${PIPESTATUS[0]}
 set -e
 rc="$(sed -n 's/^=== SOFTROCE-EXIT-CODE \([0-9]*\).*/\1/p' "$log" | tail -n1)"
 echo "---- softroce summary (device, test results) ----"
-grep -E '^(hca_id|[[:space:]]+device|[[:space:]]+rxe0|link rxe0)|hca_id:|test result:|verbs-measure:|two-process:' "$log" || true
+grep -E '^(hca_id|[[:space:]]+device|[[:space:]]+rxe0|link rxe0)|hca_id:|test result:|verbs-measure:|two-process:|^multiprocess:|^=== SOFTROCE-RUN|FAILED|panicked' "$log" || true
 if [ -n "$bench" ]; then sed -n '/^=== SOFTROCE-BENCH/,/^=== SOFTROCE-EXIT-CODE/p' "$log"; fi
 if [ -z "$rc" ]; then
     say "no exit marker from the VM (qemu exit $qemu_rc): timeout or crash"

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Two hosts over verbs: two qemu VMs (TCG), each with its own NIC and its
+# own rxe0, on one virtual L2 made of a qemu socket netdev between them
+# (127.0.0.1 on this machine; the VMs have no other NIC, nothing leaves the
+# machine). Host A is 10.0.3.1, host B 10.0.3.2. Both boot into this host's
+# root file system (read-only 9p, see build_hostroot_initrd in common.sh)
+# and run one side of tests/two_hosts.rs: checksummed tensors both ways,
+# verbs only; SIGKILL of A, then of B, each must fail the survivor's
+# waiters within 10 s, and the restarted process must be reached again.
+# Prints "two-hosts: ..." with the tensors exchanged and the kill results.
+#
+#   tests/softroce/two_hosts.sh        (SOFTROCE_TIMEOUT, default 900 s)
+set -euo pipefail
+
+deadline=$((SECONDS + ${SOFTROCE_TIMEOUT:-900}))
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+ensure_packages
+ensure_kernel
+
+say "building tests/two_hosts.rs with --features verbs"
+json="$cache/two-hosts.build.json"
+(cd "$root" && timeout "$(left)" cargo test --features verbs --no-run --message-format=json --test two_hosts >"$json")
+bin="$(grep '"reason":"compiler-artifact"' "$json" | grep '"name":"two_hosts"' \
+    | grep -o '"executable":"[^"]*"' | sed 's/"executable":"\(.*\)"/\1/' | tail -n1)"
+[ -x "$bin" ] || { say "no two_hosts test executable"; exit 1; }
+
+initrd="$cache/initrd-hostroot.cpio.gz"
+build_hostroot_initrd "$initrd"
+
+addr_a=10.0.3.1:18600
+addr_b=10.0.3.2:18600
+for role in a b; do
+    cat >"$cache/two-hosts.$role.guest.sh" <<EOF
+set -u
+export RDMA_DEVICE_TWO_HOSTS_ROLE=$role RDMA_DEVICE_TWO_HOSTS_A=$addr_a RDMA_DEVICE_TWO_HOSTS_B=$addr_b
+export RDMA_DEVICE_LOG=warn RUST_BACKTRACE=1
+ibv_devices
+rc=0
+# Life 1 ends in its own SIGKILL (exit 137); life 2 must pass (exit 0).
+for life in 1 2; do
+    RDMA_DEVICE_TWO_HOSTS_LIFE=\$life timeout 600 "$bin" --exact two_hosts_role --nocapture --test-threads=1
+    st=\$?
+    echo "two-hosts-$role\$life: process exit \$st"
+    if [ \$life = 1 ] && [ \$st != 137 ]; then rc=1; fi
+    if [ \$life = 2 ] && [ \$st != 0 ]; then rc=1; fi
+done
+exit \$rc
+EOF
+done
+
+# A free local TCP port for the L2 link between the two qemu processes.
+port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+log_a="$cache/two-hosts.a.console.log"
+log_b="$cache/two-hosts.b.console.log"
+boot() { # role ip mac netdev-option log
+    timeout "$(left)" "${qemu_tcg[@]}" -m 1024 -initrd "$initrd" "${hostroot_share[@]}" \
+        -append "$kargs RDEV_NET=eth0=$2/24 RDEV_RUN=$cache/two-hosts.$1.guest.sh" \
+        -netdev "socket,id=n1,$4" -device "virtio-net-pci,netdev=n1,mac=$3" \
+        </dev/null >"$5" 2>&1 &
+}
+say "booting host A (listens on the L2 link 127.0.0.1:$port) and host B; consoles: $log_a $log_b"
+start=$SECONDS
+boot a 10.0.3.1 52:54:00:00:03:01 "listen=127.0.0.1:$port" "$log_a"
+pid_a=$!
+# B connects to A's end of the link: wait until A's qemu listens.
+while ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do
+    kill -0 "$pid_a" 2>/dev/null || { say "host A's qemu exited early"; cat "$log_a"; exit 1; }
+    (( SECONDS < deadline )) || { say "host A's qemu never listened"; exit 1; }
+    sleep 0.2
+done
+boot b 10.0.3.2 52:54:00:00:03:02 "connect=127.0.0.1:$port" "$log_b"
+pid_b=$!
+trap 'kill "$pid_a" "$pid_b" 2>/dev/null || true; rm -rf "$stage"' EXIT
+
+set +e
+wait "$pid_a"; wait "$pid_b"
+set -e
+strip() { tr -d '\r' <"$1"; }
+rc_a="$(strip "$log_a" | sed -n 's/^=== SOFTROCE-EXIT-CODE \([0-9]*\).*/\1/p' | tail -n1)"
+rc_b="$(strip "$log_b" | sed -n 's/^=== SOFTROCE-EXIT-CODE \([0-9]*\).*/\1/p' | tail -n1)"
+echo "---- two-hosts ($((SECONDS - start)) s for both VMs) ----"
+strip "$log_a" | grep -E '^two-hosts-|panicked|FAILED' || true
+strip "$log_b" | grep -E '^two-hosts-|panicked|FAILED' || true
+
+# Totals from each life's "done"/"SIGKILL self" line (each tensor is
+# counted by its sender and its receiver: halve).
+tensors=0 bytes=0
+while read -r t b; do tensors=$((tensors + t)); bytes=$((bytes + b)); done < <(
+    { strip "$log_a"; strip "$log_b"; } | sed -n 's/^two-hosts-..: \(done: \|SIGKILL self after \)\([0-9]*\) tensors, \([0-9]*\) bytes.*/\2 \3/p')
+kill_a="$(strip "$log_b" | sed -n 's/^two-hosts-b1: peer SIGKILLed: waiters failed after \([0-9]*\) ms.*/\1/p')"
+kill_b="$(strip "$log_a" | sed -n 's/^two-hosts-a2: peer SIGKILLed: waiters failed after \([0-9]*\) ms.*/\1/p')"
+reach_a="$(strip "$log_b" | grep -c '^two-hosts-b1: steps 32\.\.' || true)"
+reach_b="$(strip "$log_a" | grep -c '^two-hosts-a2: steps 63\.\.' || true)"
+ok=FAILED
+if [ "$rc_a" = 0 ] && [ "$rc_b" = 0 ] && [ -n "$kill_a" ] && [ -n "$kill_b" ]; then ok=ok; fi
+echo "two-hosts: $ok tensors_exchanged=$((tensors / 2)) bytes=$((bytes / 2)) over verbs rxe0 10.0.3.1 <-> rxe0 10.0.3.2;" \
+    "SIGKILL A: B's waiters failed in ${kill_a:-?} ms, restarted A reached=$([ "$reach_a" = 1 ] && echo yes || echo no);" \
+    "SIGKILL B: A's waiters failed in ${kill_b:-?} ms, restarted B reached=$([ "$reach_b" = 1 ] && echo yes || echo no)" \
+    "($((SECONDS - start)) s under TCG)"
+[ "$ok" = ok ]

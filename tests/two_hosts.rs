@@ -1,0 +1,166 @@
+//! Two hosts over verbs: one side of the exchange that
+//! tests/softroce/two_hosts.sh runs in each of two qemu VMs (each with its
+//! own rxe device, on one virtual L2). Without RDMA_DEVICE_TWO_HOSTS_ROLE
+//! the test returns at once (it needs the two VMs).
+//!
+//! Task 0 ("a") and task 1 ("b") exchange checksummed tensors of several
+//! sizes, both ways, verbs only. Each side runs two lives (processes):
+//!   P1  steps 1..=N          a1 <-> b1, then a1 SIGKILLs itself;
+//!       step N+1             b1's waiters and send must fail within 10 s;
+//!   P2  steps N+2..=2N+1     b1 <-> a2 (the restarted a is reached again),
+//!                            then b1 SIGKILLs itself;
+//!       step 2N+2            a2 must fail within 10 s;
+//!   P3  steps 2N+3..=3N+2    a2 <-> b2 (the restarted b is reached again).
+//! Each life prints `two-hosts-<role><life>: ...` lines the host script
+//! gathers from both consoles.
+
+mod common;
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use common::*;
+use rdma_device::node::Node;
+use rdma_device::rendezvous::TensorMeta;
+
+const N: u64 = 30;
+/// How long the survivor may take to fail its waiters after the peer died.
+const DETECT_BOUND: Duration = Duration::from_secs(10);
+/// How long a phase may wait for a restarted peer (TCG boots are slow).
+const PHASE_DEADLINE: Duration = Duration::from_secs(240);
+
+fn env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set"))
+}
+
+struct Side {
+    node: Node,
+    me: usize,
+    peer_task: String,
+    tensors: u64,
+    bytes: u64,
+}
+
+impl Side {
+    fn data(from: usize, step: u64) -> (TensorMeta, Vec<u8>) {
+        let len = [4usize, 4096, 100_000, 1 << 20, 3 << 20][(step % 5) as usize];
+        (TensorMeta { dtype: 4, flags: 0, dims: vec![len as i64] }, pattern(step * 2 + from as u64, len))
+    }
+
+    /// One step: post the receive, send ours, check theirs.
+    fn exchange(&mut self, step: u64) -> Result<(), String> {
+        let r = recv_async(&self.node, &self.peer_task, "x", step);
+        let (meta, data) = Side::data(self.me, step);
+        let n = data.len() as u64;
+        let (tx, done) = std::sync::mpsc::channel();
+        self.node
+            .send(&self.peer_task, "x", step, meta, Box::new(data), Box::new(move |r| {
+                let _ = tx.send(r);
+            }))
+            .map_err(|e| format!("send: {e}"))?;
+        match done.recv_timeout(Duration::from_secs(30)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(format!("send: {e}")),
+            Err(_) => return Err("send: no completion within 30 s".into()),
+        }
+        let lease = match r.recv_timeout(Duration::from_secs(30)) {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => return Err(format!("recv: {e}")),
+            Err(_) => return Err("recv: nothing within 30 s".into()),
+        };
+        let (_, want) = Side::data(1 - self.me, step);
+        if checksum(lease.bytes()) != checksum(&want) {
+            // Wrong bytes are a failure of the test, never retried.
+            panic!("step {step}: received {} bytes that differ from what the peer sent", lease.bytes().len());
+        }
+        self.tensors += 2;
+        self.bytes += n + want.len() as u64;
+        Ok(())
+    }
+
+    /// Steps `from..=to`; while the peer is (re)starting, a step is retried.
+    fn phase(&mut self, tag: &str, from: u64, to: u64) {
+        let deadline = Instant::now() + PHASE_DEADLINE;
+        let mut retries = 0;
+        let mut step = from;
+        while step <= to {
+            match self.exchange(step) {
+                Ok(()) => step += 1,
+                Err(e) if step == from && Instant::now() < deadline => {
+                    retries += 1;
+                    if retries % 20 == 1 {
+                        say(tag, &format!("waiting for the peer (step {step}: {e})"));
+                    }
+                    std::thread::sleep(Duration::from_millis(250));
+                }
+                Err(e) => panic!("{tag}: step {step} failed: {e}\n{}", self.node.describe()),
+            }
+        }
+        say(tag, &format!("steps {from}..={to} exchanged ({} retries before the first)", retries));
+    }
+
+    /// The peer died after its last step: our next step must fail, fast.
+    fn detect(&mut self, tag: &str, step: u64) {
+        let t0 = Instant::now();
+        match self.exchange(step) {
+            Ok(()) => panic!("{tag}: step {step} succeeded although the peer was SIGKILLed"),
+            Err(e) => {
+                let dt = t0.elapsed();
+                say(tag, &format!("peer SIGKILLed: waiters failed after {} ms: {e}", dt.as_millis()));
+                assert!(dt < DETECT_BOUND, "{tag}: the failure took {dt:?} (bound {DETECT_BOUND:?})");
+            }
+        }
+    }
+
+    fn die(&self, tag: &str) -> ! {
+        say(tag, &format!("SIGKILL self after {} tensors, {} bytes", self.tensors, self.bytes));
+        // SAFETY: signals our own process; nothing runs after it.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        unreachable!()
+    }
+}
+
+fn say(tag: &str, what: &str) {
+    println!("two-hosts-{tag}: {what}");
+    let _ = std::io::stdout().flush();
+}
+
+#[test]
+fn two_hosts_role() {
+    let Ok(role) = std::env::var("RDMA_DEVICE_TWO_HOSTS_ROLE") else {
+        eprintln!("RDMA_DEVICE_TWO_HOSTS_ROLE is not set: this side runs in tests/softroce/two_hosts.sh");
+        return;
+    };
+    let life: u32 = env("RDMA_DEVICE_TWO_HOSTS_LIFE").parse().unwrap();
+    let addrs = [env("RDMA_DEVICE_TWO_HOSTS_A"), env("RDMA_DEVICE_TWO_HOSTS_B")];
+    let me = if role == "a" { 0 } else { 1 };
+    let tag = format!("{role}{life}");
+    let mut cfg = small_config();
+    cfg.transports = vec!["verbs".into()];
+    cfg.arena_bytes = 64 << 20;
+    let node = Node::new(cfg, &task(me), &addrs[me]).unwrap();
+    let c = node.add_peer(&task(1 - me), &addrs[1 - me]);
+    assert_eq!(c.transport.map(|k| k.name()), Some("verbs"), "{}", c.reason);
+    say(&tag, &format!("task {me} at {} -> peer {} over verbs", addrs[me], addrs[1 - me]));
+    let mut s = Side { node, me, peer_task: task(1 - me), tensors: 0, bytes: 0 };
+    match (me, life) {
+        (0, 1) => {
+            s.phase(&tag, 1, N);
+            s.die(&tag);
+        }
+        (1, 1) => {
+            s.phase(&tag, 1, N);
+            s.detect(&tag, N + 1);
+            s.phase(&tag, N + 2, 2 * N + 1);
+            s.die(&tag);
+        }
+        (0, 2) => {
+            s.phase(&tag, N + 2, 2 * N + 1);
+            s.detect(&tag, 2 * N + 2);
+            s.phase(&tag, 2 * N + 3, 3 * N + 2);
+        }
+        (1, 2) => s.phase(&tag, 2 * N + 3, 3 * N + 2),
+        _ => panic!("unknown role/life {role}/{life}"),
+    }
+    say(&tag, &format!("done: {} tensors, {} bytes exchanged", s.tensors, s.bytes));
+}
