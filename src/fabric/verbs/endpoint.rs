@@ -19,6 +19,14 @@ pub struct VerbsEndpoint {
     shared: Arc<Shared>,
     peer_hello: Vec<u8>,
     remote_len: u64,
+    _rt: Option<Arc<super::progress::Runtime>>,
+}
+
+impl VerbsEndpoint {
+    /// Keep the backend's progress thread running while this endpoint lives.
+    pub(crate) fn keep_alive(&mut self, rt: Arc<super::progress::Runtime>) {
+        self._rt = Some(rt);
+    }
 }
 
 pub(crate) fn connect(
@@ -76,7 +84,7 @@ pub(crate) fn connect(
             let remote_len = inner.remote.map(|r| r.arena_len).unwrap_or(0);
             let peer_hello = inner.peer_hello.clone();
             drop(inner);
-            Ok(VerbsEndpoint { conn, shared: sh.clone(), peer_hello, remote_len })
+            Ok(VerbsEndpoint { conn, shared: sh.clone(), peer_hello, remote_len, _rt: None })
         }
         Some(Ok(())) => Err(Error::PeerLost(format!("connection to {remote} closed during the handshake"))),
         Some(Err(e)) => {

@@ -64,6 +64,14 @@ pub struct VerbsListener {
     shared: Arc<Shared>,
     lst: Arc<ListenerShared>,
     closed: AtomicBool,
+    _rt: Option<Arc<super::progress::Runtime>>,
+}
+
+impl VerbsListener {
+    /// Keep the backend's progress thread running while this listener lives.
+    pub(crate) fn keep_alive(&mut self, rt: Arc<super::progress::Runtime>) {
+        self._rt = Some(rt);
+    }
 }
 
 pub(crate) fn listen(sh: &Arc<Shared>, local: &str, arena: Arc<Arena>, events: Arc<dyn FabricEvents>) -> Result<VerbsListener> {
@@ -107,7 +115,7 @@ pub(crate) fn listen(sh: &Arc<Shared>, local: &str, arena: Arc<Arena>, events: A
         return Err(e);
     }
     log::info!("verbs: listening on {} (rdma_cm port {})", lst.addr, port as u32 + offset as u32);
-    Ok(VerbsListener { shared: sh.clone(), lst, closed: AtomicBool::new(false) })
+    Ok(VerbsListener { shared: sh.clone(), lst, closed: AtomicBool::new(false), _rt: None })
 }
 
 impl Listener for VerbsListener {

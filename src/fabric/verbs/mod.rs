@@ -124,6 +124,9 @@ pub const SPIN: Duration = Duration::from_micros(50);
 pub const MIN_MEMLOCK_BYTES: u64 = 16 << 20;
 /// rdma_cm listen backlog (pending connect requests).
 pub const LISTEN_BACKLOG: i32 = 128;
+/// The reason given when rdma_cm rejects a connection for lack of a
+/// listener (the peer does not run the transport, or not yet).
+pub(crate) const NO_LISTENER: &str = "no rdma_device verbs listener at that address (it does not run this transport)";
 /// rdma_cm address and route resolution timeout.
 pub const RESOLVE_TIMEOUT_MS: i32 = 2000;
 
@@ -215,7 +218,9 @@ pub struct VerbsFabric {
     opts: VerbsOptions,
     devices: Vec<device::DeviceInfo>,
     viable: Result<()>,
-    rt: OnceLock<Result<progress::Runtime>>,
+    /// The progress thread, started on first use. Every listener and
+    /// endpoint holds it too, so a connection outlives a dropped fabric.
+    rt: OnceLock<Result<Arc<progress::Runtime>>>,
     /// `reaches()` answers by peer address: successes for good, failures
     /// for [`REACH_RETRY_AFTER`] (a route may appear later).
     reach_cache: parking_lot::Mutex<std::collections::HashMap<String, (std::time::Instant, Result<()>)>>,
@@ -308,12 +313,11 @@ impl VerbsFabric {
         &self.opts
     }
 
-    fn runtime(&self) -> Result<&progress::Runtime> {
+    fn runtime(&self) -> Result<Arc<progress::Runtime>> {
         self.viable.clone()?;
         self.rt
-            .get_or_init(|| progress::Runtime::start(self.opts.clone()))
-            .as_ref()
-            .map_err(|e| e.clone())
+            .get_or_init(|| progress::Runtime::start(self.opts.clone()).map(Arc::new))
+            .clone()
     }
 }
 
@@ -357,14 +361,35 @@ impl Fabric for VerbsFabric {
 
     fn listen(&self, local: &str, arena: Arc<Arena>, events: Arc<dyn FabricEvents>) -> Result<Arc<dyn Listener>> {
         let rt = self.runtime()?;
-        Ok(Arc::new(listener::listen(&rt.shared, local, arena, events)?))
+        let mut l = listener::listen(&rt.shared, local, arena, events)?;
+        l.keep_alive(rt);
+        Ok(Arc::new(l))
     }
 
     // rdma_cm makes one attempt either way: a peer with no listener is
     // reported by a REJECTED/UNREACHABLE event within `timeout`.
-    fn connect(&self, remote: &str, hello: &[u8], events: Arc<dyn FabricEvents>, timeout: Duration, _wait_for_listener: bool) -> Result<Arc<dyn Endpoint>> {
+    fn connect(&self, remote: &str, hello: &[u8], events: Arc<dyn FabricEvents>, timeout: Duration, wait_for_listener: bool) -> Result<Arc<dyn Endpoint>> {
         let rt = self.runtime()?;
-        Ok(Arc::new(endpoint::connect(&rt.shared, remote, hello, events, timeout)?))
+        let deadline = std::time::Instant::now() + timeout;
+        // As shm does: nobody listening is final at once unless the caller
+        // waits for a peer that is (re)starting; then retried until the
+        // deadline.
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match endpoint::connect(&rt.shared, remote, hello, events.clone(), left) {
+                Ok(mut ep) => {
+                    ep.keep_alive(rt);
+                    return Ok(Arc::new(ep));
+                }
+                Err(Error::NotViable(m)) if m.contains(NO_LISTENER) && wait_for_listener => {
+                    if std::time::Instant::now() + Duration::from_millis(20) >= deadline {
+                        return Err(Error::Timeout(format!("connecting to {remote} over verbs for {timeout:?}: {m}")));
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 }
 

@@ -57,10 +57,9 @@ fn rejected(ev: &cm::Event) -> Error {
             return conn::decode_refusal(b);
         }
     }
-    Error::PeerLost(format!(
-        "connection rejected (status {}): no rdma_device verbs listener at that address?",
-        ev.status
-    ))
+    // Rejected by rdma_cm itself (no private data of ours): nobody listens
+    // on that port, i.e. the peer does not run this transport (or not yet).
+    Error::NotViable(format!("{} (rdma_cm rejected the connection, status {})", super::super::NO_LISTENER, ev.status))
 }
 
 fn conn_param(sh: &Shared, dev: &Device, private: &[u8], peer_rr: Option<(u8, u8)>) -> rdma_conn_param {
