@@ -61,6 +61,7 @@ pub mod device;
 mod endpoint;
 mod listener;
 mod mr;
+mod mw;
 mod progress;
 mod wr;
 
@@ -166,6 +167,10 @@ pub struct VerbsOptions {
     pub tos: Option<u8>,
     /// Receive buffers in each device's shared receive queue.
     pub srq_depth: u32,
+    /// Isolate senders with type-2 memory windows where the device has
+    /// them (see `mw`); off: every sender writes through the arena's one
+    /// shared region (what a device without windows gets anyway).
+    pub memory_windows: bool,
 }
 
 impl Default for VerbsOptions {
@@ -184,6 +189,7 @@ impl Default for VerbsOptions {
             rnr_retry: 6,
             tos: None,
             srq_depth: SRQ_DEPTH,
+            memory_windows: true,
         }
     }
 }
@@ -273,6 +279,14 @@ impl VerbsFabric {
     /// is for configuration errors.
     pub fn from_config(cfg: &crate::config::Config) -> Result<Arc<VerbsFabric>> {
         Ok(Arc::new(VerbsFabric::new(VerbsOptions::from_config(cfg))))
+    }
+
+    /// The rkeys of the arena's own registrations (one per device and
+    /// listener). With memory windows they grant no remote access; tests
+    /// check that a peer cannot write with them.
+    #[doc(hidden)]
+    pub fn arena_rkeys(&self) -> Vec<u32> {
+        self.rt.get().and_then(|r| r.as_ref().ok()).map(|r| r.shared.arena_rkeys()).unwrap_or_default()
     }
 
     /// What was found at start (for diagnostics and the bench).
