@@ -30,9 +30,11 @@
 //! | shm `write_imm` (inside `send` on a live link) | the sender's thread | ring space (8192 entries: full only when the receiver's progress thread has stopped) | 10 s, then the write fails with Timeout |
 //! | shm/verbs progress threads | own threads | events (sleep on the doorbell / CQ channel) | woken by events or shutdown |
 //! | callbacks and writes released by events | `rdev-callbacks` (one per node, queued) | what the callback does; a write as `send` on a live link | as `send` |
+//! | granting a placed slot to its sender (`NodeGranter` → `Listener::grant`, under the protocol lock) | whichever thread placed it (an event thread included) | nothing: shm maps the window's pages; verbs allocates a memory window and queues its bind on the sender's QP ahead of the Publish (ordered by the send queue, never awaited; see `fabric::verbs::mw`) | — |
 //!
 //! Locks: a peer's tx slot may be held while taking `rdv` or `links`
-//! (connecting), never the reverse; `peers.table` is held only for map
+//! (connecting), never the reverse; `rdv` may be held while taking
+//! `listeners` and a listener's own locks (granting), never the reverse; `peers.table` is held only for map
 //! updates, never while taking another lock. No callback is invoked while
 //! any of them is held.
 
