@@ -648,7 +648,13 @@ fn two_process_sigkill_sender() {
     let (mut child, out) = spawn_child("sender", "child_sender", Some(&l.local_addr()));
     let c = accepted(&rx, b"child");
     let key = l.grant(c, 0, arena.len() as u64).unwrap().unwrap();
-    l.send_msg(c, &key.to_le_bytes()).unwrap();
+    // `on_accept` reported the connection before it returned: messages
+    // can go once the accept completed (bounded retry).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while let Err(e) = l.send_msg(c, &key.to_le_bytes()) {
+        assert!(Instant::now() < deadline, "sending the key: {e}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     read_until(&out, "CONNECTED");
     let conn = rx.wait("writes from the child", Duration::from_secs(30), |e| {
         e.iter().find_map(|x| if let Ev::Imm(c, i) = x { (*i > 3).then_some(*c) } else { None })

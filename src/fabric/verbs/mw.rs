@@ -12,6 +12,18 @@
 //! bound on), so a sender reaches only the ranges granted to it, whatever
 //! rkeys it guesses.
 //!
+//! **Soft-RoCE (rxe) enforces less** (measured in the VM, Debian 6.1, and
+//! still so in later rxe sources): its responder checks a window rkey's
+//! QP, state and access, but checks the write's range against the
+//! *region's* bounds, not the window's (`rxe_resp.c` `check_rkey`:
+//! `mr_check_range(mw->mr, va + offset, resid)`). On rxe a sender can thus
+//! write anywhere in the arena region with the key of a window bound to
+//! its own QP; another sender's key, a revoked key and the region's own
+//! key still fail. A NIC that follows the spec's window bounds isolates
+//! fully. Closing that on rxe would take a region per granted range under
+//! each window (one `ibv_reg_mr` per grant, which may run on the progress
+//! thread, where registration is not allowed): not done.
+//!
 //! Addressing: windows are bound at the arena's virtual addresses (no
 //! `ZERO_BASED`), so a sender writes at `arena_addr + offset` as before,
 //! with the slot's key instead of the region's.
