@@ -944,7 +944,8 @@ fn memory_windows_isolate_senders() {
 
     // A writes its own range, then B's with each key it can get: its own,
     // B's, the arena region's. Each attempt fails and breaks A's link.
-    let attempts: Vec<(&str, Box<dyn Fn(u32) -> u32>)> = vec![
+    type KeyFor = Box<dyn Fn(u32) -> u32>;
+    let attempts: Vec<(&str, KeyFor)> = vec![
         ("B's key", Box::new(move |_| kb)),
         ("the arena region's key", Box::new(move |_| arena_keys[0])),
         ("its own key", Box::new(|ka| ka)),
