@@ -77,8 +77,9 @@ pub const MAGIC: u32 = 0x5244_4556;
 
 /// Wire protocol version: both handshakes carry it; a mismatch is refused
 /// with a clear error instead of misparsing. 3: streamed tensors (chunk
-/// headers, `Stream*` messages) replace the inline messages.
-pub const PROTOCOL_VERSION: u32 = 3;
+/// headers, `Stream*` messages) replace the inline messages. 4: each
+/// published slot carries the key its sender writes it with.
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Upper bound of the adaptive spin window of a progress thread. While
 /// small writes keep arriving, the thread polls for twice the recent gap

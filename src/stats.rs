@@ -71,6 +71,8 @@ counters! {
         peers_lost: "connections lost (peer exit, transport error)",
         arena_bytes_in_use: "gauge: bytes of the receive arena placed in slots",
         arena_bytes_total: "gauge: size of the receive arena",
+        verbs_windows_bound: "verbs: arena ranges granted to one sender each through a memory window bound to its connection",
+        verbs_shared_grants: "verbs: arena ranges granted through the arena's shared memory region (the device has no type-2 memory windows: verbs senders are not isolated from each other)",
     }
 }
 

@@ -144,7 +144,7 @@ fn a_stale_write_fails_the_link() {
     // A header from another life of the sender (incarnation 8, not 7).
     let h = rdma_device::rendezvous::SlotHeader { edge_id, slot: s.id, gen: s.gen, incarnation: 8, step: 1, len: 8, meta: meta(2), chunk: None };
     let (tx, rx) = std::sync::mpsc::channel();
-    ep.write_imm(s.offset, vec![Box::new(h.encode())], s.id, Box::new(move |r| tx.send(r).unwrap()));
+    ep.write_imm(s.offset, s.key, vec![Box::new(h.encode())], s.id, Box::new(move |r| tx.send(r).unwrap()));
     rx.recv_timeout(Duration::from_secs(5)).unwrap().unwrap();
     ev.wait_for("the node to close the connection", |e| e.iter().any(|x| matches!(x, Ev::Disconnect(..))));
     let e = waiter.recv_timeout(Duration::from_secs(5)).unwrap().expect_err("the waiter must fail");

@@ -116,7 +116,7 @@ fn hostile_inputs_are_rejected_without_panics() {
     // 5. Writes into slots never published, and with a forged header.
     let (ep, ev) = evil(&f);
     let (tx, rx) = std::sync::mpsc::channel();
-    ep.write_imm(0, vec![Box::new(vec![0u8; 512])], 12345, Box::new(move |r| tx.send(r).unwrap()));
+    ep.write_imm(0, 0, vec![Box::new(vec![0u8; 512])], 12345, Box::new(move |r| tx.send(r).unwrap()));
     rx.recv_timeout(Duration::from_secs(5)).unwrap().unwrap();
     closed(&ev);
     let (ep, ev) = evil(&f);
@@ -128,7 +128,7 @@ fn hostile_inputs_are_rejected_without_panics() {
     let s = slots[0];
     let forged = SlotHeader { edge_id, slot: s.id, gen: s.gen, incarnation: 7, step: 1, len: s.capacity + 1, meta: TensorMeta::default(), chunk: None };
     let (tx, rx) = std::sync::mpsc::channel();
-    ep.write_imm(s.offset, vec![Box::new(forged.encode())], s.id, Box::new(move |r| tx.send(r).unwrap()));
+    ep.write_imm(s.offset, s.key, vec![Box::new(forged.encode())], s.id, Box::new(move |r| tx.send(r).unwrap()));
     rx.recv_timeout(Duration::from_secs(5)).unwrap().unwrap();
     closed(&ev);
     // Both bogus writes were counted as rejected.

@@ -75,12 +75,12 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 }
 
 /// Post `n` writes of `size` and wait until the receiver saw all of them.
-fn burst(ep: &dyn Endpoint, c: &Counter, src: &Arc<Vec<u8>>, skew: usize, size: usize, n: u64) -> Result<Duration> {
+fn burst(ep: &dyn Endpoint, key: u32, c: &Counter, src: &Arc<Vec<u8>>, skew: usize, size: usize, n: u64) -> Result<Duration> {
     let start = c.seen.load(Ordering::Acquire);
     let t = Instant::now();
     for i in 0..n {
         let seg: Segment = Box::new(Shared(src.clone(), skew, size));
-        ep.write_imm(0, vec![seg], i as u32, Box::new(|r| {
+        ep.write_imm(0, key, vec![seg], i as u32, Box::new(|r| {
             if let Err(e) = r {
                 eprintln!("write failed: {e}");
             }
@@ -126,7 +126,7 @@ fn run(transport: &str, addr: Option<String>, json: bool, quick: bool) -> Result
     // The writes below go anywhere in the arena, as if it were all slots
     // placed for this sender (the receive node grants each slot).
     let conn = c.accepted.load(Ordering::Acquire).checked_sub(1).ok_or_else(|| Error::Internal("no connection accepted".into()))?;
-    l.grant(conn, 0, arena.len() as u64)?;
+    let key = l.grant(conn, 0, arena.len() as u64)?.ok_or_else(|| Error::Internal("the listener does not know its connection".into()))?;
     let src = Arc::new((0..max + 64).map(|i| (i * 31 % 251) as u8).collect::<Vec<u8>>());
     let src_skew = src.as_ptr().align_offset(64);
     // Source and memcpy destination 64-byte aligned, as TensorFlow's CPU
@@ -151,12 +151,12 @@ fn run(transport: &str, addr: Option<String>, json: bool, quick: bool) -> Result
     for &size in &sizes {
         // ~64 MiB per burst (at least 2 writes), warm-up first.
         let n = ((64usize << 20) / size).clamp(2, 4096) as u64;
-        burst(&*ep, &c, &src, src_skew, size, n)?;
+        burst(&*ep, key, &c, &src, src_skew, size, n)?;
         memcpy_burst(dst, &src[src_skew..], size, n);
         let (mut f, mut m) = (Vec::new(), Vec::new());
         for _ in 0..reps {
             let bytes = (size as u64 * n) as f64;
-            f.push(bytes / burst(&*ep, &c, &src, src_skew, size, n)?.as_secs_f64() / 1e9);
+            f.push(bytes / burst(&*ep, key, &c, &src, src_skew, size, n)?.as_secs_f64() / 1e9);
             m.push(bytes / memcpy_burst(dst, &src[src_skew..], size, n).as_secs_f64() / 1e9);
         }
         let (gbps, mgbps) = (median(&mut f), median(&mut m));
@@ -167,7 +167,7 @@ fn run(transport: &str, addr: Option<String>, json: bool, quick: bool) -> Result
             let before = c.seen.load(Ordering::Acquire);
             let t_post = c.t0.elapsed().as_nanos() as u64;
             let seg: Segment = Box::new(Shared(src.clone(), src_skew, size));
-            ep.write_imm(0, vec![seg], i as u32, Box::new(|_| {}));
+            ep.write_imm(0, key, vec![seg], i as u32, Box::new(|_| {}));
             let deadline = Instant::now() + Duration::from_secs(10);
             while c.seen.load(Ordering::Acquire) == before {
                 if Instant::now() > deadline {

@@ -124,6 +124,8 @@ pub struct Pair {
     pub ep: Arc<dyn Endpoint>,
     /// The receiver's id for the connection.
     pub rx_conn: ConnId,
+    /// The key `grant` gave for the whole arena.
+    pub key: u32,
 }
 
 pub fn pair(h: &Harness, arena_len: usize) -> Pair {
@@ -136,14 +138,14 @@ pub fn pair(h: &Harness, arena_len: usize) -> Pair {
     let evs = rx_events.wait_for("accept", |e| e.iter().any(|x| matches!(x, Ev::Accept(..))));
     let rx_conn = evs.iter().find_map(|x| if let Ev::Accept(c, _) = x { Some(*c) } else { None }).expect("accept");
     // These tests write anywhere in the arena: let this sender.
-    assert!(listener.grant(rx_conn, 0, arena.len() as u64).expect("grant"), "the listener knows its connection");
-    Pair { arena, rx_events, tx_events, listener, ep, rx_conn }
+    let key = listener.grant(rx_conn, 0, arena.len() as u64).expect("grant").expect("the listener knows its connection");
+    Pair { arena, rx_events, tx_events, listener, ep, rx_conn, key }
 }
 
-fn write_sync(ep: &dyn Endpoint, off: u64, segs: Vec<Vec<u8>>, imm: u32) -> Result<()> {
+fn write_sync(ep: &dyn Endpoint, key: u32, off: u64, segs: Vec<Vec<u8>>, imm: u32) -> Result<()> {
     let (tx, rx) = std::sync::mpsc::channel();
     let segs = segs.into_iter().map(|s| Box::new(s) as crate::fabric::Segment).collect();
-    ep.write_imm(off, segs, imm, Box::new(move |r| tx.send(r).expect("channel")));
+    ep.write_imm(off, key, segs, imm, Box::new(move |r| tx.send(r).expect("channel")));
     rx.recv_timeout(WAIT).expect("write completion within the deadline")
 }
 
@@ -180,7 +182,7 @@ pub fn writes_land_before_completion(h: &Harness) {
     for (i, &(off, len)) in cases.iter().enumerate() {
         let data = pattern(i as u32, len);
         p.rx_events.expect_at(100 + i as u32, off as usize, data.clone());
-        write_sync(&*p.ep, off, vec![data], 100 + i as u32).expect("write");
+        write_sync(&*p.ep, p.key, off, vec![data], 100 + i as u32).expect("write");
     }
     let evs = p.rx_events.wait_for("all immediates", |e| e.iter().filter(|x| matches!(x, Ev::Imm(..))).count() == cases.len());
     for e in evs {
@@ -199,7 +201,7 @@ pub fn gather_segments(h: &Harness) {
     all.extend_from_slice(&b);
     all.extend_from_slice(&c);
     p.rx_events.expect_at(7, 4096, all.clone());
-    write_sync(&*p.ep, 4096, vec![a, b, c], 7).expect("write");
+    write_sync(&*p.ep, p.key, 4096, vec![a, b, c], 7).expect("write");
     p.rx_events.wait_for("imm 7", |e| e.iter().any(|x| matches!(x, Ev::Imm(_, 7, true))));
     assert_eq!(p.arena.copy_out(4096, all.len()).unwrap(), all);
 }
@@ -209,7 +211,7 @@ pub fn immediates_in_order(h: &Harness) {
     let p = pair(h, 1 << 20);
     let n = 2000u32;
     for i in 0..n {
-        write_sync(&*p.ep, (i as u64 % 64) * 64, vec![vec![i as u8; 64]], i).expect("write");
+        write_sync(&*p.ep, p.key, (i as u64 % 64) * 64, vec![vec![i as u8; 64]], i).expect("write");
     }
     let evs = p.rx_events.wait_for("all immediates", |e| e.iter().filter(|x| matches!(x, Ev::Imm(..))).count() == n as usize);
     let imms: Vec<u32> = evs.iter().filter_map(|x| if let Ev::Imm(_, i, _) = x { Some(*i) } else { None }).collect();
@@ -220,8 +222,8 @@ pub fn immediates_in_order(h: &Harness) {
 pub fn out_of_range_write_fails(h: &Harness) {
     let p = pair(h, 1 << 20);
     let len = p.ep.remote_len();
-    assert!(write_sync(&*p.ep, len - 10, vec![vec![0; 100]], 1).is_err());
-    assert!(write_sync(&*p.ep, u64::MAX - 5, vec![vec![0; 100]], 2).is_err());
+    assert!(write_sync(&*p.ep, p.key, len - 10, vec![vec![0; 100]], 1).is_err());
+    assert!(write_sync(&*p.ep, p.key, u64::MAX - 5, vec![vec![0; 100]], 2).is_err());
     std::thread::sleep(Duration::from_millis(100));
     assert!(!p.rx_events.events().iter().any(|x| matches!(x, Ev::Imm(..))));
 }
@@ -251,7 +253,7 @@ pub fn disconnects(h: &Harness) {
     p.ep.close();
     p.rx_events.wait_for("receiver sees disconnect", |e| e.iter().any(|x| matches!(x, Ev::Disconnect(c, _) if *c == p.rx_conn)));
     p.tx_events.wait_for("sender sees disconnect", |e| e.iter().any(|x| matches!(x, Ev::Disconnect(..))));
-    assert!(write_sync(&*p.ep, 0, vec![vec![1; 8]], 1).is_err());
+    assert!(write_sync(&*p.ep, p.key, 0, vec![vec![1; 8]], 1).is_err());
     assert!(p.ep.send_msg(b"x").is_err());
 
     let q = pair(h, 1 << 20);
@@ -276,9 +278,13 @@ pub fn two_senders(h: &Harness) {
     let addr = p.listener.local_addr();
     let ev2 = Recorder::new(b"", None);
     let ep2 = h.fabric.connect(&addr, b"second", ev2, WAIT, true).expect("second connect");
+    let conn2 = second_conn(&p);
+    // Each sender its own range (granting one revokes the other's there).
+    let k1 = p.listener.grant(p.rx_conn, 0, 1 << 20).expect("grant").expect("first");
+    let k2 = p.listener.grant(conn2, 1 << 20, 1 << 20).expect("grant").expect("second");
     let a = std::thread::scope(|s| {
-        let t1 = s.spawn(|| (0..200u32).try_for_each(|i| write_sync(&*p.ep, 0, vec![pattern(i, 4096)], i)));
-        let t2 = s.spawn(|| (0..200u32).try_for_each(|i| write_sync(&*ep2, 1 << 20, vec![pattern(i, 4096)], 1000 + i)));
+        let t1 = s.spawn(|| (0..200u32).try_for_each(|i| write_sync(&*p.ep, k1, 0, vec![pattern(i, 4096)], i)));
+        let t2 = s.spawn(|| (0..200u32).try_for_each(|i| write_sync(&*ep2, k2, 1 << 20, vec![pattern(i, 4096)], 1000 + i)));
         (t1.join().expect("t1"), t2.join().expect("t2"))
     });
     a.0.expect("sender 1");
@@ -286,6 +292,43 @@ pub fn two_senders(h: &Harness) {
     let evs = p.rx_events.wait_for("400 immediates", |e| e.iter().filter(|x| matches!(x, Ev::Imm(..))).count() == 400);
     let conns: std::collections::HashSet<ConnId> = evs.iter().filter_map(|x| if let Ev::Imm(c, ..) = x { Some(*c) } else { None }).collect();
     assert_eq!(conns.len(), 2, "immediates must carry the connection they came from");
+}
+
+/// The receiver's id of the second connection accepted by `p`'s listener.
+fn second_conn(p: &Pair) -> ConnId {
+    let evs = p.rx_events.wait_for("second accept", |e| e.iter().filter(|x| matches!(x, Ev::Accept(..))).count() == 2);
+    evs.iter().filter_map(|x| if let Ev::Accept(c, _) = x { Some(*c) } else { None }).find(|c| *c != p.rx_conn).expect("second accept")
+}
+
+/// A range granted to one sender and then to another: what the first
+/// writes there afterwards, with the key it had, never shows where the
+/// receiver reads (verbs: the write fails with a remote access error and
+/// the first sender's connection breaks; shm: it lands in the first
+/// sender's own window, which no longer shows there), while the second
+/// sender's bytes land and stay intact. The first keeps its other range.
+pub fn regrant_isolates(h: &Harness) {
+    let p = pair(h, 1 << 20);
+    let addr = p.listener.local_addr();
+    let ep2 = h.fabric.connect(&addr, b"second", Recorder::new(b"", None), WAIT, true).expect("second connect");
+    let conn2 = second_conn(&p);
+    const R: u64 = 64 << 10;
+    let a_own = p.listener.grant(p.rx_conn, 0, R).expect("grant").expect("first");
+    let a_old = p.listener.grant(p.rx_conn, R, R).expect("grant").expect("first");
+    write_sync(&*p.ep, a_own, 0, vec![pattern(1, 4096)], 1).expect("A writes its own range");
+    write_sync(&*p.ep, a_old, R, vec![pattern(2, 4096)], 2).expect("A writes its second range");
+    // The second range goes to B.
+    let b_key = p.listener.grant(conn2, R, R).expect("grant").expect("second");
+    let b_bytes = pattern(3, 8192);
+    write_sync(&*ep2, b_key, R, vec![b_bytes.clone()], 3).expect("B writes its range");
+    p.rx_events.wait_for("imm 3", |e| e.iter().any(|x| matches!(x, Ev::Imm(_, 3, _))));
+    // A tries B's range with its old key: whatever the outcome, B's bytes stay.
+    let r = write_sync(&*p.ep, a_old, R, vec![vec![0xee; 8192]], 4);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(p.arena.copy_out(R as usize, 8192).unwrap(), b_bytes, "A's write with a revoked key reached B's range ({r:?})");
+    // B still writes its range.
+    let b2 = pattern(5, 4096);
+    write_sync(&*ep2, b_key, R + 4096, vec![b2.clone()], 5).expect("B writes again");
+    assert_eq!(p.arena.copy_out((R + 4096) as usize, 4096).unwrap(), b2);
 }
 
 /// Instantiate the suite: `fabric_conformance_tests!(|| Harness { .. });`
@@ -301,5 +344,6 @@ macro_rules! fabric_conformance_tests {
         #[test] fn messages_both_ways() { $crate::fabric::conformance::messages_both_ways(&($make)()) }
         #[test] fn disconnects() { $crate::fabric::conformance::disconnects(&($make)()) }
         #[test] fn two_senders() { $crate::fabric::conformance::two_senders(&($make)()) }
+        #[test] fn regrant_isolates() { $crate::fabric::conformance::regrant_isolates(&($make)()) }
     };
 }

@@ -175,10 +175,17 @@ pub trait Listener: Send + Sync {
     /// Send a control message to the sender on `conn`.
     fn send_msg(&self, conn: ConnId, msg: &[u8]) -> Result<()>;
     /// Let the sender on `conn` write `off..off+len` of the arena (a slot
-    /// placed for it; page-aligned, not in use by anything else). shm: the
-    /// range shows that sender's window, so no other sender can write what
-    /// we read there. `Ok(false)`: `conn` is not one of ours.
-    fn grant(&self, conn: ConnId, off: u64, len: u64) -> Result<bool>;
+    /// placed for it; page-aligned, not in use by anything else), and no
+    /// one else: whatever any sender was granted there before is revoked.
+    /// Returns the key the sender must pass to [`Endpoint::write_imm`] for
+    /// that range; it reaches the sender in the Publish or Grow naming the
+    /// range, which the caller sends only after this returned. shm: the
+    /// range shows that sender's window (key unused, 0). verbs: a memory
+    /// window bound to that sender's QP (key = its rkey), or on a device
+    /// without type-2 windows the arena's shared region (see
+    /// `verbs::listener`). `Ok(None)`: `conn` is not one of ours. Never
+    /// blocks: it runs under the node's protocol lock, on any thread.
+    fn grant(&self, conn: ConnId, off: u64, len: u64) -> Result<Option<u32>>;
     /// Drop one accepted connection (its `on_disconnect` follows).
     fn close_conn(&self, conn: ConnId);
     /// Stop accepting and close every connection.
@@ -194,8 +201,12 @@ pub trait Endpoint: Send + Sync {
     /// Length of the receiver's arena; writes must stay inside it.
     fn remote_len(&self) -> u64;
     /// Write `segs`, back to back, at `remote_off` in the peer's arena, then
-    /// deliver `imm` to the peer. `done` runs exactly once, whatever happens.
-    fn write_imm(&self, remote_off: u64, segs: Vec<Segment>, imm: u32, done: WriteDone);
+    /// deliver `imm` to the peer. `key` is the one the receiver's
+    /// `Listener::grant` gave for the range written (it travels with the
+    /// slot); a write outside what that key grants fails (verbs: with a
+    /// remote access error, and the connection breaks). `done` runs
+    /// exactly once, whatever happens.
+    fn write_imm(&self, remote_off: u64, key: u32, segs: Vec<Segment>, imm: u32, done: WriteDone);
     /// Send a control message (at most `constants::MAX_MSG_BYTES`).
     fn send_msg(&self, msg: &[u8]) -> Result<()>;
     /// Close the connection (the peer sees a disconnect).

@@ -30,9 +30,11 @@
 //! | shm `write_imm` (inside `send` on a live link) | the sender's thread | ring space (8192 entries: full only when the receiver's progress thread has stopped) | 10 s, then the write fails with Timeout |
 //! | shm/verbs progress threads | own threads | events (sleep on the doorbell / CQ channel) | woken by events or shutdown |
 //! | callbacks and writes released by events | `rdev-callbacks` (one per node, queued) | what the callback does; a write as `send` on a live link | as `send` |
+//! | granting a placed slot to its sender (`NodeGranter` → `Listener::grant`, under the protocol lock) | whichever thread placed it (an event thread included) | nothing: shm maps the window's pages; verbs allocates a memory window and queues its bind on the sender's QP ahead of the Publish (ordered by the send queue, never awaited; see `fabric::verbs::mw`) | — |
 //!
 //! Locks: a peer's tx slot may be held while taking `rdv` or `links`
-//! (connecting), never the reverse; `peers.table` is held only for map
+//! (connecting), never the reverse; `rdv` may be held while taking
+//! `listeners` and a listener's own locks (granting), never the reverse; `peers.table` is held only for map
 //! updates, never while taking another lock. No callback is invoked while
 //! any of them is held.
 
@@ -129,7 +131,11 @@ impl Node {
             arena,
             fabrics,
             listeners: Mutex::new(HashMap::new()),
-            rdv: Mutex::new(rdv),
+            rdv: Mutex::new({
+                let mut rdv = rdv;
+                rdv.set_granter(Arc::new(NodeGranter { node: me.clone() }));
+                rdv
+            }),
             links: Mutex::new(HashMap::new()),
             ended_early: Mutex::new(std::collections::HashSet::new()),
             peers: peers::Peers::default(),
@@ -409,6 +415,32 @@ impl Events {
     }
 }
 
+/// Grants ranges placed for a sender through the listener that accepted
+/// it (see `rendezvous::Granter`): runs under the protocol lock, on
+/// whatever thread holds it (an event thread included); a listener's
+/// `grant` never blocks (verbs posts the window bind and returns).
+struct NodeGranter {
+    node: Weak<Inner>,
+}
+
+impl rendezvous::Granter for NodeGranter {
+    fn grant(&self, link: ConnId, off: u64, len: u64) -> Result<u32> {
+        let n = self.node.upgrade().ok_or_else(|| Error::Aborted("transport shut down".into()))?;
+        // Lock order: the protocol state, then `listeners` (held briefly).
+        let listeners: Vec<Arc<dyn Listener>> = n.listeners.lock().values().cloned().collect();
+        for l in &listeners {
+            match l.grant(link, off, len) {
+                Ok(Some(key)) => return Ok(key),
+                Ok(None) => {}
+                Err(e) => return Err(Error::Internal(format!("{}: cannot grant a slot to connection {link}: {e}", n.task))),
+            }
+        }
+        // Not an accepted connection (any more): its Publish finds no link
+        // either; nothing to do.
+        Ok(0)
+    }
+}
+
 struct ArenaMem<'a>(&'a Arena);
 
 impl rendezvous::SlotMemory for ArenaMem<'_> {
@@ -445,8 +477,9 @@ impl Inner {
     fn locked<T>(&self, f: impl FnOnce(&mut Rendezvous) -> T) -> T {
         let mut r = self.rdv.lock();
         let out = f(&mut r);
-        let grants = r.take_grants();
-        let refused = if grants.is_empty() { Vec::new() } else { self.grant(&grants) };
+        // Grants happened inside `f` (the `NodeGranter`); the links whose
+        // grant failed are failed below, outside the lock.
+        let refused = r.take_refused();
         let t = std::mem::take(&mut r.tally);
         let in_use = r.arena_in_use();
         drop(r);
@@ -460,32 +493,6 @@ impl Inner {
         c.add_tally(&t);
         c.arena_bytes_in_use.store(in_use, std::sync::atomic::Ordering::Relaxed);
         out
-    }
-
-    /// Let each sender write the ranges just placed for it (under the
-    /// protocol lock, before the Publish or Grow naming them goes out; see
-    /// `Rendezvous::take_grants`). Returns the links whose grant failed:
-    /// the caller fails them, so their Publish can never be used.
-    fn grant(&self, grants: &[(ConnId, u64, u64)]) -> Vec<(ConnId, Error)> {
-        let listeners: Vec<Arc<dyn Listener>> = self.listeners.lock().values().cloned().collect();
-        let mut refused = Vec::new();
-        for &(link, off, len) in grants {
-            let mut res = Ok(false);
-            for l in &listeners {
-                res = l.grant(link, off, len);
-                if !matches!(res, Ok(false)) {
-                    break;
-                }
-            }
-            match res {
-                Ok(true) => {}
-                // Not an accepted connection (any more): its Publish finds no
-                // link either; nothing to do.
-                Ok(false) => {}
-                Err(e) => refused.push((link, Error::Internal(format!("{}: cannot map a slot for connection {link}: {e}", self.task)))),
-            }
-        }
-        refused
     }
 
     fn endpoint(&self, link: ConnId) -> Option<Arc<dyn Endpoint>> {
@@ -529,7 +536,7 @@ impl Inner {
                 continue;
             }
             match a {
-                Action::Write { link, offset, header, payload, imm, done, bytes: _ } => {
+                Action::Write { link, offset, key, header, payload, imm, done, bytes: _ } => {
                     let Some(ep) = self.endpoint(link) else {
                         done(Err(Error::PeerLost(format!("connection {link} is closed"))));
                         let acts = self.locked(|r| r.write_done(link));
@@ -555,6 +562,7 @@ impl Inner {
                     let segs: Vec<fabric::Segment> = vec![Box::new(header), Box::new(PayloadSeg(payload))];
                     ep.write_imm(
                         offset,
+                        key,
                         segs,
                         imm,
                         Box::new(move |res| {
@@ -566,7 +574,7 @@ impl Inner {
                         }),
                     );
                 }
-                Action::WriteChunk { link, stream, offset, header, payload, imm } => self.write_chunk(link, stream, offset, header, payload, imm),
+                Action::WriteChunk { link, stream, offset, key, header, payload, imm } => self.write_chunk(link, stream, offset, key, header, payload, imm),
                 Action::SendChunk { link, stream, offset, payload } => self.send_chunk(link, stream, offset, payload),
                 Action::StreamAlloc { link, stream, total } => self.stream_alloc(link, stream, total),
                 Action::CopyChunk { link, stream, src, len, dst, at } => self.copy_chunk(link, stream, src, len, dst, at),

@@ -42,7 +42,8 @@ fn zeroed(n: u64) -> Option<Vec<u8>> {
 }
 
 impl Inner {
-    pub(super) fn write_chunk(&self, link: ConnId, stream: u32, offset: u64, header: Vec<u8>, payload: Box<dyn Payload>, imm: u32) {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn write_chunk(&self, link: ConnId, stream: u32, offset: u64, key: u32, header: Vec<u8>, payload: Box<dyn Payload>, imm: u32) {
         let Some(ep) = self.endpoint(link) else {
             let acts = self.locked(|r| r.chunk_written(link, stream, Err(Error::PeerLost(format!("connection {link} is closed")))));
             self.exec(acts);
@@ -53,6 +54,7 @@ impl Inner {
             let segs: Vec<fabric::Segment> = vec![Box::new(header), Box::new(PayloadSeg(payload))];
             ep.write_imm(
                 offset,
+                key,
                 segs,
                 imm,
                 Box::new(move |res| {

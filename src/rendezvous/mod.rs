@@ -75,11 +75,11 @@ pub enum Action {
     /// One-sided write of `header` then `payload` at `offset` of the peer's
     /// arena, then immediate `imm`. When it completes, call
     /// [`Rendezvous::write_done`] and then `done`.
-    Write { link: LinkId, offset: u64, header: Vec<u8>, payload: Box<dyn Payload>, imm: u32, done: SendDone, bytes: u64 },
+    Write { link: LinkId, offset: u64, key: u32, header: Vec<u8>, payload: Box<dyn Payload>, imm: u32, done: SendDone, bytes: u64 },
     /// One chunk of stream `stream`: a one-sided write like `Write`, off
     /// the caller's thread if it is large. When it completes, call
     /// [`Rendezvous::chunk_written`] with its result.
-    WriteChunk { link: LinkId, stream: u32, offset: u64, header: Vec<u8>, payload: Box<dyn Payload>, imm: u32 },
+    WriteChunk { link: LinkId, stream: u32, offset: u64, key: u32, header: Vec<u8>, payload: Box<dyn Payload>, imm: u32 },
     /// Last resort: send `payload` (a range of stream `stream` at `offset`)
     /// as one `Msg::StreamData` (encoded outside the lock; a failure to send
     /// fails the link, as for `Send`).
@@ -183,11 +183,36 @@ pub struct Rendezvous {
     /// Logical clock: one tick per arrival.
     clock: u64,
     pub tally: Tally,
-    /// Arena ranges placed for a sender since the caller last looked:
-    /// (link, offset, bytes). The caller must let that sender write there
-    /// (`Listener::grant`) before it sends the Publish or Grow naming them,
-    /// and while it still holds the lock (see `take_grants`).
-    grants: Vec<(LinkId, u64, u64)>,
+    /// Lets each sender write the ranges placed for it (see [`Granter`]);
+    /// `None` (unit tests): every key is 0.
+    granter: Option<Arc<dyn Granter>>,
+    /// Links whose grant failed since the caller last looked (see
+    /// `take_refused`): their Publish names a range they cannot write.
+    refused: Vec<(LinkId, Error)>,
+}
+
+/// Lets a sender write an arena range just placed for it (the node asks
+/// its listeners: `Listener::grant`) and says with which key. Called
+/// under the protocol lock, as the Publish or Grow naming the range is
+/// built: a range is granted before that message can go out, and before
+/// the range can be freed and placed again. Must not block (it may run on
+/// a backend's event thread).
+pub trait Granter: Send + Sync {
+    /// The key the sender on `link` must write `off..off+len` with.
+    fn grant(&self, link: LinkId, off: u64, len: u64) -> Result<u32>;
+}
+
+/// Grant `off..off+len` to the sender on `link` (the fields of a
+/// [`Rendezvous`], borrowed apart from its link tables); the slot's key.
+fn grant(granter: &Option<Arc<dyn Granter>>, refused: &mut Vec<(LinkId, Error)>, link: LinkId, off: u64, len: u64) -> u32 {
+    let Some(g) = granter.as_ref() else { return 0 };
+    match g.grant(link, off, len) {
+        Ok(key) => key,
+        Err(e) => {
+            refused.push((link, e));
+            0
+        }
+    }
 }
 
 impl Rendezvous {
@@ -210,16 +235,23 @@ impl Rendezvous {
             ready_links: HashSet::new(),
             clock: 0,
             tally: Tally::default(),
-            grants: Vec::new(),
+            granter: None,
+            refused: Vec::new(),
         }
     }
 
-    /// The ranges placed for senders since the last call (see `grants`).
-    /// Taken under the same lock as the call that placed them, so a range
-    /// is granted to its sender before it can be freed and placed again.
-    pub fn take_grants(&mut self) -> Vec<(LinkId, u64, u64)> {
-        std::mem::take(&mut self.grants)
+    /// Who grants the ranges placed for senders (see [`Granter`]).
+    pub fn set_granter(&mut self, g: Arc<dyn Granter>) {
+        self.granter = Some(g);
     }
+
+    /// The links whose grant failed since the last call: the caller fails
+    /// them (outside the lock), so the Publish naming a range they cannot
+    /// write is never used.
+    pub fn take_refused(&mut self) -> Vec<(LinkId, Error)> {
+        std::mem::take(&mut self.refused)
+    }
+
 
     pub fn arena_in_use(&self) -> u64 {
         self.alloc.in_use()

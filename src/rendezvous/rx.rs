@@ -388,8 +388,8 @@ impl Rendezvous {
                 id,
                 RxSlot { edge_id, gen, offset: off, reserved, capacity: reserved - HEADER_BYTES as u64, token: Token::AtSender, retired: false, lent: false },
             );
-            self.grants.push((link, off, reserved));
-            descs.push(SlotDesc { id, gen, offset: off, capacity: reserved - HEADER_BYTES as u64 });
+            let key = super::grant(&self.granter, &mut self.refused, link, off, reserved);
+            descs.push(SlotDesc { id, gen, offset: off, capacity: reserved - HEADER_BYTES as u64, key });
         }
         r.edge_info.get_mut(&edge_id).expect("edge").set = descs.iter().map(|d| d.id).collect();
         self.tally.negotiation_messages += 1;
@@ -444,10 +444,10 @@ impl Rendezvous {
         self.next_gen = self.next_gen.wrapping_add(1).max(1);
         let capacity = reserved - HEADER_BYTES as u64;
         r.slots.insert(id, RxSlot { edge_id, gen, offset: off, reserved, capacity, token: Token::AtSender, retired: false, lent: false });
-        self.grants.push((link, off, reserved));
         r.edge_info.get_mut(&edge_id).expect("edge exists").set.push(id);
+        let key = super::grant(&self.granter, &mut self.refused, link, off, reserved);
         self.tally.negotiation_messages += 1;
-        Ok(vec![Action::Send { link, msg: Msg::Grow { edge_id, slot: SlotDesc { id, gen, offset: off, capacity } } }])
+        Ok(vec![Action::Send { link, msg: Msg::Grow { edge_id, slot: SlotDesc { id, gen, offset: off, capacity, key } } }])
     }
 
     pub(super) fn rx_return(&mut self, link: LinkId, slot: u32, gen: u32) -> Result<Vec<Action>> {

@@ -271,7 +271,7 @@ impl Rendezvous {
                     chunk: Some(ChunkAt { stream: s.id, offset: s.sent }),
                 };
                 let payload = Box::new(PayloadRange { whole: s.payload.clone(), off: s.sent as usize, len: len as usize });
-                acts.push(Action::WriteChunk { link, stream: s.id, offset: d.offset, header: header.encode(), payload, imm: d.id });
+                acts.push(Action::WriteChunk { link, stream: s.id, offset: d.offset, key: d.key, header: header.encode(), payload, imm: d.id });
                 *free = false;
                 s.sent += len;
                 s.inflight += 1;
@@ -458,9 +458,9 @@ impl Rendezvous {
             let capacity = reserved - HEADER_BYTES as u64;
             r.slots.insert(id, RxSlot { edge_id, gen, offset: off, reserved, capacity, token: Token::AtSender, retired: false, lent: false });
             // The sender may write there only once granted (before the
-            // Publish goes out; see `take_grants`).
-            self.grants.push((link, off, reserved));
-            descs.push(SlotDesc { id, gen, offset: off, capacity });
+            // Publish goes out; see `Granter`).
+            let key = super::grant(&self.granter, &mut self.refused, link, off, reserved);
+            descs.push(SlotDesc { id, gen, offset: off, capacity, key });
         }
         if descs.is_empty() {
             log::warn!(

@@ -243,7 +243,7 @@ impl Rendezvous {
                 t.outstanding += 1;
                 self.tally.tensors_pushed += 1;
                 self.tally.bytes_pushed += len;
-                acts.push(Action::Write { link, offset: s.offset, header: header.encode(), payload: p.payload, imm: s.id, done: p.done, bytes: len });
+                acts.push(Action::Write { link, offset: s.offset, key: s.key, header: header.encode(), payload: p.payload, imm: s.id, done: p.done, bytes: len });
                 continue;
             }
             if e.slots.iter().any(|(s, _)| s.capacity >= len) {

@@ -28,6 +28,10 @@ pub struct SlotDesc {
     pub offset: u64,
     /// Payload bytes the slot holds (after the header).
     pub capacity: u64,
+    /// The key the sender writes this slot with (`Listener::grant`'s
+    /// answer: verbs, the rkey of a memory window bound to the sender's
+    /// connection; shm, unused).
+    pub key: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -243,7 +247,7 @@ impl Msg {
             Msg::Publish { key, edge_id, slots } => {
                 w.u8(T_PUBLISH); w.bytes(key.as_bytes()); w.u32(*edge_id);
                 w.u32(slots.len() as u32);
-                for s in slots { w.u32(s.id); w.u32(s.gen); w.u64(s.offset); w.u64(s.capacity) }
+                for s in slots { w.u32(s.id); w.u32(s.gen); w.u64(s.offset); w.u64(s.capacity); w.u32(s.key) }
             }
             Msg::Credit { edge_id, slot, gen } => { w.u8(T_CREDIT); w.u32(*edge_id); w.u32(*slot); w.u32(*gen) }
             Msg::ReturnSlot { slot, gen } => { w.u8(T_RETURN); w.u32(*slot); w.u32(*gen) }
@@ -251,7 +255,7 @@ impl Msg {
             Msg::Revoke { edge_id } => { w.u8(T_REVOKE); w.u32(*edge_id) }
             Msg::More { edge_id, need } => { w.u8(T_MORE); w.u32(*edge_id); w.u64(*need) }
             Msg::NoMore { edge_id } => { w.u8(T_NOMORE); w.u32(*edge_id) }
-            Msg::Grow { edge_id, slot: s } => { w.u8(T_GROW); w.u32(*edge_id); w.u32(s.id); w.u32(s.gen); w.u64(s.offset); w.u64(s.capacity) }
+            Msg::Grow { edge_id, slot: s } => { w.u8(T_GROW); w.u32(*edge_id); w.u32(s.id); w.u32(s.gen); w.u64(s.offset); w.u64(s.capacity); w.u32(s.key) }
             Msg::PlaceFor { req, receiver, key, bytes } => { w.u8(T_PLACE_FOR); w.u64(*req); w.bytes(receiver.as_bytes()); w.bytes(key.as_bytes()); w.u64(*bytes) }
             Msg::PlaceDone { req, outcome, error } => { w.u8(T_PLACE_DONE); w.u64(*req); w.u32(*outcome); w.text(error) }
             Msg::Request { key, step } => { w.u8(T_REQUEST); w.bytes(key.as_bytes()); w.u64(*step) }
@@ -283,9 +287,9 @@ impl Msg {
             }
             T_PUBLISH => {
                 let key = r.string()?; let edge_id = r.u32()?;
-                let n = r.count(24)?;
+                let n = r.count(28)?;
                 let mut slots = Vec::with_capacity(n);
-                for _ in 0..n { slots.push(SlotDesc { id: r.u32()?, gen: r.u32()?, offset: r.u64()?, capacity: r.u64()? }) }
+                for _ in 0..n { slots.push(SlotDesc { id: r.u32()?, gen: r.u32()?, offset: r.u64()?, capacity: r.u64()?, key: r.u32()? }) }
                 Msg::Publish { key, edge_id, slots }
             }
             T_CREDIT => Msg::Credit { edge_id: r.u32()?, slot: r.u32()?, gen: r.u32()? },
@@ -294,7 +298,7 @@ impl Msg {
             T_REVOKE => Msg::Revoke { edge_id: r.u32()? },
             T_MORE => Msg::More { edge_id: r.u32()?, need: r.u64()? },
             T_NOMORE => Msg::NoMore { edge_id: r.u32()? },
-            T_GROW => Msg::Grow { edge_id: r.u32()?, slot: SlotDesc { id: r.u32()?, gen: r.u32()?, offset: r.u64()?, capacity: r.u64()? } },
+            T_GROW => Msg::Grow { edge_id: r.u32()?, slot: SlotDesc { id: r.u32()?, gen: r.u32()?, offset: r.u64()?, capacity: r.u64()?, key: r.u32()? } },
             T_PLACE_FOR => Msg::PlaceFor { req: r.u64()?, receiver: r.string()?, key: r.string()?, bytes: r.u64()? },
             T_PLACE_DONE => Msg::PlaceDone { req: r.u64()?, outcome: r.u32()?, error: String::from_utf8_lossy(r.bytes(MAX_KEY)?).into_owned() },
             T_REQUEST => Msg::Request { key: r.string()?, step: r.u64()? },
@@ -453,7 +457,7 @@ mod tests {
     fn samples() -> Vec<Msg> {
         vec![
             Msg::Announce { key: "a;b;c".into(), step: 7, need: 1 << 20, returned: vec![(1, 2), (3, 4)] },
-            Msg::Publish { key: "k".into(), edge_id: 9, slots: vec![SlotDesc { id: 1, gen: 2, offset: 4096, capacity: 100 }] },
+            Msg::Publish { key: "k".into(), edge_id: 9, slots: vec![SlotDesc { id: 1, gen: 2, offset: 4096, capacity: 100, key: 0xdead_beef }] },
             Msg::Credit { edge_id: 1, slot: 2, gen: 3 },
             Msg::ReturnSlot { slot: 5, gen: 6 },
             Msg::NoSpace { key: "k".into(), need: 99 },
@@ -465,7 +469,7 @@ mod tests {
             Msg::Ready,
             Msg::PlaceFor { req: 1, receiver: "r".into(), key: "k".into(), bytes: 9 },
             Msg::PlaceDone { req: 1, outcome: 2, error: "e".into() },
-            Msg::Grow { edge_id: 1, slot: SlotDesc { id: 2, gen: 3, offset: 4096, capacity: 5 } },
+            Msg::Grow { edge_id: 1, slot: SlotDesc { id: 2, gen: 3, offset: 4096, capacity: 5, key: 7 } },
             Msg::StreamBegin { stream: 3, key: "k".into(), step: 1, meta: TensorMeta { dtype: 1, flags: 2, dims: vec![2; 30] }, total: 6 << 30 },
             Msg::StreamReady { stream: 3, outcome: STREAM_REFUSED, error: "no memory".into() },
             Msg::StreamData { stream: 3, offset: 1 << 33, bytes: vec![1, 2, 3] },

@@ -148,7 +148,7 @@ impl Endpoint for ShmEndpoint {
         self.arena_len as u64
     }
 
-    fn write_imm(&self, remote_off: u64, segs: Vec<Segment>, imm: u32, done: WriteDone) {
+    fn write_imm(&self, remote_off: u64, _key: u32, segs: Vec<Segment>, imm: u32, done: WriteDone) {
         if self.dead.load(Ordering::SeqCst) {
             return done(Err(self.lost()));
         }

@@ -109,12 +109,13 @@ impl Listener for ShmListener {
         socket::send_frame(&c.stream, KIND_MSG, msg, &[])
     }
 
-    fn grant(&self, conn: ConnId, off: u64, len: u64) -> Result<bool> {
-        let Some(c) = self.inner.conns.lock().get(&conn).cloned() else { return Ok(false) };
+    fn grant(&self, conn: ConnId, off: u64, len: u64) -> Result<Option<u32>> {
+        let Some(c) = self.inner.conns.lock().get(&conn).cloned() else { return Ok(None) };
         if let Some(w) = &c.window {
             self.inner.arena.show(off as usize, len as usize, Some(w))?;
         }
-        Ok(true)
+        // The window is the isolation; no key.
+        Ok(Some(0))
     }
 
     fn close_conn(&self, conn: ConnId) {

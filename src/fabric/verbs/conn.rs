@@ -28,6 +28,7 @@ use rdma_sys::*;
 use super::cm::{AcceptData, CmId};
 use super::device::{Cq, Device};
 use super::mr::{Mr, Slab};
+use super::mw::Mw;
 use super::wr::{self, WrKind, NO_CHUNK};
 
 mod post;
@@ -111,6 +112,8 @@ struct WriteOp {
     segs: Vec<Segment>,
     done: Option<WriteDone>,
     imm: u32,
+    /// The rkey of the range written (the slot's key from the receiver).
+    rkey: u32,
     remote_off: u64,
     left: usize,
     seg: usize,
@@ -131,6 +134,8 @@ struct OpSlot {
 enum Work {
     Msg { kind: u8, data: Vec<u8>, sent: usize, started: bool },
     Op(u32),
+    /// Bind a memory window (receiver side; see `mw`).
+    Bind(Arc<Mw>),
 }
 
 /// Sizes a connection is built with.
@@ -180,6 +185,12 @@ pub(crate) struct Inner {
     free_ops: Vec<u32>,
     queue: VecDeque<Work>,
     reasm: Vec<u8>,
+    /// Receiver side: the memory windows bound (or to be bound) to this
+    /// QP, deallocated before it is destroyed (see `mw`).
+    mws: Vec<Arc<Mw>>,
+    /// Binds posted and not completed, by their number in the `wr_id`.
+    binds: std::collections::HashMap<u32, Arc<Mw>>,
+    next_bind: u32,
 }
 
 // SAFETY: the raw QP pointer is only used under the connection's lock while
@@ -233,6 +244,9 @@ impl Conn {
                 free_ops: Vec::new(),
                 queue: VecDeque::new(),
                 reasm: Vec::new(),
+                mws: Vec::new(),
+                binds: std::collections::HashMap::new(),
+                next_bind: 0,
             }),
             cv: Condvar::new(),
         }
@@ -316,8 +330,22 @@ impl Conn {
         Ok(self.pump(&mut inner))
     }
 
+    /// Receiver: bind `mw` on this QP, ordered before any message queued
+    /// after this call (the Publish naming its range; see `mw`).
+    pub fn bind(&self, mw: Arc<Mw>) -> Result<Vec<Action>> {
+        let mut inner = self.inner.lock();
+        if !matches!(inner.phase, Phase::Handshake | Phase::Ready) {
+            return Err(Error::PeerLost(format!("connection {} is closed", self.id)));
+        }
+        // Windows of ranges granted again since are dead: forget them.
+        inner.mws.retain(|m| !m.is_dead());
+        inner.mws.push(mw.clone());
+        inner.queue.push_back(Work::Bind(mw));
+        Ok(self.pump(&mut inner))
+    }
+
     /// Start a write (see [`crate::fabric::Endpoint::write_imm`]).
-    pub fn write_imm(&self, remote_off: u64, segs: Vec<Segment>, imm: u32, done: WriteDone) -> Vec<Action> {
+    pub fn write_imm(&self, remote_off: u64, rkey: u32, segs: Vec<Segment>, imm: u32, done: WriteDone) -> Vec<Action> {
         let closed = || Error::PeerLost(format!("connection {} is closed", self.id));
         let total: usize = segs.iter().map(|s| (**s).as_ref().len()).sum();
         let (dev, arena_len) = {
@@ -381,6 +409,7 @@ impl Conn {
             segs,
             done: Some(done),
             imm,
+            rkey,
             remote_off,
             left: total,
             seg: 0,
@@ -441,6 +470,11 @@ impl Conn {
             WrKind::Piece if gen == self.tag => {
                 if idx != NO_CHUNK {
                     inner.free_chunks.push(idx);
+                }
+            }
+            WrKind::Bind if gen == self.tag => {
+                if let Some(mw) = inner.binds.remove(&idx) {
+                    mw.bind_done(ok);
                 }
             }
             WrKind::WriteLast => {
@@ -534,6 +568,11 @@ impl Conn {
             return Vec::new();
         }
         inner.phase = Phase::Dead;
+        // Windows first: a bound window holds its QP and region (see `mw`).
+        for mw in std::mem::take(&mut inner.mws) {
+            mw.kill();
+        }
+        inner.binds.clear();
         if let Some(cm) = inner.cm.take() {
             cm.disconnect();
             // Destroys the QP: the NIC no longer touches any buffer below.

@@ -63,6 +63,11 @@ pub struct DeviceInfo {
     pub max_qp_rd_atom: i32,
     pub max_qp_init_rd_atom: i32,
     pub max_srq_wr: i32,
+    /// Memory windows the device can hold (0: none).
+    pub max_mw: i32,
+    /// Type-2 memory windows (2A or 2B): what isolates verbs senders
+    /// (see `mw`).
+    pub mw_type2: bool,
     pub ports: Vec<PortInfo>,
 }
 
@@ -170,6 +175,11 @@ pub unsafe fn query_context(ctx: *mut ibv_context) -> Result<DeviceInfo> {
         max_qp_rd_atom: attr.max_qp_rd_atom,
         max_qp_init_rd_atom: attr.max_qp_init_rd_atom,
         max_srq_wr: attr.max_srq_wr,
+        max_mw: attr.max_mw,
+        mw_type2: attr.max_mw > 0
+            && attr.device_cap_flags
+                & (ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2A.0 | ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0)
+                != 0,
         ports,
     })
 }
@@ -667,6 +677,8 @@ mod tests {
             name: "rxe0".into(),
             max_mr_size: u64::MAX,
             max_mr: 1,
+            max_mw: 0,
+            mw_type2: false,
             max_qp_wr: 1,
             max_cqe: 1,
             max_qp_rd_atom: 1,

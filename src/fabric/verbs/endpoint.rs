@@ -118,8 +118,10 @@ impl Endpoint for VerbsEndpoint {
         self.remote_len
     }
 
-    fn write_imm(&self, remote_off: u64, segs: Vec<Segment>, imm: u32, done: WriteDone) {
-        let acts = self.conn.write_imm(remote_off, segs, imm, done);
+    fn write_imm(&self, remote_off: u64, key: u32, segs: Vec<Segment>, imm: u32, done: WriteDone) {
+        // `key` is the rkey the receiver granted for the range (a memory
+        // window bound to this connection, or its shared arena region).
+        let acts = self.conn.write_imm(remote_off, key, segs, imm, done);
         progress::run_actions(&self.shared, &self.conn, acts);
     }
 

@@ -1,7 +1,16 @@
 //! The receiving side: an rdma_cm listening id on the task's address, the
-//! arena registered once per device, and the connections it accepted.
+//! arena registered once per device, the connections it accepted, and the
+//! memory windows that let each sender write only the ranges granted to
+//! it (`grant`; see `mw` for the design and what holds on a device
+//! without type-2 windows).
+//!
+//! Threading: `grant` runs under the node's protocol lock on any thread
+//! (the progress thread included). It allocates or deallocates windows
+//! (short kernel calls, no pinning) and queues the bind on the
+//! connection; it never waits for a completion. Lock order: `windows`,
+//! then a connection's lock, then a window's own lock.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -11,7 +20,8 @@ use rdma_sys::*;
 use super::cm::{self, CmId, RawAddr};
 use super::conn::MSG_USER;
 use super::device::{self, Device};
-use super::mr::{Mr, ACCESS_REMOTE};
+use super::mr::{Mr, ACCESS_REMOTE, ACCESS_WINDOWS};
+use super::mw::Mw;
 use super::progress::{self, Request, Shared, LISTENER_BIT};
 use crate::error::{Error, Result};
 use crate::fabric::{Arena, ConnId, FabricEvents, Listener};
@@ -25,6 +35,11 @@ pub(crate) struct ListenerShared {
     pub arena: Arc<Arena>,
     pub cm: Mutex<Option<CmId>>,
     pub conns: Mutex<HashSet<ConnId>>,
+    /// Use type-2 memory windows where the device has them.
+    pub windows_wanted: bool,
+    /// The windows over the arena: start offset → (end, window). Never
+    /// overlapping: a grant revokes what it overlaps first.
+    pub windows: Mutex<BTreeMap<u64, (u64, Arc<Mw>)>>,
 }
 
 impl ListenerShared {
@@ -49,10 +64,21 @@ impl ListenerShared {
         // (shm senders' windows are mapped over ranges of the main one;
         // see fabric/arena.rs), so a verbs peer never reaches their pages.
         let base = self.arena.registration_base()?;
+        // With type-2 windows the region itself grants no remote access
+        // (see `mw`); without, it is the one all verbs senders share.
+        let windows = self.windows_wanted && dev.ctx.info.mw_type2;
+        if !windows {
+            log::warn!(
+                "verbs: {}: {}; verbs senders share the arena's memory region, so one that ignores the protocol \
+                 can overwrite another verbs sender's slots (shm senders stay isolated)",
+                dev.name(),
+                if self.windows_wanted { "no type-2 memory windows on this device" } else { "memory windows are off" }
+            );
+        }
         // SAFETY: that mapping lives as long as `self.arena`, which this
         // listener holds; the MR is dropped (in close_listener and with the
         // last connection holding it) before the listener goes.
-        let mr = unsafe { Mr::register(&dev.pd, base, len, ACCESS_REMOTE)? };
+        let mr = unsafe { Mr::register(&dev.pd, base, len, if windows { ACCESS_WINDOWS } else { ACCESS_REMOTE })? };
         let mr = Arc::new(mr);
         mrs.insert(self.token, mr.clone());
         Ok(mr)
@@ -97,6 +123,8 @@ pub(crate) fn listen(sh: &Arc<Shared>, local: &str, arena: Arc<Arena>, events: A
         arena,
         cm: Mutex::new(None),
         conns: Mutex::new(HashSet::new()),
+        windows_wanted: sh.opts.memory_windows,
+        windows: Mutex::new(BTreeMap::new()),
     });
     // A specific address binds to its device now: register the arena here
     // so limits fail `listen`, not the first connection.
@@ -140,13 +168,47 @@ impl Listener for VerbsListener {
         Ok(())
     }
 
-    fn grant(&self, conn: ConnId, off: u64, len: u64) -> Result<bool> {
+    fn grant(&self, conn: ConnId, off: u64, len: u64) -> Result<Option<u32>> {
         if !self.lst.conns.lock().contains(&conn) {
-            return Ok(false);
+            return Ok(None);
         }
+        let c = self.shared.conns.lock().get(&conn).cloned();
+        let Some(c) = c.filter(|c| c.listener == self.lst.token) else { return Ok(None) };
+        let end = off.checked_add(len).filter(|e| *e <= self.lst.arena.len() as u64 && len > 0);
+        let Some(end) = end else {
+            return Err(Error::InvalidArgument(format!("grant of {len} bytes at {off} outside the arena")));
+        };
         // The NIC writes the registered base pages: show those there.
         self.lst.arena.show(off as usize, len as usize, None)?;
-        Ok(true)
+        let (mr, dev) = {
+            let i = c.inner.lock();
+            (i.arena_mr.clone(), i.dev.clone())
+        };
+        let (Some(mr), Some(dev)) = (mr, dev) else {
+            return Err(Error::PeerLost(format!("connection {conn} is closed")));
+        };
+        let st = crate::stats::Stats::global();
+        if !mr.windows() {
+            crate::stats::Stats::add(&st.c.verbs_shared_grants, 1);
+            return Ok(Some(mr.rkey));
+        }
+        let mut windows = self.lst.windows.lock();
+        // Revoke whatever was granted over this range before (entries never
+        // overlap, so walking back from `end` stops at the first that ends
+        // at or before `off`).
+        let over: Vec<u64> = windows.range(..end).rev().take_while(|(_, (e, _))| *e > off).map(|(s, _)| *s).collect();
+        for s in over {
+            if let Some((_, mw)) = windows.remove(&s) {
+                mw.revoke();
+            }
+        }
+        let mw = Mw::alloc(&dev.pd, &mr, mr.addr + off, len)?;
+        let rkey = mw.rkey;
+        let acts = c.bind(mw.clone())?;
+        windows.insert(off, (end, mw));
+        drop(windows);
+        progress::run_actions(&self.shared, &c, acts);
+        Ok(Some(rkey))
     }
 
     fn close_conn(&self, conn: ConnId) {

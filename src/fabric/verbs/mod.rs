@@ -2,7 +2,9 @@
 //! queue pairs bootstrapped by rdma_cm on the task's "host:port".
 //!
 //! Owns: device discovery and viability, registration (the receiver's arena
-//! as one MR with remote write/read; per-connection buffer slabs), QPs and
+//! as one MR per device, reached by peers only through type-2 memory
+//! windows bound per granted range to the sender's QP, see `mw`; no remote
+//! read; per-connection buffer slabs), QPs and
 //! their completions, and the connection handshake. Must not touch: what the
 //! bytes mean (rendezvous), handshake payload contents, anything TF.
 //! This is the only module that imports `rdma_sys`.
@@ -16,13 +18,18 @@
 //! - `progress`: the one thread that reads CM events and polls CQs (spins
 //!   [`SPIN`], then blocks on the completion channel).
 //! - `endpoint` / `listener`: the [`Endpoint`] / [`Listener`] faces.
+//! - `mw`: type-2 memory windows, one per granted range: what keeps one
+//!   verbs sender out of another's slots (and the fallback without them).
 //!
 //! Handshake: CM REQ carries {magic, MTU, receive depth, buffer size}; the
-//! REP carries the arena's {addr, rkey, len} and the listener's MTU (rdma_cm
-//! moves both QPs to RTS with the path MTU of the route, the minimum of both
+//! REP carries the arena's length and the listener's MTU (rdma_cm moves
+//! both QPs to RTS with the path MTU of the route, the minimum of both
 //! ports and the netdev, logged on connect). Then the sender's `hello` goes
 //! as the first control message, `on_accept` runs on the receiver and its
-//! reply (or refusal) comes back the same way; only then is the endpoint
+//! reply (or refusal) comes back the same way, after the arena's address
+//! and its region's rkey (which grants no remote access where windows are
+//! used: each slot's key comes with the Publish naming it, from
+//! `Listener::grant`); only then is the endpoint
 //! handed out, so no write can precede acceptance.
 //!
 //! Control messages are SENDs into the device's shared receive queue
@@ -61,6 +68,7 @@ pub mod device;
 mod endpoint;
 mod listener;
 mod mr;
+mod mw;
 mod progress;
 mod wr;
 
@@ -169,6 +177,10 @@ pub struct VerbsOptions {
     pub tos: Option<u8>,
     /// Receive buffers in each device's shared receive queue.
     pub srq_depth: u32,
+    /// Isolate senders with type-2 memory windows where the device has
+    /// them (see `mw`); off: every sender writes through the arena's one
+    /// shared region (what a device without windows gets anyway).
+    pub memory_windows: bool,
 }
 
 impl Default for VerbsOptions {
@@ -187,6 +199,7 @@ impl Default for VerbsOptions {
             rnr_retry: 6,
             tos: None,
             srq_depth: SRQ_DEPTH,
+            memory_windows: true,
         }
     }
 }
@@ -278,6 +291,14 @@ impl VerbsFabric {
     /// is for configuration errors.
     pub fn from_config(cfg: &crate::config::Config) -> Result<Arc<VerbsFabric>> {
         Ok(Arc::new(VerbsFabric::new(VerbsOptions::from_config(cfg))))
+    }
+
+    /// The rkeys of the arena's own registrations (one per device and
+    /// listener). With memory windows they grant no remote access; tests
+    /// check that a peer cannot write with them.
+    #[doc(hidden)]
+    pub fn arena_rkeys(&self) -> Vec<u32> {
+        self.rt.get().and_then(|r| r.as_ref().ok()).map(|r| r.shared.arena_rkeys()).unwrap_or_default()
     }
 
     /// What was found at start (for diagnostics and the bench).

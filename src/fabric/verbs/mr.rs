@@ -13,9 +13,14 @@ use crate::error::{Error, Result};
 pub const ACCESS_LOCAL_READ: u32 = 0;
 /// Access for memory the NIC writes locally (receives, read targets).
 pub const ACCESS_LOCAL_WRITE: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
-/// Access for the receive arena: peers write it. No remote read: nothing
-/// in the protocol reads a peer's memory, so no peer can read ours.
+/// Access for the receive arena without memory windows: peers write it
+/// through this region's rkey (all senders share it). No remote read:
+/// nothing in the protocol reads a peer's memory, so no peer can read ours.
 pub const ACCESS_REMOTE: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+/// Access for the receive arena with memory windows (see `mw`): no remote
+/// access through the region itself; type-2 windows bound over granted
+/// ranges give it. Remote-write windows need local write on the region.
+pub const ACCESS_WINDOWS: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | ibv_access_flags::IBV_ACCESS_MW_BIND.0;
 
 /// A registered memory region. Holds its PD (and so the context) alive.
 pub struct Mr {
@@ -24,6 +29,8 @@ pub struct Mr {
     pub rkey: u32,
     pub addr: u64,
     pub len: usize,
+    /// The access flags it was registered with.
+    pub access: u32,
     _pd: Arc<Pd>,
 }
 
@@ -60,7 +67,16 @@ impl Mr {
         }
         // SAFETY: raw is a valid MR just returned.
         let (lkey, rkey) = unsafe { ((*raw).lkey, (*raw).rkey) };
-        Ok(Mr { raw, lkey, rkey, addr: addr as u64, len, _pd: pd.clone() })
+        Ok(Mr { raw, lkey, rkey, addr: addr as u64, len, access, _pd: pd.clone() })
+    }
+
+    /// Registered for memory-window binds (the arena with windows)?
+    pub fn windows(&self) -> bool {
+        self.access & ibv_access_flags::IBV_ACCESS_MW_BIND.0 != 0
+    }
+
+    pub(crate) fn raw(&self) -> *mut ibv_mr {
+        self.raw
     }
 }
 

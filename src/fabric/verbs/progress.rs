@@ -117,6 +117,11 @@ impl Shared {
         unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
     }
 
+    /// See `VerbsFabric::arena_rkeys`.
+    pub fn arena_rkeys(&self) -> Vec<u32> {
+        self.devices.lock().iter().flat_map(|d| d.arena_mrs.lock().values().map(|m| m.rkey).collect::<Vec<_>>()).collect()
+    }
+
     pub fn request(&self, r: Request) {
         self.requests.lock().push(r);
         self.wake();

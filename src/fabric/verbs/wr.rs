@@ -20,6 +20,8 @@ pub(crate) enum WrKind {
     WriteLast = 4,
     /// An RDMA READ (`index` = op slot).
     Read = 5,
+    /// A memory window's bind (`index` = the connection's bind number).
+    Bind = 6,
 }
 
 /// `index` of a [`WrKind::Piece`] that used no staging chunk.
@@ -43,6 +45,7 @@ pub(crate) fn decode(wr_id: u64) -> Option<(WrKind, u32, u32)> {
         3 => WrKind::Piece,
         4 => WrKind::WriteLast,
         5 => WrKind::Read,
+        6 => WrKind::Bind,
         _ => return None,
     };
     Some((kind, ((wr_id >> 32) as u32) & GEN_MASK, wr_id as u32))
@@ -54,7 +57,7 @@ mod tests {
 
     #[test]
     fn round_trip() {
-        for kind in [WrKind::Recv, WrKind::Send, WrKind::Piece, WrKind::WriteLast, WrKind::Read] {
+        for kind in [WrKind::Recv, WrKind::Send, WrKind::Piece, WrKind::WriteLast, WrKind::Read, WrKind::Bind] {
             for (gen, idx) in [(0, 0), (GEN_MASK, u32::MAX), (12345, 7)] {
                 assert_eq!(decode(encode(kind, gen, idx)), Some((kind, gen, idx)));
             }

@@ -77,14 +77,14 @@ fn message(i: &mut In) -> Option<Msg> {
         1 => Msg::Publish {
             key: i.key()?,
             edge_id: i.u32()? % 8,
-            slots: vec![SlotDesc { id: i.u32()? % 8, gen: i.u32()? % 4, offset: i.size()?, capacity: i.size()? }],
+            slots: vec![SlotDesc { id: i.u32()? % 8, gen: i.u32()? % 4, offset: i.size()?, capacity: i.size()?, key: i.u32()? }],
         },
         2 => Msg::Credit { edge_id: i.u32()? % 8, slot: i.u32()? % 8, gen: i.u32()? % 4 },
         3 => Msg::ReturnSlot { slot: i.u32()? % 8, gen: i.u32()? % 4 },
         4 => Msg::NoSpace { key: i.key()?, need: i.size()? },
         5 => Msg::Revoke { edge_id: i.u32()? % 8 },
         6 => Msg::More { edge_id: i.u32()? % 8, need: i.size()? },
-        7 => Msg::Grow { edge_id: i.u32()? % 8, slot: SlotDesc { id: i.u32()? % 8, gen: i.u32()? % 4, offset: i.size()?, capacity: i.size()? } },
+        7 => Msg::Grow { edge_id: i.u32()? % 8, slot: SlotDesc { id: i.u32()? % 8, gen: i.u32()? % 4, offset: i.size()?, capacity: i.size()?, key: i.u32()? } },
         8 => Msg::StreamBegin {
             stream: i.u32()? % 8,
             key: i.key()?,

@@ -38,6 +38,13 @@ impl Conn {
                         Err(e) => Err(e),
                     }
                 }
+                Work::Bind(mw) => match inner.sq_free {
+                    0 => {
+                        inner.queue.push_front(Work::Bind(mw));
+                        break;
+                    }
+                    _ => self.post_bind(inner, mw),
+                },
                 Work::Op(slot) => match self.post_op(inner, slot) {
                     Ok(true) => Ok(()),
                     Ok(false) => {
@@ -98,6 +105,20 @@ impl Conn {
         Ok(None)
     }
 
+    /// Post a memory window's bind (a send-queue slot is free), signalled:
+    /// its completion marks the window bound (see `mw`).
+    fn post_bind(&self, inner: &mut Inner, mw: std::sync::Arc<crate::fabric::verbs::mw::Mw>) -> Result<()> {
+        let n = inner.next_bind;
+        let id = wr::encode(WrKind::Bind, self.tag, n);
+        let posted = mw.post_bind(|bind| post_bind_wr(inner, id, bind))?;
+        if posted {
+            inner.next_bind = inner.next_bind.wrapping_add(1);
+            inner.binds.insert(n, mw);
+            crate::stats::Stats::add(&crate::stats::Stats::global().c.verbs_windows_bound, 1);
+        }
+        Ok(())
+    }
+
     /// Post what fits of op `slot`; `true` once it is fully posted.
     fn post_op(&self, inner: &mut Inner, slot: u32) -> Result<bool> {
         let gen = inner.ops[slot as usize].gen;
@@ -107,7 +128,10 @@ impl Conn {
             if inner.sq_free == 0 {
                 return Ok(false);
             }
-            let rkey = inner.remote.map(|r| r.arena_rkey).unwrap_or(0);
+            let rkey = match &inner.ops[slot as usize].op {
+                Some(Op::Write(w)) => w.rkey,
+                None => 0,
+            };
             let rbase = inner.remote.map(|r| r.arena_addr).unwrap_or(0);
             let max_inline = inner.max_inline as usize;
             // A small staged write (all that is left fits inline) goes
@@ -253,5 +277,31 @@ pub(super) fn post_send(inner: &mut Inner, wr_id: u64, opcode: ibv_wr_opcode::Ty
     } else {
         inner.unsignalled += 1;
     }
+    Ok(())
+}
+
+/// Post one signalled `IBV_WR_BIND_MW` (type-2 window bind; see `mw`).
+fn post_bind_wr(inner: &mut Inner, wr_id: u64, bind: bind_mw_t) -> Result<()> {
+    if inner.qp.is_null() {
+        return Err(Error::PeerLost("queue pair is gone".into()));
+    }
+    // SAFETY: ibv_send_wr is POD; zero is a valid empty request.
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = wr_id;
+    wr.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+    wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+    wr.bind_mw_tso_union.bind_mw = bind;
+    let mut bad = std::ptr::null_mut();
+    // SAFETY: the QP is alive (we hold the owner's lock); the window and
+    // the region are alive (the caller holds the window, which holds the
+    // region) and are deallocated only after this QP's binds completed or
+    // before the QP is destroyed.
+    let rc = unsafe { ibv_post_send(inner.qp, &mut wr, &mut bad) };
+    if rc != 0 {
+        return Err(Error::Io(format!("ibv_post_send(BIND_MW): {}", std::io::Error::from_raw_os_error(rc))));
+    }
+    inner.sq_free -= 1;
+    inner.retire.push_back(inner.unsignalled + 1);
+    inner.unsignalled = 0;
     Ok(())
 }
