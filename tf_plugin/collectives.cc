@@ -1,0 +1,392 @@
+#include "collectives.h"
+
+#include <cstring>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/common_runtime/base_collective_executor.h"
+#include "tensorflow/core/common_runtime/device.h"
+#include "tensorflow/core/common_runtime/device_mgr.h"
+#include "tensorflow/core/distributed_runtime/collective_param_resolver_distributed.h"
+#include "tensorflow/core/distributed_runtime/collective_rma_distributed.h"
+#include "tensorflow/core/distributed_runtime/device_resolver_distributed.h"
+#include "tensorflow/core/distributed_runtime/rpc_collective_executor_mgr.h"
+#include "tensorflow/core/distributed_runtime/worker_env.h"
+#include "tensorflow/core/framework/cancellation.h"
+#include "tensorflow/core/platform/logging.h"
+#include "tensorflow/core/protobuf/config.pb.h"
+#include "tensorflow/core/util/device_name_utils.h"
+#include "pool.h"
+#include "transport.h"
+
+namespace rdma_device {
+
+namespace tf = ::tensorflow;
+
+namespace {
+
+uint64_t Mix(uint64_t x) {  // splitmix64's finalizer
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+uint64_t Fnv1a(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ULL;
+  return h;
+}
+
+// "group:instance:frame:iter" of a buffer key ("...:pass:section:rank" for
+// the ring algorithms); the whole key when it has fewer fields.
+std::string InstanceOf(const std::string& key) {
+  size_t pos = 0;
+  for (int i = 0; i < 4; ++i) {
+    pos = key.find(':', pos);
+    if (pos == std::string::npos) return key;
+    ++pos;
+  }
+  return key.substr(0, pos - 1);
+}
+
+bool IsCpu(const std::string& device_name) {
+  tsl::DeviceNameUtils::ParsedName parsed;
+  return tsl::DeviceNameUtils::ParseFullName(device_name, &parsed) && parsed.has_type &&
+         parsed.type == "CPU";
+}
+
+// The transport's key for a chunk: rendezvous-key-shaped
+// ("src;incarnation;dst;name;frame:iter"), the name reserved for collectives.
+std::string WireKey(const std::string& src_device, const std::string& dst_device,
+                    const std::string& buf_key) {
+  return absl::StrCat(src_device, ";0;", dst_device, ";__collective/", buf_key, ";0:0");
+}
+
+// Numbers the uses of each key on one executor and remembers which
+// transport steps peers may be waiting on; shared by the RMA and its
+// in-flight callbacks. O(1) per transfer under its lock; no callbacks.
+class Steps {
+ public:
+  explicit Steps(int64_t exec_step) : seed_(Mix(static_cast<uint64_t>(exec_step))) {}
+
+  // The transport step of the next use of `key` in one direction; an
+  // error once the executor is aborted.
+  absl::Status Next(const std::string& key, bool recv, uint64_t* step) {
+    tf::mutex_lock l(mu_);
+    if (!aborted_.ok()) return aborted_;
+    const uint64_t n = uses_[recv ? 1 : 0][key]++;
+    std::string instance = InstanceOf(key);
+    auto it = instances_.find(instance);
+    if (it == instances_.end()) {
+      it = instances_.emplace(instance, Instance{Mix(seed_ ^ Fnv1a(instance)), 0}).first;
+    }
+    if (n > it->second.max_use) it->second.max_use = n;
+    *step = it->second.base + n;
+    // u64::MAX is reserved by the transport (placement ahead of a step).
+    if (*step == ~uint64_t{0}) *step = 0;
+    return absl::OkStatus();
+  }
+
+  // Marks the executor aborted; returns the steps to abort: each
+  // instance's latest execution and the next one (a peer may already wait
+  // for a chunk of it that we will now never send).
+  std::vector<uint64_t> Abort(const absl::Status& status) {
+    tf::mutex_lock l(mu_);
+    if (!aborted_.ok()) return {};
+    aborted_ = status;
+    std::vector<uint64_t> steps;
+    steps.reserve(2 * instances_.size());
+    for (const auto& [name, inst] : instances_) {
+      steps.push_back(inst.base + inst.max_use);
+      steps.push_back(inst.base + inst.max_use + 1);
+    }
+    return steps;
+  }
+
+  absl::Status aborted() {
+    tf::mutex_lock l(mu_);
+    return aborted_;
+  }
+
+ private:
+  struct Instance {
+    uint64_t base;
+    uint64_t max_use;
+  };
+  const uint64_t seed_;
+  tf::mutex mu_;
+  absl::Status aborted_ TF_GUARDED_BY(mu_);
+  std::unordered_map<std::string, uint64_t> uses_[2] TF_GUARDED_BY(mu_);  // [sent, received]
+  std::unordered_map<std::string, Instance> instances_ TF_GUARDED_BY(mu_);
+};
+
+class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed {
+ public:
+  RdmaCollectiveRemoteAccess(const tf::DeviceMgr* dev_mgr, tf::DeviceResolverInterface* dev_resolver,
+                             std::shared_ptr<tsl::UnboundedWorkQueue> work_queue,
+                             tf::WorkerCacheInterface* worker_cache, int64_t step_id,
+                             std::string task_name, std::shared_ptr<Transport> transport)
+      : CollectiveRemoteAccessDistributed(dev_mgr, dev_resolver, std::move(work_queue),
+                                          worker_cache, step_id, std::move(task_name)),
+        transport_(std::move(transport)),
+        steps_(std::make_shared<Steps>(step_id)) {}
+
+  void RecvFromPeer(const std::string& peer_device, const std::string& peer_task,
+                    bool peer_is_local, const std::string& key, tf::Device* to_device,
+                    tf::DeviceContext* to_device_ctx, const tf::AllocatorAttributes& to_alloc_attr,
+                    tf::Tensor* to_tensor, const tf::DeviceLocality& client_locality,
+                    int dev_to_dev_stream_index, tf::CancellationManager* cancellation_manager,
+                    const tf::StatusCallback& done) override {
+    auto stock = [=](std::string reason) {
+      RecvOverGrpc(peer_device, peer_task, key, to_device, to_device_ctx, to_alloc_attr, to_tensor,
+                   client_locality, dev_to_dev_stream_index, cancellation_manager, done,
+                   std::move(reason));
+    };
+    if (peer_is_local || transport_ == nullptr || peer_task == task_name_) {
+      CollectiveRemoteAccessDistributed::RecvFromPeer(
+          peer_device, peer_task, peer_is_local, key, to_device, to_device_ctx, to_alloc_attr,
+          to_tensor, client_locality, dev_to_dev_stream_index, cancellation_manager, done);
+      return;
+    }
+    if (!IsCpu(peer_device) || !IsCpu(to_device->name())) {
+      absl::Status strict = NotOnCpu(peer_task);
+      if (!strict.ok()) return done(strict);
+      return stock("collective chunk in device memory");
+    }
+    Route route;
+    absl::Status s = transport_->RouteTo(peer_task, &route);
+    if (!s.ok()) return done(s);
+    if (route.kind == Route::kGrpc) return stock(route.reason);
+
+    uint64_t step = 0;
+    s = steps_->Next(key, /*recv=*/true, &step);
+    if (!s.ok()) return done(s);
+
+    // The op's cancellation aborts this receive's step (on the plugin's
+    // pool: TF may cancel under its own locks).
+    tf::CancellationToken token = tf::CancellationManager::kInvalidToken;
+    if (cancellation_manager != nullptr) {
+      token = cancellation_manager->get_cancellation_token();
+      std::shared_ptr<Transport> transport = transport_;
+      const bool registered = cancellation_manager->RegisterCallback(token, [transport, step] {
+        Schedule([transport, step] {
+          transport->AbortStep(step, absl::CancelledError("collective receive cancelled"),
+                               /*propagate=*/true);
+        });
+      });
+      if (!registered) return done(absl::CancelledError("collective receive cancelled"));
+    }
+
+    const std::thread::id caller = std::this_thread::get_id();
+    std::shared_ptr<Transport> transport = transport_;
+    const std::string wire_key = WireKey(peer_device, to_device->name(), key);
+    VLOG(2) << "collective recv " << wire_key << " step " << step;
+    s = transport_->Recv(
+        peer_task, wire_key, step,
+        [=](const absl::Status& status, const tf::Tensor& tensor, bool is_dead) {
+          if (cancellation_manager != nullptr) cancellation_manager->TryDeregisterCallback(token);
+          if (!status.ok() && Transport::IsNotViable(status)) {
+            // The sender does not push to us: pull over gRPC (the RMA
+            // lives until `done`, which has not run).
+            absl::Status strict = transport->Demote(peer_task, status);
+            if (!strict.ok()) return done(strict);
+            return stock(std::string(status.message()));
+          }
+          auto finish = [transport, status, tensor, is_dead, to_tensor, done, wire_key] {
+            done(CopyInto(transport.get(), status, tensor, is_dead, to_tensor, wire_key));
+          };
+          if (std::this_thread::get_id() == caller) {
+            finish();  // the chunk was already there: on RecvFromPeer's caller
+          } else {
+            Schedule(std::move(finish));  // never copy on a transport thread
+          }
+        });
+    if (!s.ok()) {
+      if (cancellation_manager != nullptr) cancellation_manager->TryDeregisterCallback(token);
+      if (Transport::IsNotViable(s)) {
+        absl::Status strict = transport_->Demote(peer_task, s);
+        if (!strict.ok()) return done(strict);
+        return stock(std::string(s.message()));
+      }
+      done(s);
+    }
+  }
+
+  void PostToPeer(const std::string& peer_device, const std::string& peer_task,
+                  const std::string& key, tf::Device* from_device,
+                  tf::DeviceContext* from_device_ctx, const tf::AllocatorAttributes& from_alloc_attr,
+                  const tf::Tensor* from_tensor, const tf::DeviceLocality& client_locality,
+                  tf::CancellationManager* cancellation_manager,
+                  const tf::StatusCallback& done) override {
+    // Stock: the chunk waits in our BufRendezvous for the peer's RecvBuf
+    // pull (the receiver counts the fallback).
+    auto stock = [=] {
+      CollectiveRemoteAccessLocal::PostToPeer(peer_device, peer_task, key, from_device,
+                                              from_device_ctx, from_alloc_attr, from_tensor,
+                                              client_locality, cancellation_manager, done);
+    };
+    if (transport_ == nullptr || peer_task == task_name_ || !IsCpu(peer_device) ||
+        !IsCpu(from_device->name())) {
+      return stock();
+    }
+    Route route;
+    absl::Status s = transport_->RouteTo(peer_task, &route);
+    if (!s.ok()) return done(s);
+    if (route.kind == Route::kGrpc) return stock();
+    uint64_t step = 0;
+    s = steps_->Next(key, /*recv=*/false, &step);
+    if (!s.ok()) return done(s);
+
+    std::shared_ptr<Transport> transport = transport_;
+    const uint64_t bytes = from_tensor->TotalBytes();
+    const std::string wire_key = WireKey(from_device->name(), peer_device, key);
+    VLOG(2) << "collective send " << wire_key << " step " << step;
+    bool refused = false;
+    s = transport_->Send(
+        peer_task, wire_key, step, *from_tensor, /*is_dead=*/false,
+        [transport, peer_task, bytes, done, stock](const absl::Status& sent) {
+          if (sent.ok()) {
+            transport->RecordCollective(Transport::CollectiveEvent::kSent, bytes);
+            return done(sent);
+          }
+          if (Transport::IsNotViable(sent)) {
+            // Learnt while connecting: the receiver will pull it.
+            absl::Status strict = transport->Demote(peer_task, sent);
+            if (!strict.ok()) return done(strict);
+            return stock();
+          }
+          done(sent);
+        },
+        &refused);
+    if (!s.ok()) {
+      if (refused) {
+        absl::Status strict = transport_->Demote(peer_task, s);
+        if (!strict.ok()) return done(strict);
+        return stock();
+      }
+      done(s);
+    }
+  }
+
+  void StartAbort(const absl::Status& s) override {
+    CollectiveRemoteAccessDistributed::StartAbort(s);
+    std::vector<uint64_t> steps = steps_->Abort(s);
+    if (transport_ == nullptr || steps.empty()) return;
+    VLOG(1) << "rdma_device: collective executor " << step_id_ << " aborts " << steps.size()
+            << " transport steps: " << s;
+    Schedule([transport = transport_, steps = std::move(steps), s] {
+      for (uint64_t step : steps) transport->AbortStep(step, s, /*propagate=*/true);
+    });
+  }
+
+ private:
+  // The received chunk -> the collective's destination (one copy: TF
+  // allocated `to_tensor`, usually an alias into the op's output).
+  static absl::Status CopyInto(Transport* transport, const absl::Status& status,
+                               const tf::Tensor& tensor, bool is_dead, tf::Tensor* to_tensor,
+                               const std::string& wire_key) {
+    if (!status.ok()) return status;
+    if (is_dead || tensor.dtype() != to_tensor->dtype() ||
+        tensor.TotalBytes() != to_tensor->TotalBytes()) {
+      return absl::InternalError(absl::StrCat(
+          "rdma_device: collective chunk ", wire_key, " arrived as ",
+          is_dead ? "a dead tensor" : absl::StrCat(tensor.TotalBytes(), " bytes of ",
+                                                    tf::DataTypeString(tensor.dtype())),
+          " where ", to_tensor->TotalBytes(), " bytes of ",
+          tf::DataTypeString(to_tensor->dtype()), " were expected"));
+    }
+    const size_t n = tensor.TotalBytes();
+    if (n > 0) {
+      std::memcpy(const_cast<char*>(to_tensor->tensor_data().data()), tensor.tensor_data().data(),
+                  n);
+    }
+    transport->RecordCollective(Transport::CollectiveEvent::kReceived, n);
+    return absl::OkStatus();
+  }
+
+  // In strict mode, the error for a chunk that cannot use the transport.
+  absl::Status NotOnCpu(const std::string& peer_task) {
+    if (!transport_->strict()) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rdma_device: RDMA_DEVICE_STRICT is set but a collective chunk with ", peer_task,
+        " is in device memory and would use stock gRPC"));
+  }
+
+  // Stock RecvBuf pull, counted as a collective fallback with its reason.
+  void RecvOverGrpc(const std::string& peer_device, const std::string& peer_task,
+                    const std::string& key, tf::Device* to_device,
+                    tf::DeviceContext* to_device_ctx, const tf::AllocatorAttributes& to_alloc_attr,
+                    tf::Tensor* to_tensor, const tf::DeviceLocality& client_locality,
+                    int dev_to_dev_stream_index, tf::CancellationManager* cancellation_manager,
+                    const tf::StatusCallback& done, std::string reason) {
+    std::shared_ptr<Transport> transport = transport_;
+    const uint64_t bytes = to_tensor->TotalBytes();
+    CollectiveRemoteAccessDistributed::RecvFromPeer(
+        peer_device, peer_task, /*peer_is_local=*/false, key, to_device, to_device_ctx,
+        to_alloc_attr, to_tensor, client_locality, dev_to_dev_stream_index, cancellation_manager,
+        [transport, bytes, reason = std::move(reason), done](const absl::Status& s) {
+          if (s.ok() && transport != nullptr) {
+            transport->RecordCollective(Transport::CollectiveEvent::kFallback, bytes,
+                                        absl::StrCat("collective: ", reason));
+          }
+          done(s);
+        });
+  }
+
+  const std::shared_ptr<Transport> transport_;
+  const std::shared_ptr<Steps> steps_;
+};
+
+class RdmaCollectiveExecutorMgr : public tf::RpcCollectiveExecutorMgr {
+ public:
+  RdmaCollectiveExecutorMgr(const tf::ConfigProto& config, const tf::DeviceMgr* dev_mgr,
+                            std::unique_ptr<tf::DeviceResolverDistributed> dev_resolver,
+                            std::unique_ptr<tf::CollectiveParamResolverDistributed> param_resolver,
+                            tf::WorkerCacheInterface* worker_cache, const std::string& task_name,
+                            std::shared_ptr<Transport> transport)
+      : RpcCollectiveExecutorMgr(config, dev_mgr, std::move(dev_resolver),
+                                 std::move(param_resolver), /*nccl_communicator=*/nullptr,
+                                 worker_cache, task_name),
+        transport_(std::move(transport)) {}
+
+ protected:
+  // As RpcCollectiveExecutorMgr::Create, with our remote access.
+  tf::CollectiveExecutor* Create(int64_t step_id) override {
+    auto* rma = new RdmaCollectiveRemoteAccess(dev_mgr_, dev_resolver_.get(), work_queue_,
+                                               worker_cache_, step_id, task_name_, transport_);
+    return new tf::BaseCollectiveExecutor(this, rma, step_id, dev_mgr_, work_queue_);
+  }
+
+ private:
+  const std::shared_ptr<Transport> transport_;
+};
+
+}  // namespace
+
+tf::CollectiveExecutorMgrInterface* NewCollectiveExecutorMgr(
+    const tf::ConfigProto& config, const tf::WorkerEnv* env, tf::WorkerCacheInterface* worker_cache,
+    std::shared_ptr<Transport> transport) {
+  // The task name as GrpcServer::Init derives it (from a local device).
+  std::string task_name, unused;
+  std::vector<tf::Device*> devices = env->device_mgr->ListDevices();
+  if (devices.empty() ||
+      !tsl::DeviceNameUtils::SplitDeviceName(devices[0]->name(), &task_name, &unused)) {
+    LOG(ERROR) << "rdma_device: no local device to name this task; collectives unavailable";
+    return nullptr;  // GrpcServer::Init fails with "did not return CollectiveExecutorMgr"
+  }
+  // As CreateProdRpcCollectiveExecutorMgr (no NCCL: CPU).
+  auto dev_resolver = std::make_unique<tf::DeviceResolverDistributed>(env->device_mgr);
+  auto param_resolver = std::make_unique<tf::CollectiveParamResolverDistributed>(
+      config, env->device_mgr, dev_resolver.get(), /*nccl_communicator=*/nullptr, worker_cache,
+      task_name);
+  return new RdmaCollectiveExecutorMgr(config, env->device_mgr, std::move(dev_resolver),
+                                       std::move(param_resolver), worker_cache, task_name,
+                                       std::move(transport));
+}
+
+}  // namespace rdma_device
