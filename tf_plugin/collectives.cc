@@ -301,7 +301,15 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
           tf::DataTypeString(to_tensor->dtype()), " were expected"));
     }
     const size_t n = tensor.TotalBytes();
-    if (n > 0) {
+    if (n > 0 && to_tensor->RefCountIsOne() && tensor.shape() == to_tensor->shape()) {
+      // Nobody else references the destination's memory (a scratch chunk,
+      // e.g. the ring reducer's first-pass receive buffer, which it only
+      // reads): hand over the receive slot itself instead of copying. The
+      // slot is read-only to TF (SlotBuffer::OwnsMemory is false, so no
+      // kernel forwards it as an output) and returns to the sender when TF
+      // drops the chunk.
+      *to_tensor = tensor;
+    } else if (n > 0) {
       std::memcpy(const_cast<char*>(to_tensor->tensor_data().data()), tensor.tensor_data().data(),
                   n);
     }

@@ -37,9 +37,16 @@
 // step. A dead peer fails pending receives and sends within milliseconds
 // (the transport reports the lost connection).
 //
-// Threads. Nothing here waits. A receive's copy into `to_tensor` (TF
-// allocates the destination, an alias into the collective's output, so
-// the bytes are copied out of the receive slot once) and its `done` run on
+// Zero-copy where TF allows it. TF allocates each receive's destination
+// before the data moves. A scratch destination that nothing else
+// references (the ring reducer's first pass receives into such a buffer
+// and only reads it) is replaced by the receive slot the peer wrote into:
+// no copy. A destination that aliases the collective's output (the ring's
+// second pass, gathers, broadcasts) gets one copy out of the slot, which
+// then goes back to the sender at once.
+//
+// Threads. Nothing here waits. A receive's copy into `to_tensor` and its
+// `done` run on
 // the thread that called RecvFromPeer when the chunk was already there,
 // else on the plugin's pool, never on a transport progress thread. Aborts
 // reach the transport from the plugin's pool (StartAbort may be called
