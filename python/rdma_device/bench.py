@@ -329,6 +329,8 @@ def main(argv=None):
     u.add_argument("--warmup", type=int, default=2, help="uncounted steps per mode first")
     u.add_argument("--no-sweep", action="store_true", help="skip the transfer sweep")
     u.add_argument("--sweep-sizes", default="", help="transfer sweep sizes, e.g. 64K,16M (default: by --quick)")
+    u.add_argument("--mwms-workers", default="2",
+                   help="worker counts of the MultiWorkerMirroredStrategy workload (default 2; '' skips it)")
     a = sub.add_parser("allreduce", help="MultiWorkerMirroredStrategy all-reduce, grpc vs grpc+rdma_device")
     a.add_argument("--sizes", default="1M,4M,16M,64M", help="comma-separated sizes (K/M suffix)")
     a.add_argument("--workers", default="2,3", help="comma-separated worker counts")

@@ -17,10 +17,14 @@ STRICT = {"RDMA_DEVICE_STRICT": "1"}
 DEADLINE = 240  # seconds for one cluster's scenario, start included
 
 
-def run_cluster(scenario, n, protocol, log_dir, **kw):
+NO_TRANSPORT = {"RDMA_DEVICE_TRANSPORTS": ""}
+
+
+def run_cluster(scenario, n, protocol, log_dir, env=None, **kw):
     """Runs `scenario` on `n` MWMS workers; their results, by index."""
     cluster = {"worker": harness.make_cluster({"worker": n})["worker"]}
-    env = STRICT if protocol == harness.PROTOCOL_RDMA else None
+    if env is None and protocol == harness.PROTOCOL_RDMA:
+        env = STRICT
     tasks = [harness.Task(dict(role=f"mwms_scenarios.{scenario}", cluster=cluster, job="worker",
                                task=i, protocol=protocol, **kw), log_dir, env) for i in range(n)]
     try:
@@ -78,6 +82,30 @@ def test_custom_loop_three_workers_exact_bytes(log_dir, plugin_built):
     # times in each of its two passes: 2 (N-1) B per step, all of it here.
     n, b = 3, got[0]["grad_bytes"]
     check_counters(got, exact_total=kw["steps"] * 2 * (n - 1) * b)
+
+
+def test_no_transport_falls_back_to_recvbuf_and_says_why(log_dir, plugin_built):
+    kw = dict(steps=10, width=64)
+    want = run_cluster("custom_loop", 2, harness.PROTOCOL_GRPC, log_dir, **kw)
+    got = run_cluster("custom_loop", 2, harness.PROTOCOL_RDMA, log_dir, env=NO_TRANSPORT, **kw)
+    assert len({r["weights"] for r in want + got}) == 1, (want, got)
+    counters = [r["stats"]["counters"] for r in got]
+    assert all(c["collective_tensors"] == 0 and c["collective_sent_tensors"] == 0
+               for c in counters), counters
+    # Every chunk came by stock RecvBuf, counted with the reason.
+    b = got[0]["grad_bytes"]
+    assert sum(c["collective_fallback_bytes"] for c in counters) == kw["steps"] * 2 * b, counters
+    for r in got:
+        assert any(reason.startswith("collective: ") and "RDMA_DEVICE_TRANSPORTS" in reason
+                   for reason in r["stats"]["fallback_reasons"]), r["stats"]
+
+
+def test_strict_mode_turns_a_collective_fallback_into_an_error(log_dir, plugin_built):
+    with pytest.raises(RuntimeError) as failure:
+        run_cluster("custom_loop", 2, harness.PROTOCOL_RDMA, log_dir,
+                    env=dict(NO_TRANSPORT, **STRICT), steps=2)
+    message = str(failure.value)
+    assert "RDMA_DEVICE_STRICT" in message and "would use stock gRPC" in message, message
 
 
 @pytest.mark.parametrize("victim", [0, 2])
