@@ -72,7 +72,8 @@ std::string WireKey(const std::string& src_device, const std::string& dst_device
 // in-flight callbacks. O(1) per transfer under its lock; no callbacks.
 class Steps {
  public:
-  explicit Steps(int64_t exec_step) : seed_(Mix(static_cast<uint64_t>(exec_step))) {}
+  Steps(int64_t exec_step, uint64_t generation)
+      : seed_(Mix(static_cast<uint64_t>(exec_step)) ^ Mix(~generation)) {}
 
   // The transport step of the next use of `key` in one direction; an
   // error once the executor is aborted.
@@ -92,12 +93,13 @@ class Steps {
     return absl::OkStatus();
   }
 
-  // Marks the executor aborted; returns the steps to abort: each
-  // instance's latest execution and the next one (a peer may already wait
-  // for a chunk of it that we will now never send).
-  std::vector<uint64_t> Abort(const absl::Status& status) {
+  // Marks the executor aborted (`*first`: by this call); returns the steps
+  // to abort: each instance's latest execution and the next one (a peer
+  // may already wait for a chunk of it that we will now never send).
+  std::vector<uint64_t> Abort(const absl::Status& status, bool* first) {
     tf::mutex_lock l(mu_);
-    if (!aborted_.ok()) return {};
+    *first = aborted_.ok();
+    if (!*first) return {};
     aborted_ = status;
     std::vector<uint64_t> steps;
     steps.reserve(2 * instances_.size());
@@ -113,6 +115,34 @@ class Steps {
     return aborted_;
   }
 
+  // Sends in flight, so that an abort completes them at once: the
+  // transport fails a send queued while it (re)connects to a peer only when
+  // the connection attempt gives up, not on rdev_abort_step. Returns 0 (and
+  // keeps nothing) once aborted.
+  uint64_t AddSend(tf::StatusCallback done) {
+    tf::mutex_lock l(mu_);
+    if (!aborted_.ok()) return 0;
+    sends_.emplace(++last_send_, std::move(done));
+    return last_send_;
+  }
+  // The send's `done`, if nobody completed it yet (exactly once).
+  bool TakeSend(uint64_t id, tf::StatusCallback* done) {
+    tf::mutex_lock l(mu_);
+    auto it = sends_.find(id);
+    if (it == sends_.end()) return false;
+    *done = std::move(it->second);
+    sends_.erase(it);
+    return true;
+  }
+  std::vector<tf::StatusCallback> TakeAllSends() {
+    tf::mutex_lock l(mu_);
+    std::vector<tf::StatusCallback> out;
+    out.reserve(sends_.size());
+    for (auto& [id, done] : sends_) out.push_back(std::move(done));
+    sends_.clear();
+    return out;
+  }
+
  private:
   struct Instance {
     uint64_t base;
@@ -123,6 +153,31 @@ class Steps {
   absl::Status aborted_ TF_GUARDED_BY(mu_);
   std::unordered_map<std::string, uint64_t> uses_[2] TF_GUARDED_BY(mu_);  // [sent, received]
   std::unordered_map<std::string, Instance> instances_ TF_GUARDED_BY(mu_);
+  uint64_t last_send_ TF_GUARDED_BY(mu_) = 0;
+  std::unordered_map<uint64_t, tf::StatusCallback> sends_ TF_GUARDED_BY(mu_);
+};
+
+// How many times each executor step id was aborted on this task. An
+// executor TF creates again for the same step id (eager uses step 0 for
+// every collective) after an abort must not reuse the transport steps the
+// abort ended (the transport fails receives of a finished step at once):
+// its seed includes this count. Tasks abort together (an abort propagates),
+// so they agree on it. Only aborted step ids are kept.
+class Generations {
+ public:
+  uint64_t Get(int64_t step_id) {
+    tf::mutex_lock l(mu_);
+    auto it = aborts_.find(step_id);
+    return it == aborts_.end() ? 0 : it->second;
+  }
+  void Bump(int64_t step_id) {
+    tf::mutex_lock l(mu_);
+    ++aborts_[step_id];
+  }
+
+ private:
+  tf::mutex mu_;
+  std::unordered_map<int64_t, uint64_t> aborts_ TF_GUARDED_BY(mu_);
 };
 
 class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed {
@@ -130,11 +185,13 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
   RdmaCollectiveRemoteAccess(const tf::DeviceMgr* dev_mgr, tf::DeviceResolverInterface* dev_resolver,
                              std::shared_ptr<tsl::UnboundedWorkQueue> work_queue,
                              tf::WorkerCacheInterface* worker_cache, int64_t step_id,
-                             std::string task_name, std::shared_ptr<Transport> transport)
+                             std::string task_name, std::shared_ptr<Transport> transport,
+                             std::shared_ptr<Generations> generations)
       : CollectiveRemoteAccessDistributed(dev_mgr, dev_resolver, std::move(work_queue),
                                           worker_cache, step_id, std::move(task_name)),
         transport_(std::move(transport)),
-        steps_(std::make_shared<Steps>(step_id)) {}
+        generations_(std::move(generations)),
+        steps_(std::make_shared<Steps>(step_id, generations_->Get(step_id))) {}
 
   void RecvFromPeer(const std::string& peer_device, const std::string& peer_task,
                     bool peer_is_local, const std::string& key, tf::Device* to_device,
@@ -243,13 +300,18 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
     if (!s.ok()) return done(s);
 
     std::shared_ptr<Transport> transport = transport_;
+    std::shared_ptr<Steps> steps = steps_;
     const uint64_t bytes = from_tensor->TotalBytes();
     const std::string wire_key = WireKey(from_device->name(), peer_device, key);
+    const uint64_t id = steps->AddSend(done);
+    if (id == 0) return done(steps->aborted());
     VLOG(2) << "collective send " << wire_key << " step " << step;
     bool refused = false;
     s = transport_->Send(
         peer_task, wire_key, step, *from_tensor, /*is_dead=*/false,
-        [transport, peer_task, bytes, done, stock](const absl::Status& sent) {
+        [transport, steps, id, peer_task, bytes, stock](const absl::Status& sent) {
+          tf::StatusCallback done;
+          if (!steps->TakeSend(id, &done)) return;  // an abort completed it
           if (sent.ok()) {
             transport->RecordCollective(Transport::CollectiveEvent::kSent, bytes);
             return done(sent);
@@ -264,6 +326,8 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
         },
         &refused);
     if (!s.ok()) {
+      tf::StatusCallback mine;
+      if (!steps->TakeSend(id, &mine)) return;  // an abort completed it
       if (refused) {
         absl::Status strict = transport_->Demote(peer_task, s);
         if (!strict.ok()) return done(strict);
@@ -275,7 +339,19 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
 
   void StartAbort(const absl::Status& s) override {
     CollectiveRemoteAccessDistributed::StartAbort(s);
-    std::vector<uint64_t> steps = steps_->Abort(s);
+    bool first = false;
+    std::vector<uint64_t> steps = steps_->Abort(s, &first);
+    if (first) generations_->Bump(step_id_);
+    std::vector<tf::StatusCallback> sends = steps_->TakeAllSends();
+    if (!sends.empty()) {
+      // Sends the transport still holds (e.g. queued while reconnecting to
+      // a dead peer) end now; their bytes stay referenced by the transport
+      // until it lets go, and whatever it still delivers is for a step the
+      // receivers drop.
+      Schedule([sends = std::move(sends), s] {
+        for (const auto& done : sends) done(s);
+      });
+    }
     if (transport_ == nullptr || steps.empty()) return;
     VLOG(1) << "rdma_device: collective executor " << step_id_ << " aborts " << steps.size()
             << " transport steps: " << s;
@@ -347,6 +423,7 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
   }
 
   const std::shared_ptr<Transport> transport_;
+  const std::shared_ptr<Generations> generations_;
   const std::shared_ptr<Steps> steps_;
 };
 
@@ -360,18 +437,21 @@ class RdmaCollectiveExecutorMgr : public tf::RpcCollectiveExecutorMgr {
       : RpcCollectiveExecutorMgr(config, dev_mgr, std::move(dev_resolver),
                                  std::move(param_resolver), /*nccl_communicator=*/nullptr,
                                  worker_cache, task_name),
-        transport_(std::move(transport)) {}
+        transport_(std::move(transport)),
+        generations_(std::make_shared<Generations>()) {}
 
  protected:
   // As RpcCollectiveExecutorMgr::Create, with our remote access.
   tf::CollectiveExecutor* Create(int64_t step_id) override {
     auto* rma = new RdmaCollectiveRemoteAccess(dev_mgr_, dev_resolver_.get(), work_queue_,
-                                               worker_cache_, step_id, task_name_, transport_);
+                                               worker_cache_, step_id, task_name_, transport_,
+                                               generations_);
     return new tf::BaseCollectiveExecutor(this, rma, step_id, dev_mgr_, work_queue_);
   }
 
  private:
   const std::shared_ptr<Transport> transport_;
+  const std::shared_ptr<Generations> generations_;
 };
 
 }  // namespace

@@ -26,15 +26,19 @@
 // for the n-th use: the same on sender and receiver (both run the same
 // collectives in the same order, as TF requires), distinct per instance
 // and execution, and shared by all chunks of one execution of one
-// instance, so that an abort names few steps.
+// instance, so that an abort names few steps. An executor TF creates again
+// for a step id after an abort also mixes in how often that step id was
+// aborted here, so it never reuses the steps the abort ended.
 //
 // Aborts and cancellation. The executor's StartAbort (a failed or
 // cancelled collective, TF's collective timeout, abort_collective_ops)
 // fails every later transfer of this executor at once, and aborts with
 // propagation the steps peers may be waiting on from us (each instance's
 // current and next execution), so their receives fail too, as the stock
-// RecvBuf RPCs would. The op's CancellationManager aborts the receive's
-// step. A dead peer fails pending receives and sends within milliseconds
+// RecvBuf RPCs would; sends still in flight (one queued while the
+// transport reconnects to a dead peer waits for that attempt, which
+// rdev_abort_step does not cut short) complete with the abort at once. The
+// op's CancellationManager aborts the receive's step. A dead peer fails pending receives and sends within milliseconds
 // (the transport reports the lost connection).
 //
 // Zero-copy where TF allows it. TF allocates each receive's destination

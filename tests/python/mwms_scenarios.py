@@ -113,4 +113,4 @@ def until_killed(spec, ready):
             sys.stdout.write(f"STEP {json.dumps(n)}\n")
             sys.stdout.flush()
     except Exception as e:  # what the training loop sees
-        return {"steps": n, "type": type(e).__name__, "at": time.time(), "message": str(e)[:1500]}
+        return {"steps": n, "type": type(e).__name__, "at": time.time(), "message": str(e)[-1500:]}

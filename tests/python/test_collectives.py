@@ -135,7 +135,7 @@ def test_sigkilled_worker_fails_the_others_within_5s(victim, log_dir, plugin_bui
             t.close()
     for r in results:
         print(f"after {r['at'] - killed_at:.2f} s, step {r['steps']}: {r['type']}: "
-              f"{r['message'][:300]}")
+              f"{r['message'][-400:]}")
         assert r["at"] - killed_at < 5.0, results
         assert r["type"] in ("UnavailableError", "AbortedError", "CancelledError",
                              "InternalError"), r
