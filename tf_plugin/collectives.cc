@@ -1,6 +1,9 @@
 #include "collectives.h"
 
+#include <algorithm>
 #include <cstring>
+#include <deque>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -42,16 +45,26 @@ uint64_t Fnv1a(const std::string& s) {
   return h;
 }
 
-// "group:instance:frame:iter" of a buffer key ("...:pass:section:rank" for
-// the ring algorithms); the whole key when it has fewer fields.
-std::string InstanceOf(const std::string& key) {
-  size_t pos = 0;
-  for (int i = 0; i < 4; ++i) {
-    pos = key.find(':', pos);
-    if (pos == std::string::npos) return key;
-    ++pos;
+// A buffer key split as TF writes it: "group:instance:frame:iter" then the
+// algorithm's part (ring: "pass:section:rank"). `edge` is the key without
+// the instance, which MultiWorkerMirroredStrategy draws anew for every
+// call: the same chunk of the same collective is the same transport edge
+// every step (its slots are placed once); `instance` names the execution.
+// A key of another shape is all instance (a fresh edge per key).
+struct SplitKey {
+  std::string instance;  // "group:instance:frame:iter"
+  std::string edge;      // "group:frame:iter:<algorithm part>"
+};
+
+SplitKey Split(const std::string& key) {
+  std::vector<size_t> colons;
+  for (size_t i = 0; i < key.size() && colons.size() < 4; ++i) {
+    if (key[i] == ':') colons.push_back(i);
   }
-  return key.substr(0, pos - 1);
+  if (colons.size() < 4) return {key, key};
+  return {key.substr(0, colons[3]),
+          absl::StrCat(key.substr(0, colons[0]), key.substr(colons[1], colons[3] - colons[1]),
+                       key.substr(colons[3]))};
 }
 
 bool IsCpu(const std::string& device_name) {
@@ -61,52 +74,116 @@ bool IsCpu(const std::string& device_name) {
 }
 
 // The transport's key for a chunk: rendezvous-key-shaped
-// ("src;incarnation;dst;name;frame:iter"), the name reserved for collectives.
+// ("src;incarnation;dst;name;frame:iter"), the name reserved for
+// collectives and carrying the chunk's size, so that collectives of
+// different sizes never share (and re-place) an edge.
 std::string WireKey(const std::string& src_device, const std::string& dst_device,
-                    const std::string& buf_key) {
-  return absl::StrCat(src_device, ";0;", dst_device, ";__collective/", buf_key, ";0:0");
+                    const std::string& edge, uint64_t bytes) {
+  return absl::StrCat(src_device, ";0;", dst_device, ";__collective/", edge, "/", bytes, "B;0:0");
 }
 
-// Numbers the uses of each key on one executor and remembers which
-// transport steps peers may be waiting on; shared by the RMA and its
-// in-flight callbacks. O(1) per transfer under its lock; no callbacks.
+// The per-peer abort sentinel's key (see Steps::WatchPeer).
+std::string SentinelKey(const std::string& peer_task, const std::string& self_task) {
+  return absl::StrCat(peer_task, ";0;", self_task, ";__collective_abort;0:0");
+}
+
+// Counts per key, forgetting keys unused for a while: MWMS draws a new
+// instance (so new keys) every call, which would otherwise grow without
+// bound. A key still in use is refreshed on every use; only a key unused
+// for kKeep other keys is forgotten (and would restart at 0 if it came
+// back: documented in collectives.h).
+class Counts {
+ public:
+  static constexpr size_t kKeep = 1 << 16;
+  uint64_t Next(const std::string& key) {
+    auto it = cur_.find(key);
+    uint64_t n = 0;
+    if (it != cur_.end()) {
+      n = it->second;
+    } else if (auto old = old_.find(key); old != old_.end()) {
+      n = old->second;
+      old_.erase(old);
+    }
+    cur_[key] = n + 1;
+    if (cur_.size() >= kKeep) {
+      old_ = std::move(cur_);
+      cur_.clear();
+    }
+    return n;
+  }
+  // Every key currently remembered with its count.
+  template <typename F>
+  void ForEach(F f) const {
+    for (const auto& [k, n] : old_) f(k, n);
+    for (const auto& [k, n] : cur_) f(k, n);
+  }
+
+ private:
+  std::unordered_map<std::string, uint64_t> cur_, old_;
+};
+
+// The state of one executor's transfers, shared by the RMA and its
+// in-flight callbacks: use counts, the transport steps they map to,
+// sends in flight, the abort. O(1) per transfer under its lock; no
+// callbacks run under it.
+//
+// Transport steps: the n-th use of a key is step mix(seed, instance) + n;
+// the seed mixes the executor's step id and how often it was aborted
+// here (Generations). Aborting the executor aborts, with propagation,
+// every step of its recent instances and the next use of each, so
+// receivers waiting on chunks from us fail. Receivers waiting on an
+// instance we never saw (the abort came before we started it) learn it
+// from the sentinel: every executor waits, per peer it exchanges chunks
+// with, on a receive of `sentinel_step()` that no peer ever sends. It
+// fails when that peer aborts its executor (it aborts the sentinel step
+// with propagation) or when the transport loses the peer, and its failure
+// aborts this executor: the same reach as stock TF, where a peer's aborted
+// BufRendezvous fails every RecvBuf sent to it, and a dead peer fails them
+// all.
 class Steps {
  public:
   Steps(int64_t exec_step, uint64_t generation)
-      : seed_(Mix(static_cast<uint64_t>(exec_step)) ^ Mix(~generation)) {}
+      : seed_(Mix(static_cast<uint64_t>(exec_step)) ^ Mix(~generation)),
+        sentinel_(Mix(seed_ ^ 0x5e17e1ULL)) {}
+
+  uint64_t sentinel_step() const { return sentinel_; }
 
   // The transport step of the next use of `key` in one direction; an
-  // error once the executor is aborted.
-  absl::Status Next(const std::string& key, bool recv, uint64_t* step) {
+  // error once the executor is aborted. `*new_peer`: first transfer with
+  // `peer` (the caller posts its sentinel).
+  absl::Status Next(const std::string& key, const std::string& instance, bool recv,
+                    const std::string& peer, uint64_t* step, bool* new_peer) {
     tf::mutex_lock l(mu_);
     if (!aborted_.ok()) return aborted_;
-    const uint64_t n = uses_[recv ? 1 : 0][key]++;
-    std::string instance = InstanceOf(key);
-    auto it = instances_.find(instance);
-    if (it == instances_.end()) {
-      it = instances_.emplace(instance, Instance{Mix(seed_ ^ Fnv1a(instance)), 0}).first;
-    }
-    if (n > it->second.max_use) it->second.max_use = n;
-    *step = it->second.base + n;
+    const uint64_t n = uses_[recv ? 1 : 0].Next(key);
+    *step = Mix(seed_ ^ Fnv1a(instance)) + n;
     // u64::MAX is reserved by the transport (placement ahead of a step).
     if (*step == ~uint64_t{0}) *step = 0;
+    *new_peer = peers_.insert(peer).second;
     return absl::OkStatus();
   }
 
-  // Marks the executor aborted (`*first`: by this call); returns the steps
-  // to abort: each instance's latest execution and the next one (a peer
-  // may already wait for a chunk of it that we will now never send).
-  std::vector<uint64_t> Abort(const absl::Status& status, bool* first) {
+  // Marks the executor aborted (`*first`: by this call); returns the
+  // steps to abort with propagation (see the class comment) and the sends
+  // still in flight, to complete with the abort.
+  std::vector<uint64_t> Abort(const absl::Status& status, bool* first,
+                              std::vector<tf::StatusCallback>* sends) {
     tf::mutex_lock l(mu_);
     *first = aborted_.ok();
     if (!*first) return {};
     aborted_ = status;
-    std::vector<uint64_t> steps;
-    steps.reserve(2 * instances_.size());
-    for (const auto& [name, inst] : instances_) {
-      steps.push_back(inst.base + inst.max_use);
-      steps.push_back(inst.base + inst.max_use + 1);
+    std::vector<uint64_t> steps{sentinel_};
+    for (const Counts& counts : uses_) {
+      counts.ForEach([&](const std::string& key, uint64_t uses) {
+        const uint64_t base = Mix(seed_ ^ Fnv1a(Split(key).instance));
+        steps.push_back(base + uses - 1);  // the latest use (maybe in flight)
+        steps.push_back(base + uses);      // the next (a peer may wait for it)
+      });
     }
+    std::sort(steps.begin(), steps.end());
+    steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
+    for (auto& [id, done] : sends_) sends->push_back(std::move(done));
+    sends_.clear();
     return steps;
   }
 
@@ -134,50 +211,80 @@ class Steps {
     sends_.erase(it);
     return true;
   }
-  std::vector<tf::StatusCallback> TakeAllSends() {
+
+  // The executor is gone (TF cleaned it up): a sentinel failing now is
+  // not an abort.
+  void Close() {
     tf::mutex_lock l(mu_);
-    std::vector<tf::StatusCallback> out;
-    out.reserve(sends_.size());
-    for (auto& [id, done] : sends_) out.push_back(std::move(done));
-    sends_.clear();
-    return out;
+    closed_ = true;
+  }
+  bool closed() {
+    tf::mutex_lock l(mu_);
+    return closed_;
   }
 
  private:
-  struct Instance {
-    uint64_t base;
-    uint64_t max_use;
-  };
   const uint64_t seed_;
+  const uint64_t sentinel_;
   tf::mutex mu_;
   absl::Status aborted_ TF_GUARDED_BY(mu_);
-  std::unordered_map<std::string, uint64_t> uses_[2] TF_GUARDED_BY(mu_);  // [sent, received]
-  std::unordered_map<std::string, Instance> instances_ TF_GUARDED_BY(mu_);
+  bool closed_ TF_GUARDED_BY(mu_) = false;
+  Counts uses_[2] TF_GUARDED_BY(mu_);  // [sent, received]
+  std::set<std::string> peers_ TF_GUARDED_BY(mu_);
   uint64_t last_send_ TF_GUARDED_BY(mu_) = 0;
   std::unordered_map<uint64_t, tf::StatusCallback> sends_ TF_GUARDED_BY(mu_);
 };
 
-// How many times each executor step id was aborted on this task. An
-// executor TF creates again for the same step id (eager uses step 0 for
-// every collective) after an abort must not reuse the transport steps the
-// abort ended (the transport fails receives of a finished step at once):
-// its seed includes this count. Tasks abort together (an abort propagates),
-// so they agree on it. Only aborted step ids are kept.
+// Aborts the executor's transfers: completes its sends in flight, fails
+// its receives and (propagate) peers' receives of its steps. From any
+// thread; the work runs on the plugin's pool.
+void AbortTransfers(const std::shared_ptr<Transport>& transport,
+                    const std::shared_ptr<Steps>& steps, const absl::Status& s, bool* first) {
+  std::vector<tf::StatusCallback> sends;
+  std::vector<uint64_t> ids = steps->Abort(s, first, &sends);
+  if (!*first) return;
+  VLOG(1) << "rdma_device: collective executor aborts " << ids.size() << " transport steps and "
+          << sends.size() << " sends: " << s;
+  Schedule([transport, ids = std::move(ids), sends = std::move(sends), s] {
+    // Sends the transport still holds end now; their bytes stay referenced
+    // by the transport until it lets go, and whatever it still delivers is
+    // for a step the receivers drop.
+    for (const auto& done : sends) done(s);
+    if (transport != nullptr) {
+      for (uint64_t step : ids) transport->AbortStep(step, s, /*propagate=*/true);
+    }
+  });
+}
+
+// How many executors of each step id ended on this task. An executor TF
+// creates again for the same step id (eager runs every collective under
+// step 0; after an abort it must be cleaned up and created anew) must not
+// reuse the previous one's transport steps: the transport fails receives
+// of a step it has seen end. Tasks clean executors up together (a step
+// ends everywhere; an abort propagates), so they agree on the count. The
+// newest kKeep step ids are remembered (graph mode draws a new step id per
+// step; the transport remembers a similar number of ended steps).
 class Generations {
  public:
+  static constexpr size_t kKeep = 4096;
   uint64_t Get(int64_t step_id) {
     tf::mutex_lock l(mu_);
-    auto it = aborts_.find(step_id);
-    return it == aborts_.end() ? 0 : it->second;
+    auto it = ended_.find(step_id);
+    return it == ended_.end() ? 0 : it->second;
   }
   void Bump(int64_t step_id) {
     tf::mutex_lock l(mu_);
-    ++aborts_[step_id];
+    if (ended_[step_id]++ == 0) order_.push_back(step_id);
+    while (order_.size() > kKeep) {
+      ended_.erase(order_.front());
+      order_.pop_front();
+    }
   }
 
  private:
   tf::mutex mu_;
-  std::unordered_map<int64_t, uint64_t> aborts_ TF_GUARDED_BY(mu_);
+  std::unordered_map<int64_t, uint64_t> ended_ TF_GUARDED_BY(mu_);
+  std::deque<int64_t> order_ TF_GUARDED_BY(mu_);
 };
 
 class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed {
@@ -192,6 +299,17 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
         transport_(std::move(transport)),
         generations_(std::move(generations)),
         steps_(std::make_shared<Steps>(step_id, generations_->Get(step_id))) {}
+
+  ~RdmaCollectiveRemoteAccess() override {
+    // Executors end with their step (or the eager context): withdraw the
+    // sentinels quietly (no propagation; not an abort).
+    steps_->Close();
+    generations_->Bump(step_id_);
+    if (transport_ != nullptr) {
+      transport_->AbortStep(steps_->sentinel_step(), absl::CancelledError("collective executor done"),
+                            /*propagate=*/false);
+    }
+  }
 
   void RecvFromPeer(const std::string& peer_device, const std::string& peer_task,
                     bool peer_is_local, const std::string& key, tf::Device* to_device,
@@ -220,9 +338,12 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
     if (!s.ok()) return done(s);
     if (route.kind == Route::kGrpc) return stock(route.reason);
 
+    const SplitKey split = Split(key);
     uint64_t step = 0;
-    s = steps_->Next(key, /*recv=*/true, &step);
+    bool new_peer = false;
+    s = steps_->Next(key, split.instance, /*recv=*/true, peer_task, &step, &new_peer);
     if (!s.ok()) return done(s);
+    if (new_peer) WatchPeer(peer_task);
 
     // The op's cancellation aborts this receive's step (on the plugin's
     // pool: TF may cancel under its own locks).
@@ -241,7 +362,8 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
 
     const std::thread::id caller = std::this_thread::get_id();
     std::shared_ptr<Transport> transport = transport_;
-    const std::string wire_key = WireKey(peer_device, to_device->name(), key);
+    const std::string wire_key =
+        WireKey(peer_device, to_device->name(), split.edge, to_tensor->TotalBytes());
     VLOG(2) << "collective recv " << wire_key << " step " << step;
     s = transport_->Recv(
         peer_task, wire_key, step,
@@ -295,14 +417,17 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
     absl::Status s = transport_->RouteTo(peer_task, &route);
     if (!s.ok()) return done(s);
     if (route.kind == Route::kGrpc) return stock();
+    const SplitKey split = Split(key);
     uint64_t step = 0;
-    s = steps_->Next(key, /*recv=*/false, &step);
+    bool new_peer = false;
+    s = steps_->Next(key, split.instance, /*recv=*/false, peer_task, &step, &new_peer);
     if (!s.ok()) return done(s);
+    if (new_peer) WatchPeer(peer_task);
 
     std::shared_ptr<Transport> transport = transport_;
     std::shared_ptr<Steps> steps = steps_;
     const uint64_t bytes = from_tensor->TotalBytes();
-    const std::string wire_key = WireKey(from_device->name(), peer_device, key);
+    const std::string wire_key = WireKey(from_device->name(), peer_device, split.edge, bytes);
     const uint64_t id = steps->AddSend(done);
     if (id == 0) return done(steps->aborted());
     VLOG(2) << "collective send " << wire_key << " step " << step;
@@ -340,27 +465,35 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
   void StartAbort(const absl::Status& s) override {
     CollectiveRemoteAccessDistributed::StartAbort(s);
     bool first = false;
-    std::vector<uint64_t> steps = steps_->Abort(s, &first);
-    if (first) generations_->Bump(step_id_);
-    std::vector<tf::StatusCallback> sends = steps_->TakeAllSends();
-    if (!sends.empty()) {
-      // Sends the transport still holds (e.g. queued while reconnecting to
-      // a dead peer) end now; their bytes stay referenced by the transport
-      // until it lets go, and whatever it still delivers is for a step the
-      // receivers drop.
-      Schedule([sends = std::move(sends), s] {
-        for (const auto& done : sends) done(s);
-      });
-    }
-    if (transport_ == nullptr || steps.empty()) return;
-    VLOG(1) << "rdma_device: collective executor " << step_id_ << " aborts " << steps.size()
-            << " transport steps: " << s;
-    Schedule([transport = transport_, steps = std::move(steps), s] {
-      for (uint64_t step : steps) transport->AbortStep(step, s, /*propagate=*/true);
-    });
+    AbortTransfers(transport_, steps_, s, &first);
   }
 
  private:
+  // Posts this executor's sentinel receive from `peer_task` (Steps): it
+  // fails, aborting this executor, when the peer aborts its executor or
+  // the transport loses the peer.
+  void WatchPeer(const std::string& peer_task) {
+    std::shared_ptr<Transport> transport = transport_;
+    std::shared_ptr<Steps> steps = steps_;
+    absl::Status s = transport_->Recv(
+        peer_task, SentinelKey(peer_task, task_name_), steps->sentinel_step(),
+        [transport, steps, peer_task](const absl::Status& status, const tf::Tensor&, bool) {
+          // A peer that does not push to us is the data path's business
+          // (it falls back); an ended executor withdrew its sentinels.
+          if (Transport::IsNotViable(status) || steps->closed()) return;
+          absl::Status why =
+              status.ok() ? absl::InternalError(absl::StrCat(
+                                "rdma_device: ", peer_task, " sent a collective abort sentinel"))
+                          : status;
+          VLOG(1) << "rdma_device: collective sentinel from " << peer_task << ": " << why;
+          bool first = false;
+          AbortTransfers(transport, steps, why, &first);
+        });
+    if (!s.ok() && !Transport::IsNotViable(s)) {
+      LOG(WARNING) << "rdma_device: cannot watch " << peer_task << " for collective aborts: " << s;
+    }
+  }
+
   // The received chunk -> the collective's destination (one copy: TF
   // allocated `to_tensor`, usually an alias into the op's output).
   static absl::Status CopyInto(Transport* transport, const absl::Status& status,
