@@ -82,6 +82,14 @@ def test_custom_loop_three_workers_exact_bytes(log_dir, plugin_built):
     # times in each of its two passes: 2 (N-1) B per step, all of it here.
     n, b = 3, got[0]["grad_bytes"]
     check_counters(got, exact_total=kw["steps"] * 2 * (n - 1) * b)
+    # TF draws a new instance key every step, but each chunk keeps its
+    # transport edge: placed in the first step, then only written to (no
+    # placement or negotiation after step 2, so the arena does not fill).
+    for r in got:
+        early, late = r["stats_after_2_steps"]["counters"], r["stats"]["counters"]
+        assert late["edges_traced"] == early["edges_traced"] > 0, (early, late)
+        assert late["negotiation_messages"] == early["negotiation_messages"], (early, late)
+        assert late["arena_bytes_in_use"] == early["arena_bytes_in_use"], (early, late)
 
 
 def test_no_transport_falls_back_to_recvbuf_and_says_why(log_dir, plugin_built):
