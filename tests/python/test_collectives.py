@@ -83,13 +83,17 @@ def test_custom_loop_three_workers_exact_bytes(log_dir, plugin_built):
     n, b = 3, got[0]["grad_bytes"]
     check_counters(got, exact_total=kw["steps"] * 2 * (n - 1) * b)
     # TF draws a new instance key every step, but each chunk keeps its
-    # transport edge: placed in the first step, then only written to (no
-    # placement or negotiation after step 2, so the arena does not fill).
+    # transport edge: placed in the first step, then written to. No edge is
+    # placed after step 2; an edge may grow by a slot when the receiver
+    # still holds both (at most one message per edge over the 13 later
+    # steps here, where placing edges anew would cost two per edge per
+    # step), and the arena does not fill.
     for r in got:
         early, late = r["stats_after_2_steps"]["counters"], r["stats"]["counters"]
         assert late["edges_traced"] == early["edges_traced"] > 0, (early, late)
-        assert late["negotiation_messages"] == early["negotiation_messages"], (early, late)
-        assert late["arena_bytes_in_use"] == early["arena_bytes_in_use"], (early, late)
+        assert late["negotiation_messages"] - early["negotiation_messages"] <= \
+            early["edges_traced"], (early, late)
+        assert late["arena_bytes_in_use"] <= 2 * early["arena_bytes_in_use"], (early, late)
 
 
 def test_no_transport_falls_back_to_recvbuf_and_says_why(log_dir, plugin_built):
