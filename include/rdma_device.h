@@ -21,6 +21,17 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// What happened to one collective chunk. Values never change.
+typedef enum rdev_collective_event {
+  // Received over this transport (`collective_tensors`/`_bytes`).
+  RDEV_COLLECTIVE_RECEIVED = 0,
+  // Written to a peer over this transport (`collective_sent_*`).
+  RDEV_COLLECTIVE_SENT = 1,
+  // Received over stock gRPC (`collective_fallback_*`, and
+  // `fallback_tensors` with `reason`).
+  RDEV_COLLECTIVE_FALLBACK = 2,
+} rdev_collective_event;
+
 // Bits of `rdev_tensor_meta.flags`. Values never change.
 typedef enum rdev_flag {
   // Dead tensor (a not-taken branch): no payload.
@@ -243,6 +254,15 @@ bool rdev_buffer_in_place(const struct rdev_buffer *buf);
 
 // Release a buffer: its slot goes back to the sender. NULL is a no-op.
 void rdev_buffer_release(struct rdev_buffer *buf);
+
+// Count one collective chunk of `bytes`; `event` is an
+// `rdev_collective_event` (anything else: RDEV_INVALID_ARGUMENT);
+// `reason`: why it fell back, for RDEV_COLLECTIVE_FALLBACK (may be empty
+// otherwise).
+enum rdev_status rdev_record_collective(uint32_t event,
+                                        uint64_t bytes,
+                                        const char *reason,
+                                        size_t reason_len);
 
 // Count a tensor of `bytes` that went over stock gRPC, with its reason.
 enum rdev_status rdev_record_fallback(uint64_t bytes, const char *reason, size_t reason_len);

@@ -69,6 +69,12 @@ counters! {
         fallback_tensors: "tensors that went over stock gRPC",
         fallback_bytes: "payload bytes of those tensors",
         peers_lost: "connections lost (peer exit, transport error)",
+        collective_tensors: "collective chunks (all-reduce, broadcast, gather) received over this transport; also in tensors_received",
+        collective_bytes: "payload bytes of those chunks",
+        collective_sent_tensors: "collective chunks this task wrote to a peer over this transport",
+        collective_sent_bytes: "payload bytes of those chunks",
+        collective_fallback_tensors: "collective chunks received over stock gRPC (RecvBuf); also in fallback_tensors",
+        collective_fallback_bytes: "payload bytes of those chunks",
         arena_bytes_in_use: "gauge: bytes of the receive arena placed in slots",
         arena_bytes_total: "gauge: size of the receive arena",
         verbs_windows_bound: "verbs: arena ranges granted to one sender each through a memory window bound to its connection",
@@ -106,6 +112,22 @@ impl Stats {
         Stats::add(&self.c.fallback_tensors, 1);
         Stats::add(&self.c.fallback_bytes, bytes);
         *self.fallback_reasons.lock().entry(reason.to_string()).or_insert(0) += 1;
+    }
+
+    /// A collective chunk (see `rdev_collective_event`); a fallback is also
+    /// counted in `fallback_tensors` with its reason.
+    pub fn record_collective(&self, received: bool, over_transport: bool, bytes: u64, reason: &str) {
+        let c = &self.c;
+        let (t, b) = match (received, over_transport) {
+            (true, true) => (&c.collective_tensors, &c.collective_bytes),
+            (false, true) => (&c.collective_sent_tensors, &c.collective_sent_bytes),
+            (_, false) => (&c.collective_fallback_tensors, &c.collective_fallback_bytes),
+        };
+        Stats::add(t, 1);
+        Stats::add(b, bytes);
+        if !over_transport {
+            self.record_fallback(bytes, reason);
+        }
     }
 
     /// Zero every counter (gauges included) and forget peers; for benchmarks
@@ -163,6 +185,18 @@ pub fn json_str(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn collective_chunks_are_counted_apart() {
+        let s = Stats { c: Counters::default(), peers: Mutex::new(BTreeMap::new()), fallback_reasons: Mutex::new(BTreeMap::new()) };
+        s.record_collective(true, true, 10, "");
+        s.record_collective(false, true, 20, "");
+        s.record_collective(true, false, 30, "peer runs grpc");
+        assert_eq!((s.get("collective_tensors"), s.get("collective_bytes")), (Some(1), Some(10)));
+        assert_eq!((s.get("collective_sent_tensors"), s.get("collective_sent_bytes")), (Some(1), Some(20)));
+        assert_eq!((s.get("collective_fallback_tensors"), s.get("fallback_bytes")), (Some(1), Some(30)));
+        assert!(s.to_json().contains("\"peer runs grpc\": 1"));
+    }
 
     #[test]
     fn json_escapes() {

@@ -23,7 +23,8 @@
 // | PlacementRun::WaitUntil | RegisterGraph caller; the tf.function pass's caller | kRegisterPlacementWaitMs |
 // | shape inference of a registered partition (CPU only) | RegisterGraph caller | graph size |
 // Everything else in tf_plugin/ returns without waiting: Send, Recv,
-// StartAbort (its transport call only fails waiters), StepDone.
+// StartAbort (its transport call only fails waiters), StepDone, and the
+// collectives' PostToPeer/RecvFromPeer/StartAbort (collectives.h).
 #ifndef RDMA_DEVICE_TF_PLUGIN_POOL_H_
 #define RDMA_DEVICE_TF_PLUGIN_POOL_H_
 

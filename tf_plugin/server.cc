@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "collectives.h"
 #include "rendezvous.h"
 #include "transport.h"
 #include "worker.h"
@@ -70,6 +71,15 @@ class RdmaServer : public tf::GrpcServer {
   // Every worker cache TF builds (the server's own, each session's, each
   // eager context's) sees the cluster of that session: the peers' addresses
   // come from here, so clients that join later (eager) are known too.
+  // TF rebuilds its stock collective manager here (not ours): say so.
+  absl::Status UpdateServerDef(const tf::ServerDef& server_def) override {
+    TF_RETURN_IF_ERROR(GrpcServer::UpdateServerDef(server_def));
+    transport_->AddPeers(server_def.cluster());
+    LOG(WARNING) << "rdma_device: the server definition changed after start; collectives "
+                    "(MultiWorkerMirroredStrategy) use stock gRPC from now on";
+    return absl::OkStatus();
+  }
+
   absl::Status WorkerCacheFactory(const tf::WorkerCacheFactoryOptions& options,
                                   tf::WorkerCacheInterface** worker_cache) override {
     transport_->AddPeers(options.cluster_def);
@@ -91,6 +101,13 @@ class RdmaServer : public tf::GrpcServer {
     opts.worker_func = [transport = transport_](tf::WorkerEnv* env,
                                                 const tf::ConfigProto& config) {
       return std::unique_ptr<tf::GrpcWorker>(new RdmaWorker(env, config, transport));
+    };
+    // Collectives (MultiWorkerMirroredStrategy): chunks pushed through the
+    // transport instead of RecvBuf RPCs (collectives.h).
+    opts.collective_mgr_func = [transport = transport_](const tf::ConfigProto& config,
+                                                        const tf::WorkerEnv* env,
+                                                        tf::WorkerCacheInterface* worker_cache) {
+      return NewCollectiveExecutorMgr(config, env, worker_cache, transport);
     };
     TF_RETURN_IF_ERROR(GrpcServer::Init(opts));
     const tf::ServerDef& def = server_def();

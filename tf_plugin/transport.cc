@@ -484,4 +484,11 @@ void Transport::RecordFallback(uint64_t bytes, const std::string& reason) {
   rdev_record_fallback(bytes, reason.data(), reason.size());
 }
 
+void Transport::RecordCollective(CollectiveEvent event, uint64_t bytes, const std::string& reason) {
+  uint32_t e = RDEV_COLLECTIVE_RECEIVED;
+  if (event == CollectiveEvent::kSent) e = RDEV_COLLECTIVE_SENT;
+  if (event == CollectiveEvent::kFallback) e = RDEV_COLLECTIVE_FALLBACK;
+  rdev_record_collective(e, bytes, reason.data(), reason.size());
+}
+
 }  // namespace rdma_device

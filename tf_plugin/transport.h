@@ -148,6 +148,10 @@ class Transport : public std::enable_shared_from_this<Transport> {
   void StepDone(int64_t step_id);
   // Counts a tensor that went over stock gRPC.
   void RecordFallback(uint64_t bytes, const std::string& reason);
+  // Counts a collective chunk (collectives.h): received or sent over the
+  // transport, or received over stock gRPC because of `reason`.
+  enum class CollectiveEvent { kReceived, kSent, kFallback };
+  void RecordCollective(CollectiveEvent event, uint64_t bytes, const std::string& reason = "");
 
  private:
   // Asks the transport how to reach `task` and records the route.

@@ -201,6 +201,20 @@ def plots(res, out_dir):
     return written
 
 
+def mwms_md(rows):
+    if not rows:
+        return ""
+    out = ["", "## MultiWorkerMirroredStrategy (ring all-reduce of the gradients every step)", "",
+           "| workload | workers | weights MiB | step ms grpc / rdma_device | vs grpc | CPU ms/step grpc / rdma_device "
+           "| collective MB/step over the transport | fallback chunks | weights bit-identical |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        out.append(f"| {r['workload']} | {r['workers']} | {r['weights_mib']} | {r['grpc_step_ms']} / "
+                   f"{r['rdma_device_step_ms']} | {r['ratio']} | {r['grpc_cpu_ms']} / {r['rdma_device_cpu_ms']} "
+                   f"| {r['collective_mb_per_step']} | {r['collective_fallback']} | {r['weights_bit_identical']} |")
+    return "\n".join(out) + "\n"
+
+
 def write(res, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     mach = machine()
@@ -209,7 +223,9 @@ def write(res, out_dir):
         json.dump(res["rows"], f, indent=1)
     with open(os.path.join(out_dir, "transfer.json"), "w") as f:
         json.dump(res.get("sweep", []), f, indent=1)
-    md = summary_md(res, mach)
+    with open(os.path.join(out_dir, "mwms.json"), "w") as f:
+        json.dump(res.get("mwms", []), f, indent=1)
+    md = summary_md(res, mach) + mwms_md(res.get("mwms", []))
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(md)
     pngs = plots(res, out_dir)

@@ -8,6 +8,13 @@ reused by every workload (graphs with fewer workers use a subset). The
 tasks' logs go to DIR/logs/. CPU time is counted per mode on that mode's
 tasks and this client.
 
+MultiWorkerMirroredStrategy: one data-parallel workload (an MLP with
+4 MiB of weights, gradients all-reduced by the ring algorithm every step)
+on 2 workers (``--mwms-workers``) under ``grpc`` and ``grpc+rdma_device``,
+interleaved in blocks; median step, ratio, the collective bytes per step
+the transport counted, and whether both ended with bit-identical weights.
+The ``rpc`` ablation does not apply (it changes send/recv, not collectives).
+
 Modes: ``grpc`` (stock), ``grpc+rdma_device`` (one-sided writes into
 receiver-placed slots), ``rpc`` (``grpc+rdma_device`` with
 ``RDMA_DEVICE_MODE=rpc``: the receiver requests each tensor, the sender
@@ -236,10 +243,11 @@ def _run(args, logs, term):
     modes = modes_available()
     todo = plan(args)
     max_w = max(n for _, n in todo)
-    prog = Progress(len(modes) + 1 + len(todo) + (0 if args.no_sweep else 1), term)
+    prog = Progress(len(modes) + 1 + len(todo) + (0 if args.no_sweep else 1)
+                    + len(_ints(getattr(args, "mwms_workers", ""))), term)
     clusters = {}
     compute_cluster = None
-    rows, sweep = [], []
+    rows, sweep, mwms = [], [], []
     t0 = time.time()
     try:
         for mode, proto, env in modes:
@@ -254,9 +262,66 @@ def _run(args, logs, term):
         if not args.no_sweep:
             sweep = _sweep.sweep(tf, modes, clusters, args)
             prog.step("transfer sweep")
+        for c in list(clusters.values()) + [compute_cluster]:
+            c.close()  # free the CPUs for the MWMS clusters
+        clusters, compute_cluster = {}, None
+        for n in _ints(getattr(args, "mwms_workers", "")):
+            mwms.append(mwms_workload(n, args, logs))
+            prog.step(f"MultiWorkerMirroredStrategy, {n} workers")
     finally:
         prog.close()
         for c in list(clusters.values()) + [compute_cluster]:
             if c is not None:
                 c.close()
-    return {"rows": rows, "sweep": sweep, "modes": [m for m, *_ in modes], "seconds": round(time.time() - t0, 1)}
+    return {"rows": rows, "sweep": sweep, "mwms": mwms, "modes": [m for m, *_ in modes],
+            "seconds": round(time.time() - t0, 1)}
+
+
+def _ints(csv):
+    return [int(x) for x in str(csv).split(",") if x.strip()]
+
+
+def mwms_workload(n, args, logs, width=1024):
+    """The data-parallel MLP under MultiWorkerMirroredStrategy on ``n``
+    workers, both protocols interleaved in blocks (first step of each block
+    not counted)."""
+    from rdma_device._mwms import MwmsCluster
+
+    protos = [("grpc", None), ("grpc+rdma_device", {"RDMA_DEVICE_STRICT": "1"})]
+    clusters = {}
+    try:
+        for p, env in protos:
+            clusters[p] = MwmsCluster(p, n, env=env, log_dir=logs, name=p.replace("+", "_"))
+        times = {p: [] for p in clusters}
+        cpu = {p: 0.0 for p in clusters}
+        digests = {}
+        for p, c in clusters.items():
+            c.command("train", steps=max(1, args.warmup), width=width)
+            c.reset_stats()
+        for _ in range(args.reps):
+            for p, c in clusters.items():
+                c.command("train", steps=1, width=width)  # absorbs the switch
+                c0 = cpu_seconds([c])
+                out = c.command("train", steps=args.block, width=width)
+                cpu[p] += cpu_seconds([c]) - c0
+                times[p] += [max(step) for step in zip(*[r["ms"] for r in out])]
+                digests[p] = {r["weights"] for r in out}
+        counters = [s.get("counters", {}) for s in clusters["grpc+rdma_device"].stats()]
+    finally:
+        for c in clusters.values():
+            c.close()
+    steps_run = args.reps * (args.block + 1)
+    med = {p: statistics.median(v) for p, v in times.items()}
+    counted = args.reps * args.block
+    return {
+        "workload": "mlp_allreduce", "workers": n, "weights_mib": round((width * width + width) * 4 / 2**20, 2),
+        "grpc_step_ms": round(med["grpc"], 2), "rdma_device_step_ms": round(med["grpc+rdma_device"], 2),
+        "ratio": round(med["grpc"] / med["grpc+rdma_device"], 2),
+        "grpc_cpu_ms": round(cpu["grpc"] / counted * 1e3, 1),
+        "rdma_device_cpu_ms": round(cpu["grpc+rdma_device"] / counted * 1e3, 1),
+        "collective_mb_per_step": round(sum(c.get("collective_bytes", 0) for c in counters) / steps_run / 1e6, 2),
+        "collective_fallback": sum(c.get("collective_fallback_tensors", 0) for c in counters),
+        # Each protocol's run is deterministic and the two run the same
+        # steps, so their final weights must agree bit for bit.
+        "weights_bit_identical": len(digests["grpc"] | digests["grpc+rdma_device"]) == 1,
+    }

@@ -4,6 +4,7 @@
     python -m rdma_device.bench train    [--steps 100] [--json]
     python -m rdma_device.bench suite    [--quick] [--out DIR] [--json]
     python -m rdma_device.bench soak     [--steps 1000] [--json]   (see rdma_device.soak)
+    python -m rdma_device.bench allreduce [--sizes 1M,4M,16M,64M] [--workers 2,3] [--json]
 
 ``suite``: six workloads (AlexNet- and ResNet-class CNNs, an LSTM language
 model, a Transformer encoder, wide & deep with sparse embedding lookups, a
@@ -23,6 +24,15 @@ three clusters: "grpc", "grpc+rdma_device" (edges placed when the graph is
 registered, so step 1 already pushes) and "grpc+rdma_device traced"
 (RDMA_DEVICE_STATIC_PLACEMENT=0: placed on first use, inside step 1). A
 first step includes TensorFlow registering the graph on the tasks.
+
+``allreduce``: MultiWorkerMirroredStrategy (ring all-reduce, the CPU
+implementation) all-reducing one float32 tensor of each size across 2 and
+3 workers, on two local clusters started side by side ("grpc" and
+"grpc+rdma_device", strict), calls interleaved in blocks. The baseline is
+stock TensorFlow: the same strategy and algorithm whose chunks travel as
+RecvBuf RPCs. Algorithm bandwidth = size / median time of one all-reduce
+(the slowest worker's); the ratio is gRPC time / rdma_device time; CPU is
+the CPU time of the cluster's worker processes per all-reduce.
 
 ``train``: a short parameter-server training run (variables on a PS task,
 gradient steps on a worker) under both protocols, interleaved; prints
@@ -158,6 +168,64 @@ def _print_transport(stats):
               f"peers {st.get('peers', {})}")
 
 
+def allreduce(args):
+    from rdma_device._mwms import MwmsCluster
+
+    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    env = {"RDMA_DEVICE_STRICT": "1"} if args.strict else {}
+    results, stats = [], {}
+    for n in [int(w) for w in args.workers.split(",")]:
+        clusters = {}
+        try:
+            for p in PROTOCOLS:
+                clusters[p] = MwmsCluster(p, n, env=env if p != "grpc" else None)
+            for size in sizes:
+                times = {p: [] for p in PROTOCOLS}
+                cpu = {p: 0.0 for p in PROTOCOLS}
+                for p, c in clusters.items():
+                    c.command("allreduce", size=size, reps=1)  # trace, connect, place
+                for _ in range(args.reps):
+                    for p, c in clusters.items():  # interleaved, in blocks
+                        c.command("allreduce", size=size, reps=1)  # absorbs the switch: not counted
+                        c0 = cpu_seconds([c])
+                        per_worker = [r["ms"] for r in c.command("allreduce", size=size, reps=args.block)]
+                        cpu[p] += cpu_seconds([c]) - c0
+                        times[p] += [max(call) for call in zip(*per_worker)]
+                med = {p: statistics.median(v) for p, v in times.items()}
+                calls = args.reps * args.block
+                r = {"size": size, "workers": n,
+                     "grpc_gbps": round(size / med["grpc"] / 1e6, 3),
+                     "rdma_gbps": round(size / med["grpc+rdma_device"] / 1e6, 3),
+                     "ratio": round(med["grpc"] / med["grpc+rdma_device"], 2),
+                     "grpc_ms": round(med["grpc"], 3), "rdma_ms": round(med["grpc+rdma_device"], 3),
+                     "grpc_cpu_ms": round(cpu["grpc"] / calls * 1e3, 2),
+                     "rdma_cpu_ms": round(cpu["grpc+rdma_device"] / calls * 1e3, 2)}
+                results.append(r)
+                if args.json:
+                    print(json.dumps(r), flush=True)
+            stats[n] = clusters["grpc+rdma_device"].stats()
+        finally:
+            for c in clusters.values():
+                c.close()
+    if not args.json:
+        print(f"MultiWorkerMirroredStrategy ring all-reduce of one float32 tensor; median of "
+              f"{args.reps * args.block} calls per protocol in {args.reps} interleaved blocks of "
+              f"{args.block} (+1 uncounted); baseline: the same strategy on stock gRPC (RecvBuf RPCs)")
+        print(f"{'size':>8} {'workers':>7} {'grpc ms':>9} {'rdma ms':>9} {'ratio':>6} {'grpc GB/s':>10} "
+              f"{'rdma GB/s':>10} {'grpc CPU ms':>11} {'rdma CPU ms':>11}")
+        for r in results:
+            print(f"{_human(r['size']):>8} {r['workers']:>7} {r['grpc_ms']:>9.2f} {r['rdma_ms']:>9.2f} "
+                  f"{r['ratio']:>6.2f} {r['grpc_gbps']:>10.2f} {r['rdma_gbps']:>10.2f} "
+                  f"{r['grpc_cpu_ms']:>11.1f} {r['rdma_cpu_ms']:>11.1f}")
+        for n, per_worker in stats.items():
+            c = [s.get("counters", {}) for s in per_worker]
+            print(f"  {n} workers, grpc+rdma_device: collective chunks received over the transport "
+                  f"{sum(x.get('collective_tensors', 0) for x in c)} "
+                  f"({sum(x.get('collective_bytes', 0) for x in c)} B), over gRPC "
+                  f"{sum(x.get('collective_fallback_tensors', 0) for x in c)}")
+    return results
+
+
 def _train_graph(tf, cluster, seed=7):
     """A small MLP regression: variables on the PS, compute on the worker."""
     g = tf.Graph()
@@ -261,10 +329,20 @@ def main(argv=None):
     u.add_argument("--warmup", type=int, default=2, help="uncounted steps per mode first")
     u.add_argument("--no-sweep", action="store_true", help="skip the transfer sweep")
     u.add_argument("--sweep-sizes", default="", help="transfer sweep sizes, e.g. 64K,16M (default: by --quick)")
+    u.add_argument("--mwms-workers", default="2",
+                   help="worker counts of the MultiWorkerMirroredStrategy workload (default 2; '' skips it)")
+    a = sub.add_parser("allreduce", help="MultiWorkerMirroredStrategy all-reduce, grpc vs grpc+rdma_device")
+    a.add_argument("--sizes", default="1M,4M,16M,64M", help="comma-separated sizes (K/M suffix)")
+    a.add_argument("--workers", default="2,3", help="comma-separated worker counts")
+    a.add_argument("--reps", type=int, default=5, help="interleaved blocks per size and protocol")
+    a.add_argument("--block", type=int, default=4, help="counted all-reduces per block")
+    a.add_argument("--json", action="store_true", help="one JSON object per size and worker count")
+    a.add_argument("--no-strict", dest="strict", action="store_false")
     from rdma_device import soak
     run_soak = soak.add_parser(sub)
     args = ap.parse_args(argv)
-    {"transfer": transfer, "train": train, "suite": suite, "soak": run_soak}[args.cmd](args)
+    {"transfer": transfer, "train": train, "suite": suite, "soak": run_soak,
+     "allreduce": allreduce}[args.cmd](args)
 
 
 def suite(args):

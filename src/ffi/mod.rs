@@ -20,6 +20,7 @@
 #![allow(clippy::missing_safety_doc)] // each function documents its contract in the header
 
 mod buffer;
+mod collective;
 mod introspect;
 mod status;
 

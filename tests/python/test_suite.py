@@ -24,7 +24,7 @@ def test_suite_tiny(tmp_path, plugin_built):
     cmd = [sys.executable, "-m", "rdma_device.bench", "suite", "--quick", "--out", str(out),
            "--workloads", "wide_deep", "--workers", "2", "--reps", "1", "--block", "2", "--warmup", "1",
            "--sweep-sizes", "256K"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=360, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())
     modes = [m for m, *_ in _suite.modes_available()]
@@ -46,7 +46,16 @@ def test_suite_tiny(tmp_path, plugin_built):
     sweep = json.loads((out / "transfer.json").read_text())
     assert sorted(s["mode"] for s in sweep) == sorted(modes)
     assert all(s["size"] == 256 << 10 and s["gbps"] > 0 and s["cpu_s_per_gb"] > 0 for s in sweep)
+    # MultiWorkerMirroredStrategy, 2 workers: both protocols ran the same
+    # steps to the same weights, and the gradients' all-reduce went over
+    # the transport (strict mode: no fallback).
+    mwms = json.loads((out / "mwms.json").read_text())
+    assert [m["workers"] for m in mwms] == [2], mwms
+    assert mwms[0]["weights_bit_identical"] and mwms[0]["collective_fallback"] == 0, mwms
+    # The ring moves the 4 MiB of gradients twice per step (N=2).
+    assert mwms[0]["collective_mb_per_step"] >= 2 * mwms[0]["weights_mib"] * 2**20 / 1e6 * 0.99, mwms
     summary = (out / "summary.md").read_text()
+    assert "MultiWorkerMirroredStrategy" in summary
     assert "| wide_deep | 2 | grpc+rdma_device |" in summary
     pngs = sorted(f for f in os.listdir(out) if f.endswith(".png"))
     assert len(pngs) >= 5, pngs
