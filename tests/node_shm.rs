@@ -238,6 +238,29 @@ fn held_slots_stay_intact_while_other_steps_run() {
     assert_eq!(b.counters().tensors_received, held_n + 220);
 }
 
+#[test]
+fn aborting_a_step_fails_its_sends_queued_behind_a_connect() {
+    // B is gone: A's next send to it queues while rdev-connect retries for
+    // the lost peer's grace. Aborting the step fails that send at once
+    // instead of when the connect gives up.
+    let (a, b, _ta, tb) = pair(small_config());
+    send_wait(&a, &tb, "k", 1, meta(&[16]), pattern(1, 64)).unwrap();
+    recv_wait(&b, &task(0), "k", 1).unwrap();
+    drop(b);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !a.describe().contains("lost: [") || a.describe().contains("lost: []") {
+        assert!(Instant::now() < deadline, "A never saw B go: {}", a.describe());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let t0 = Instant::now();
+    let (r, done) = send_async(&a, &tb, "k", 2, vec![0u8; 64]);
+    r.unwrap();
+    a.abort_step(2, Error::Aborted("test aborts step 2".into()), false);
+    let e = done.recv_timeout(Duration::from_secs(5)).expect("done runs").unwrap_err();
+    assert!(e.message().contains("test aborts step 2"), "{e}");
+    assert!(t0.elapsed() < Duration::from_millis(500), "{:?}", t0.elapsed());
+}
+
 /// `send` on `node`, whose done reports into the returned channel.
 fn send_async(node: &Node, peer: &str, key: &str, step: u64, data: Vec<u8>) -> (Result<(), Error>, std::sync::mpsc::Receiver<Result<(), Error>>) {
     let (tx, rx) = std::sync::mpsc::channel();

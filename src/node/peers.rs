@@ -299,6 +299,27 @@ impl Inner {
         Ok(())
     }
 
+    /// Fail the sends queued while connecting whose step matches `pred`
+    /// (an aborted step, or every step when the node shuts down), now
+    /// rather than when the connect ends.
+    pub(super) fn fail_queued(&self, pred: impl Fn(u64) -> bool, why: &Error) {
+        let failed: Vec<QueuedSend> = {
+            let mut t = self.peers.table.lock();
+            let mut out = Vec::new();
+            for e in t.values_mut() {
+                if e.queued.iter().any(|q| pred(q.step)) {
+                    let (fail, keep): (Vec<QueuedSend>, Vec<QueuedSend>) = std::mem::take(&mut e.queued).into_iter().partition(|q| pred(q.step));
+                    e.queued = keep;
+                    out.extend(fail);
+                }
+            }
+            out
+        };
+        for q in failed {
+            (q.done)(Err(why.clone()));
+        }
+    }
+
     /// On `rdev-connect`: connect to `peer`, then send or fail what queued.
     fn connect_and_flush(&self, peer: &str) {
         let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.ensure_tx(peer)))

@@ -335,6 +335,9 @@ fn progress_loop(inner: Arc<Inner>) {
             let rest: Vec<Arc<RxConn>> = inner.conns.lock().drain().map(|(_, c)| c).collect();
             refresh_polled(&inner);
             for c in rest {
+                // `shutdown` may find `conns` already drained by us: close
+                // the socket here too, or the sender never learns we left.
+                let _ = c.stream.shutdown(std::net::Shutdown::Both);
                 c.ring.drain(|imm| inner.events.on_write_imm(c.id, imm));
                 inner.events.on_disconnect(c.id, Error::Aborted("listener shut down".into()));
             }
