@@ -138,8 +138,22 @@ fn two_hosts_role() {
     let mut cfg = small_config();
     cfg.transports = vec!["verbs".into()];
     cfg.arena_bytes = 64 << 20;
-    let node = Node::new(cfg, &task(me), &addrs[me]).unwrap();
+    let node = Node::new(cfg.clone(), &task(me), &addrs[me]).unwrap();
     let c = node.add_peer(&task(1 - me), &addrs[1 - me]);
+    if life == 1 {
+        // Both first lives start together, each in its own VM. TensorFlow
+        // runs nothing until every task's server is up, and the transport
+        // relies on that (a peer with no listener on first contact does
+        // not run it: routed over gRPC for good). Do as TensorFlow does:
+        // wait until the peer listens before the first exchange. The probe
+        // (retried while nobody listens) is refused by the peer's node, as
+        // its hello is not a task's.
+        let probe = rdma_device::fabric::build_all(&cfg).remove(0);
+        let t0 = Instant::now();
+        let r = probe.connect(&addrs[1 - me], b"probe", rdma_device::fabric::conformance::Recorder::new(b"", None), PHASE_DEADLINE, true);
+        assert!(!matches!(r, Err(rdma_device::Error::Timeout(_))), "{tag}: the peer never listened: {:?}", r.err());
+        say(&tag, &format!("the peer listens (after {} ms)", t0.elapsed().as_millis()));
+    }
     assert_eq!(c.transport.map(|k| k.name()), Some("verbs"), "{}", c.reason);
     say(&tag, &format!("task {me} at {} -> peer {} over verbs", addrs[me], addrs[1 - me]));
     let mut s = Side { node, me, peer_task: task(1 - me), tensors: 0, bytes: 0 };
