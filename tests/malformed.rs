@@ -138,7 +138,11 @@ fn hostile_inputs_are_rejected_without_panics() {
     let forged = SlotHeader { edge_id, slot: s.id, gen: s.gen, incarnation: 7, step: 1, len: s.capacity + 1, meta: TensorMeta::default(), chunk: None };
     let (tx, rx) = std::sync::mpsc::channel();
     ep.write_imm(s.offset, s.key, vec![Box::new(forged.encode())], s.id, Box::new(move |r| tx.send(r).unwrap()));
-    rx.recv_timeout(Duration::from_secs(5)).unwrap().unwrap();
+    // Over verbs the receiver may close the connection before the write's
+    // own completion reaches the sender: then the write reports that.
+    if let Err(e) = rx.recv_timeout(Duration::from_secs(5)).unwrap() {
+        assert!(verbs, "{e}");
+    }
     closed(&ev);
     // The bogus writes that reached the receiver were counted as rejected
     // (both on shm; the forged header at least over verbs).

@@ -134,6 +134,9 @@ pub const MIN_MEMLOCK_BYTES: u64 = 16 << 20;
 pub const LISTEN_BACKLOG: i32 = 128;
 /// The reason given when rdma_cm rejects a connection for lack of a
 /// listener (the peer does not run the transport, or not yet).
+/// How long rdma_cm must keep saying "nobody listens" before a first
+/// contact concludes the peer does not run the transport.
+const NO_LISTENER_GRACE: Duration = Duration::from_secs(2);
 pub(crate) const NO_LISTENER: &str = "no rdma_device verbs listener at that address (it does not run this transport)";
 /// rdma_cm address and route resolution timeout.
 pub const RESOLVE_TIMEOUT_MS: i32 = 2000;
@@ -392,6 +395,7 @@ impl Fabric for VerbsFabric {
     fn connect(&self, remote: &str, hello: &[u8], events: Arc<dyn FabricEvents>, timeout: Duration, wait_for_listener: bool) -> Result<Arc<dyn Endpoint>> {
         let rt = self.runtime()?;
         let deadline = std::time::Instant::now() + timeout;
+        let mut first_rejection: Option<std::time::Instant> = None;
         // As shm does: nobody listening is final at once unless the caller
         // waits for a peer that is (re)starting; then retried until the
         // deadline.
@@ -407,6 +411,14 @@ impl Fabric for VerbsFabric {
                         return Err(Error::Timeout(format!("connecting to {remote} over verbs for {timeout:?}: {m}")));
                     }
                     std::thread::sleep(Duration::from_millis(20));
+                }
+                // rdma_cm also rejects for a moment while a listener's
+                // port is being (re)bound or a peer's earlier connection is
+                // torn down: "nobody listens" is final only when it holds
+                // for NO_LISTENER_GRACE (unlike shm's socket, which
+                // answers for certain).
+                Err(Error::NotViable(m)) if m.contains(NO_LISTENER) && first_rejection.get_or_insert_with(std::time::Instant::now).elapsed() < NO_LISTENER_GRACE => {
+                    std::thread::sleep(Duration::from_millis(100));
                 }
                 Err(e) => return Err(e),
             }
