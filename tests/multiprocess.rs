@@ -95,12 +95,20 @@ fn child_exchange(me: usize, ports: &[u16], edges: usize, steps: u64, seed: u64)
         Ok(())
     })?;
     let st = rdma_device::stats::Stats::global();
-    Ok(format!(
+    let out = format!(
         "sent={sent} received={got} bytes={bytes} pushed={} inline={} replacements={}",
         st.get("tensors_pushed").unwrap_or(0),
         st.get("inline_tensors").unwrap_or(0),
         st.get("replacements").unwrap_or(0)
-    ))
+    );
+    // Our node stays up until every task is done, as a TensorFlow server
+    // does: a send is complete once its bytes are in the receiver's slots,
+    // and the receiver may still be taking them (a streamed tensor is
+    // copied out after its last chunk landed).
+    println!("EXCHANGED");
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
+    Ok(out)
 }
 
 /// What the stream roles move, from the environment: tensor bytes
@@ -255,6 +263,20 @@ fn exchange(n: usize, edges: usize, steps: u64) -> Result<(), String> {
     let mut kids: Vec<Child> = (0..n).map(|i| spawn("exchange", i, &ports, &extra)).collect();
     let outs: Vec<_> = kids.iter_mut().map(lines).collect();
     let mut res = release(&mut kids.iter_mut().collect::<Vec<_>>(), &outs.iter().collect::<Vec<_>>());
+    for (i, o) in outs.iter().enumerate().take_while(|_| res.is_ok()) {
+        if let Err(e) = wait_line(o, "EXCHANGED", Duration::from_secs(240)) {
+            res = Err(format!("task {i}: {e}"));
+            break;
+        }
+    }
+    if res.is_ok() {
+        for k in kids.iter_mut() {
+            if let Some(stdin) = k.stdin.as_mut() {
+                use std::io::Write;
+                let _ = writeln!(stdin, "END");
+            }
+        }
+    }
     for (i, o) in outs.iter().enumerate().take_while(|_| res.is_ok()) {
         match wait_line(o, "RESULT", Duration::from_secs(240)) {
             Ok(l) => println!("  task {i}: {l}"),
