@@ -311,7 +311,9 @@ fn peer_without_the_transport_goes_to_grpc_at_once() {
     } else {
         assert!(matches!(r, Err(Error::NotViable(_))), "{r:?}");
     }
-    assert!(t0.elapsed() < Duration::from_secs(1), "took {:?} (a connect timeout?)", t0.elapsed());
+    // verbs: rdma_cm's "nobody listens" must hold for 2 s on first contact.
+    let bound = if small_config().transports.first().is_some_and(|t| t == "verbs") { 4 } else { 1 };
+    assert!(t0.elapsed() < Duration::from_secs(bound), "took {:?} (a connect timeout?)", t0.elapsed());
 }
 
 #[test]

@@ -177,4 +177,7 @@ fn two_hosts_role() {
         _ => panic!("unknown role/life {role}/{life}"),
     }
     say(&tag, &format!("done: {} tensors, {} bytes exchanged", s.tensors, s.bytes));
+    // Keep the node up a moment, as a TensorFlow server outlives its last
+    // step: the peer's last send may still be completing into our slots.
+    std::thread::sleep(Duration::from_secs(3));
 }
