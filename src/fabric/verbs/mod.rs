@@ -417,7 +417,11 @@ impl Fabric for VerbsFabric {
                 // torn down: "nobody listens" is final only when it holds
                 // for NO_LISTENER_GRACE (unlike shm's socket, which
                 // answers for certain).
-                Err(Error::NotViable(m)) if m.contains(NO_LISTENER) && first_rejection.get_or_insert_with(std::time::Instant::now).elapsed() < NO_LISTENER_GRACE => {
+                Err(Error::NotViable(m))
+                    if m.contains(NO_LISTENER)
+                        && first_rejection.get_or_insert_with(std::time::Instant::now).elapsed() < NO_LISTENER_GRACE
+                        && std::time::Instant::now() + Duration::from_millis(150) < deadline =>
+                {
                     std::thread::sleep(Duration::from_millis(100));
                 }
                 Err(e) => return Err(e),
