@@ -81,6 +81,33 @@ impl RxLink {
     }
 }
 
+impl RxLink {
+    /// A new slot of `edge_id` at `off` (`reserved` bytes, header
+    /// included), its token with the sender, granted to the sender on
+    /// `link` (before the Publish or Grow naming it goes out; see
+    /// `Granter`). Returns what that message names.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new_slot(
+        &mut self,
+        link: LinkId,
+        edge_id: u32,
+        off: u64,
+        reserved: u64,
+        next_gen: &mut u32,
+        granter: &Option<std::sync::Arc<dyn super::Granter>>,
+        refused: &mut Vec<(LinkId, Error)>,
+    ) -> SlotDesc {
+        let id = self.next_slot;
+        self.next_slot = self.next_slot.wrapping_add(1).max(1);
+        let gen = *next_gen;
+        *next_gen = next_gen.wrapping_add(1).max(1);
+        let capacity = reserved - HEADER_BYTES as u64;
+        self.slots.insert(id, RxSlot { edge_id, gen, offset: off, reserved, capacity, token: Token::AtSender, retired: false, lent: false });
+        let key = super::grant(granter, refused, link, off, reserved);
+        SlotDesc { id, gen, offset: off, capacity, key }
+    }
+}
+
 /// Are all slots of the edge's current set with us and lent out?
 fn all_lent(r: &RxLink, edge_id: u32) -> bool {
     r.edge_info.get(&edge_id).is_some_and(|e| {
@@ -380,16 +407,7 @@ impl Rendezvous {
         }
         let mut descs = Vec::new();
         for off in placed {
-            let id = r.next_slot;
-            r.next_slot = r.next_slot.wrapping_add(1).max(1);
-            let gen = self.next_gen;
-            self.next_gen = self.next_gen.wrapping_add(1).max(1);
-            r.slots.insert(
-                id,
-                RxSlot { edge_id, gen, offset: off, reserved, capacity: reserved - HEADER_BYTES as u64, token: Token::AtSender, retired: false, lent: false },
-            );
-            let key = super::grant(&self.granter, &mut self.refused, link, off, reserved);
-            descs.push(SlotDesc { id, gen, offset: off, capacity: reserved - HEADER_BYTES as u64, key });
+            descs.push(r.new_slot(link, edge_id, off, reserved, &mut self.next_gen, &self.granter, &mut self.refused));
         }
         r.edge_info.get_mut(&edge_id).expect("edge").set = descs.iter().map(|d| d.id).collect();
         self.tally.negotiation_messages += 1;
@@ -438,16 +456,10 @@ impl Rendezvous {
             acts.push(Action::Send { link, msg: Msg::NoMore { edge_id } });
             return Ok(acts);
         };
-        let id = r.next_slot;
-        r.next_slot = r.next_slot.wrapping_add(1).max(1);
-        let gen = self.next_gen;
-        self.next_gen = self.next_gen.wrapping_add(1).max(1);
-        let capacity = reserved - HEADER_BYTES as u64;
-        r.slots.insert(id, RxSlot { edge_id, gen, offset: off, reserved, capacity, token: Token::AtSender, retired: false, lent: false });
-        r.edge_info.get_mut(&edge_id).expect("edge exists").set.push(id);
-        let key = super::grant(&self.granter, &mut self.refused, link, off, reserved);
+        let slot = r.new_slot(link, edge_id, off, reserved, &mut self.next_gen, &self.granter, &mut self.refused);
+        r.edge_info.get_mut(&edge_id).expect("edge exists").set.push(slot.id);
         self.tally.negotiation_messages += 1;
-        Ok(vec![Action::Send { link, msg: Msg::Grow { edge_id, slot: SlotDesc { id, gen, offset: off, capacity, key } } }])
+        Ok(vec![Action::Send { link, msg: Msg::Grow { edge_id, slot } }])
     }
 
     pub(super) fn rx_return(&mut self, link: LinkId, slot: u32, gen: u32) -> Result<Vec<Action>> {

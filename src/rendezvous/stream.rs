@@ -55,8 +55,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::rx::{RxEdge, RxSlot, Token};
-use super::wire::{ChunkAt, Msg, SlotDesc, SlotHeader, TensorMeta, STREAM_MESSAGES, STREAM_REFUSED, STREAM_SLOTS};
+use super::rx::{RxEdge, Token};
+use super::wire::{ChunkAt, Msg, SlotHeader, TensorMeta, STREAM_MESSAGES, STREAM_REFUSED, STREAM_SLOTS};
 use super::{Action, Data, LinkId, Payload, Received, Rendezvous, SendDone, Tally};
 use crate::constants::{
     HEADER_BYTES, MAX_STREAM_TOTAL, SLOT_ALIGN, STREAM_ARENA_FRACTION, STREAM_CHUNK_BYTES, STREAM_MIN_CHUNK, STREAM_MSG_BYTES,
@@ -451,16 +451,7 @@ impl Rendezvous {
         let mut descs = Vec::new();
         for _ in 0..SLOTS_PER_LINK {
             let Some(off) = self.alloc.alloc(reserved) else { break };
-            let id = r.next_slot;
-            r.next_slot = r.next_slot.wrapping_add(1).max(1);
-            let gen = self.next_gen;
-            self.next_gen = self.next_gen.wrapping_add(1).max(1);
-            let capacity = reserved - HEADER_BYTES as u64;
-            r.slots.insert(id, RxSlot { edge_id, gen, offset: off, reserved, capacity, token: Token::AtSender, retired: false, lent: false });
-            // The sender may write there only once granted (before the
-            // Publish goes out; see `Granter`).
-            let key = super::grant(&self.granter, &mut self.refused, link, off, reserved);
-            descs.push(SlotDesc { id, gen, offset: off, capacity, key });
+            descs.push(r.new_slot(link, edge_id, off, reserved, &mut self.next_gen, &self.granter, &mut self.refused));
         }
         if descs.is_empty() {
             log::warn!(
