@@ -483,7 +483,7 @@ fn node_pair_over_verbs_only() {
         let len = [4usize, 4096, 100_000, 3 << 20][step as usize % 4];
         let data = common::pattern(step, len);
         let r = common::recv_async(&b, &ta, "edge;v", step);
-        common::send_wait(&a, &tb, "edge;v", step, TensorMeta { dtype: 1, flags: 0, dims: vec![len as i64] }, data.clone()).unwrap();
+        common::send_wait(&a, &tb, "edge;v", step, TensorMeta { dtype: 1, flags: 0, dims: vec![len as i64].into() }, data.clone()).unwrap();
         let lease = r.recv_timeout(Duration::from_secs(30)).unwrap().unwrap();
         assert_eq!(common::checksum(lease.bytes()), common::checksum(&data), "step {step}");
         assert!(lease.in_place(), "received in place (one-sided write into the slot)");

@@ -22,7 +22,7 @@ const EVIL: &str = "/job:evil/replica:0/task:0";
 const OTHER_UID: u32 = 65534;
 
 fn meta(n: usize) -> TensorMeta {
-    TensorMeta { dtype: 4, flags: 0, dims: vec![n as i64] }
+    TensorMeta { dtype: 4, flags: 0, dims: vec![n as i64].into() }
 }
 
 fn pair() -> (Node, Node, String) {

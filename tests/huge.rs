@@ -59,7 +59,7 @@ fn sum(b: &[u8]) -> u64 {
 }
 
 fn meta(len: usize) -> TensorMeta {
-    TensorMeta { dtype: 4, flags: 0, dims: vec![len as i64] }
+    TensorMeta { dtype: 4, flags: 0, dims: vec![len as i64].into() }
 }
 
 /// Send without waiting; the completion comes on the channel.

@@ -50,7 +50,7 @@ fn fixture() -> Fixture {
 fn still_serves(f: &Fixture, step: u64) {
     let data = pattern(step, 10_000);
     let r = recv_async(&f.b, &task(0), "good", step);
-    send_wait(&f.a, &task(1), "good", step, TensorMeta { dtype: 1, flags: 0, dims: vec![10_000] }, data.clone()).unwrap();
+    send_wait(&f.a, &task(1), "good", step, TensorMeta { dtype: 1, flags: 0, dims: vec![10_000].into() }, data.clone()).unwrap();
     let l = r.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
     assert_eq!(l.bytes(), &data[..]);
 }
@@ -79,7 +79,7 @@ fn hostile_inputs_are_rejected_without_panics() {
     still_serves(&f, 1);
 
     // 1. Garbage and truncated control messages.
-    let good = Msg::Announce { key: "k".into(), step: 1, need: 100, returned: vec![(1, 1)] }.encode();
+    let good = Msg::Announce { key: "k".into(), step: 1, need: 100, returned: vec![(1, 1)] }.encode().into_vec();
     for bad in [vec![], vec![0xff], vec![1, 200, 0, 0], good[..good.len() - 1].to_vec(), [good.clone(), vec![0]].concat()] {
         let (ep, ev) = evil(&f);
         ep.send_msg(&bad).unwrap();

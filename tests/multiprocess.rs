@@ -26,7 +26,7 @@ fn spec(seed: u64, src: usize, dst: usize, edge: usize, step: u64) -> (TensorMet
     let dtype = dtypes[(h % 5) as usize];
     let elem = match dtype { 1 => 4, 19 => 2, 9 => 8, 10 => 1, _ => 1 };
     if h % 17 == 0 {
-        return (TensorMeta { dtype, flags: FLAG_DEAD, dims: vec![] }, vec![]);
+        return (TensorMeta { dtype, flags: FLAG_DEAD, dims: vec![].into() }, vec![]);
     }
     // Mostly small, sometimes large; the shape changes from step to step.
     let n = match (h >> 8) % 10 {
@@ -38,7 +38,7 @@ fn spec(seed: u64, src: usize, dst: usize, edge: usize, step: u64) -> (TensorMet
     let n = n / rows * rows;
     let flags = if dtype == 7 { FLAG_SERIALIZED } else { 0 };
     let dims = if dtype == 7 { vec![n as i64] } else { vec![rows as i64, (n / rows) as i64] };
-    (TensorMeta { dtype, flags, dims }, pattern(h, n * elem))
+    (TensorMeta { dtype, flags, dims: dims.into() }, pattern(h, n * elem))
 }
 
 fn key(src: usize, dst: usize, edge: usize) -> String {
@@ -135,7 +135,7 @@ fn child_stream_sender(ports: &[u16]) -> Result<String, String> {
             // The parent kills us while this tensor is on its way.
             println!("PROGRESS");
         }
-        match send_wait(&node, &task(1), "stream", step, TensorMeta { dtype: 1, flags: 0, dims: vec![bytes as i64 / 4] }, data) {
+        match send_wait(&node, &task(1), "stream", step, TensorMeta { dtype: 1, flags: 0, dims: vec![bytes as i64 / 4].into() }, data) {
             Ok(()) => {
                 if step == progress_at && !early {
                     println!("PROGRESS");

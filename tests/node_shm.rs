@@ -25,7 +25,7 @@ fn pair(cfg: rdma_device::config::Config) -> (Node, Node, String, String) {
 }
 
 fn meta(dims: &[i64]) -> TensorMeta {
-    TensorMeta { dtype: 1, flags: 0, dims: dims.to_vec() }
+    TensorMeta { dtype: 1, flags: 0, dims: dims.into() }
 }
 
 #[test]
@@ -38,7 +38,7 @@ fn tensors_arrive_in_place_and_bit_identical() {
         send_wait(&a, &tb, "edge;x", step, meta(&[len as i64]), data.clone()).unwrap();
         let lease = r.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
         assert_eq!(lease.bytes(), &data[..]);
-        assert_eq!(lease.meta().dims, vec![len as i64]);
+        assert_eq!(lease.meta().dims.as_slice(), &[len as i64]);
         assert!(lease.in_place());
         assert_eq!(lease.as_ptr() as usize % 64, 0, "payload must be 64-byte aligned");
     }
@@ -64,7 +64,7 @@ fn growing_shrinking_and_dead_tensors() {
     for (i, &len) in sizes.iter().enumerate() {
         let step = 100 + i as u64;
         let dead = len == 0;
-        let m = TensorMeta { dtype: 9, flags: if dead { FLAG_DEAD } else { 0 }, dims: vec![len as i64] };
+        let m = TensorMeta { dtype: 9, flags: if dead { FLAG_DEAD } else { 0 }, dims: vec![len as i64].into() };
         send_wait(&a, &tb, "grow", step, m.clone(), pattern(step, len)).unwrap();
         let l = recv_wait(&b, &ta, "grow", step).unwrap();
         assert_eq!(l.meta(), &m);

@@ -44,7 +44,7 @@ struct Side {
 impl Side {
     fn data(from: usize, step: u64) -> (TensorMeta, Vec<u8>) {
         let len = [4usize, 4096, 100_000, 1 << 20, 3 << 20][(step % 5) as usize];
-        (TensorMeta { dtype: 4, flags: 0, dims: vec![len as i64] }, pattern(step * 2 + from as u64, len))
+        (TensorMeta { dtype: 4, flags: 0, dims: vec![len as i64].into() }, pattern(step * 2 + from as u64, len))
     }
 
     /// One step: post the receive, send ours, check theirs.

@@ -213,6 +213,15 @@ impl Arena {
         Ok(v)
     }
 
+    /// Fill `out` from `off` (bounds-checked).
+    pub fn read_into(&self, off: usize, out: &mut [u8]) -> Result<()> {
+        check_range(off, out.len(), self.len)?;
+        // SAFETY: range checked against the mapping length; `out` is a
+        // distinct, writable buffer of that length.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
     /// Copy `src` to `off` (bounds-checked). For tests and diagnostics.
     pub fn copy_in(&self, off: usize, src: &[u8]) -> Result<()> {
         check_range(off, src.len(), self.len)?;

@@ -74,14 +74,44 @@ impl TransportKind {
     }
 }
 
-/// One piece of source memory for a write. The backend keeps it alive until
-/// the write completed (or failed) and drops it before calling `done`.
+/// One write: its source memory and its completion. The backend owns it
+/// from [`Endpoint::write`] until it calls `complete`, exactly once, on
+/// any thread, possibly before `write` returns (shm completes inline); the
+/// callee must not block for long. The segments stay valid and unchanged
+/// until then (verbs may read them with the NIC).
+pub trait WriteOp: Send {
+    /// The bytes to write, back to back, in order (empty ones are skipped).
+    fn segments(&self) -> Segs<'_>;
+    fn complete(self: Box<Self>, r: Result<()>);
+}
+
+/// A write's source segments (a header and a payload, usually: inline).
+pub type Segs<'a> = smallvec::SmallVec<[&'a [u8]; 4]>;
+
+/// One piece of source memory for [`Endpoint::write_imm`].
 pub type Segment = Box<dyn AsRef<[u8]> + Send>;
 
-/// Completion of a one-sided write: called exactly once, on any thread,
-/// possibly before `write_imm` returns (shm completes inline). The callee
-/// must not block for long.
-pub type WriteDone = Box<dyn FnOnce(Result<()>) + Send>;
+/// Completion of [`Endpoint::write_imm`] (as [`WriteOp::complete`]).
+pub type WriteDone = Box<dyn crate::completion::Complete<Result<()>>>;
+
+/// `write_imm`'s owned segments and closure as a [`WriteOp`]; the
+/// segments are dropped before `done` runs.
+struct SegWrite {
+    segs: Vec<Segment>,
+    done: WriteDone,
+}
+
+impl WriteOp for SegWrite {
+    fn segments(&self) -> Segs<'_> {
+        self.segs.iter().map(|s| (**s).as_ref()).collect()
+    }
+
+    fn complete(self: Box<Self>, r: Result<()>) {
+        let SegWrite { segs, done } = *self;
+        drop(segs);
+        done.complete(r);
+    }
+}
 
 
 /// What a backend tells its owner. Calls come from the backend's own
@@ -204,9 +234,14 @@ pub trait Endpoint: Send + Sync {
     /// deliver `imm` to the peer. `key` is the one the receiver's
     /// `Listener::grant` gave for the range written (it travels with the
     /// slot); a write outside what that key grants fails (verbs: with a
-    /// remote access error, and the connection breaks). `done` runs
+    /// remote access error, and the connection breaks). `op` completes
     /// exactly once, whatever happens.
-    fn write_imm(&self, remote_off: u64, key: u32, segs: Vec<Segment>, imm: u32, done: WriteDone);
+    fn write(&self, remote_off: u64, key: u32, imm: u32, op: Box<dyn WriteOp>);
+    /// `write` of owned segments with a closure for completion (one
+    /// allocation per write: for tests and tools, not the hot path).
+    fn write_imm(&self, remote_off: u64, key: u32, segs: Vec<Segment>, imm: u32, done: WriteDone) {
+        self.write(remote_off, key, imm, Box::new(SegWrite { segs, done }));
+    }
     /// Send a control message (at most `constants::MAX_MSG_BYTES`).
     fn send_msg(&self, msg: &[u8]) -> Result<()>;
     /// Close the connection (the peer sees a disconnect).

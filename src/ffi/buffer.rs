@@ -1,47 +1,54 @@
 //! Accessors of a received buffer (`rdev_buffer`), and its release.
 
-use super::{boundary, rdev_buffer};
+use super::{boundary, rdev_buffer, BUFFERS};
+use crate::node::Lease;
+
+/// The lease of a buffer handed out by a recv callback.
+unsafe fn lease<'a>(buf: *const rdev_buffer) -> Option<&'a Lease> {
+    // SAFETY: buf is NULL or a live buffer (the caller's contract).
+    unsafe { buf.as_ref() }.and_then(|b| b.lease.as_ref())
+}
 
 /// Payload bytes (64-byte aligned; NULL when empty).
 #[no_mangle]
 pub unsafe extern "C" fn rdev_buffer_data(buf: *const rdev_buffer) -> *const u8 {
     // SAFETY: buf per contract.
-    unsafe { buf.as_ref() }.map_or(std::ptr::null(), |b| if b.lease.is_empty() { std::ptr::null() } else { b.lease.as_ptr() })
+    unsafe { lease(buf) }.map_or(std::ptr::null(), |l| if l.is_empty() { std::ptr::null() } else { l.as_ptr() })
 }
 
 /// Payload length in bytes.
 #[no_mangle]
 pub unsafe extern "C" fn rdev_buffer_len(buf: *const rdev_buffer) -> usize {
     // SAFETY: buf per contract.
-    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.len())
+    unsafe { lease(buf) }.map_or(0, |l| l.len())
 }
 
 /// dtype as sent.
 #[no_mangle]
 pub unsafe extern "C" fn rdev_buffer_dtype(buf: *const rdev_buffer) -> u32 {
     // SAFETY: buf per contract.
-    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.meta().dtype)
+    unsafe { lease(buf) }.map_or(0, |l| l.meta().dtype)
 }
 
 /// Flags as sent (RDEV_FLAG_*).
 #[no_mangle]
 pub unsafe extern "C" fn rdev_buffer_flags(buf: *const rdev_buffer) -> u32 {
     // SAFETY: buf per contract.
-    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.meta().flags)
+    unsafe { lease(buf) }.map_or(0, |l| l.meta().flags)
 }
 
 /// Number of dimensions.
 #[no_mangle]
 pub unsafe extern "C" fn rdev_buffer_ndims(buf: *const rdev_buffer) -> u32 {
     // SAFETY: buf per contract.
-    unsafe { buf.as_ref() }.map_or(0, |b| b.lease.meta().dims.len() as u32)
+    unsafe { lease(buf) }.map_or(0, |l| l.meta().dims.len() as u32)
 }
 
 /// Pointer to `rdev_buffer_ndims` dimensions, valid until release.
 #[no_mangle]
 pub unsafe extern "C" fn rdev_buffer_dims(buf: *const rdev_buffer) -> *const i64 {
     // SAFETY: buf per contract.
-    unsafe { buf.as_ref() }.map_or(std::ptr::null(), |b| b.lease.meta().dims.as_ptr())
+    unsafe { lease(buf) }.map_or(std::ptr::null(), |l| l.meta().dims.as_ptr())
 }
 
 /// true when the bytes sit in the receive arena (written there by the
@@ -49,7 +56,7 @@ pub unsafe extern "C" fn rdev_buffer_dims(buf: *const rdev_buffer) -> *const i64
 #[no_mangle]
 pub unsafe extern "C" fn rdev_buffer_in_place(buf: *const rdev_buffer) -> bool {
     // SAFETY: buf per contract.
-    unsafe { buf.as_ref() }.is_some_and(|b| b.lease.in_place())
+    unsafe { lease(buf) }.is_some_and(|l| l.in_place())
 }
 
 /// Release a buffer: its slot goes back to the sender. NULL is a no-op.
@@ -58,7 +65,9 @@ pub unsafe extern "C" fn rdev_buffer_release(buf: *mut rdev_buffer) {
     let _ = boundary(|| {
         if !buf.is_null() {
             // SAFETY: buf came from a recv callback and is released once.
-            drop(unsafe { Box::from_raw(buf) });
+            let mut b = unsafe { Box::from_raw(buf) };
+            drop(b.lease.take());
+            BUFFERS.recycle(b);
         }
         Ok(())
     });

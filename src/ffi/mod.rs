@@ -19,7 +19,7 @@
 #![allow(non_camel_case_types)]
 #![allow(clippy::missing_safety_doc)] // each function documents its contract in the header
 
-mod buffer;
+pub mod buffer;
 mod collective;
 mod introspect;
 mod status;
@@ -28,11 +28,12 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use crate::completion::{Complete, Recycler};
 use crate::config::Config;
 use crate::error::Error;
 use crate::fabric::TransportKind;
 use crate::node::{Lease, Node};
-use crate::rendezvous::{Payload, TensorMeta};
+use crate::rendezvous::{Dims, Payload, TensorMeta};
 pub use status::rdev_status;
 
 thread_local! {
@@ -108,7 +109,55 @@ pub struct rdev_context {
 
 /// A received tensor. Its bytes stay valid until `rdev_buffer_release`.
 pub struct rdev_buffer {
-    lease: Lease,
+    /// `None` only while the box waits in `BUFFERS` for reuse.
+    lease: Option<Lease>,
+}
+
+// Per-tensor objects of the C ABI, reused rather than allocated anew for
+// every tensor (see `completion`): at most this many of each are kept.
+const KEPT: usize = 4096;
+static BUFFERS: Recycler<rdev_buffer> = Recycler::new(KEPT);
+static PAYLOADS: Recycler<RawPayload> = Recycler::new(KEPT);
+static SEND_DONES: Recycler<SendCb> = Recycler::new(KEPT);
+static RECV_DONES: Recycler<RecvCb> = Recycler::new(KEPT);
+
+/// `rdev_send`'s callback as a completion.
+struct SendCb {
+    cb: rdev_send_done_cb,
+    ud: UserData,
+}
+
+impl Complete<Result<(), Error>> for SendCb {
+    fn complete(self: Box<Self>, r: Result<(), Error>) {
+        let (cb, ud) = (self.cb, UserData(self.ud.0));
+        SEND_DONES.recycle(self);
+        call_send_cb(cb, ud, r);
+    }
+}
+
+/// `rdev_recv`'s callback as a completion.
+struct RecvCb {
+    cb: unsafe extern "C" fn(*mut c_void, rdev_status, *const c_char, usize, *mut rdev_buffer),
+    ud: UserData,
+}
+
+impl Complete<Result<Lease, Error>> for RecvCb {
+    fn complete(self: Box<Self>, r: Result<Lease, Error>) {
+        let (cb, ud) = (self.cb, self.ud.0);
+        RECV_DONES.recycle(self);
+        match r {
+            Ok(lease) => {
+                let b = Box::into_raw(BUFFERS.boxed(rdev_buffer { lease: Some(lease) }));
+                // SAFETY: caller-provided callback; buffer ownership passes to it.
+                unsafe { cb(ud, rdev_status::RDEV_OK, std::ptr::null(), 0, b) };
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                // SAFETY: caller-provided callback; msg lives for the call.
+                unsafe { cb(ud, status::from_error(&e), msg.as_ptr().cast(), msg.len(), std::ptr::null_mut()) };
+            }
+        }
+    }
 }
 
 /// Completion of `rdev_send`: `status` RDEV_OK once the data may be reused,
@@ -145,6 +194,9 @@ impl Payload for RawPayload {
         }
         // SAFETY: see the Send impl: valid for the whole send.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    fn release(self: Box<Self>) {
+        PAYLOADS.recycle(self);
     }
 }
 
@@ -307,8 +359,8 @@ pub unsafe extern "C" fn rdev_send(
             key,
             step_id,
             meta,
-            Box::new(RawPayload { ptr: data, len }),
-            Box::new(move |r| call_send_cb(cb, ud, r)),
+            PAYLOADS.boxed(RawPayload { ptr: data, len }),
+            SEND_DONES.boxed(SendCb { cb, ud }),
         )
     })
 }
@@ -320,12 +372,12 @@ unsafe fn meta_arg(meta: *const rdev_tensor_meta) -> Result<TensorMeta, Error> {
         return Err(Error::InvalidArgument(format!("{} dimensions (TensorFlow allows 254)", m.ndims)));
     }
     let dims = if m.ndims == 0 {
-        Vec::new()
+        Dims::new()
     } else if m.dims.is_null() {
         return Err(Error::InvalidArgument("meta.dims is NULL".into()));
     } else {
         // SAFETY: ndims entries are readable at dims.
-        unsafe { std::slice::from_raw_parts(m.dims, m.ndims as usize) }.to_vec()
+        Dims::from_slice(unsafe { std::slice::from_raw_parts(m.dims, m.ndims as usize) })
     };
     Ok(TensorMeta { dtype: m.dtype, flags: m.flags, dims })
 }
@@ -431,27 +483,7 @@ pub unsafe extern "C" fn rdev_recv(
         let Some(cb) = cb else {
             return Err(Error::InvalidArgument("callback is NULL".into()));
         };
-        let ud = UserData(userdata);
-        c.node.recv(
-            peer,
-            key,
-            step_id,
-            Box::new(move |r| {
-                let ud = ud;
-                match r {
-                    Ok(lease) => {
-                        let b = Box::into_raw(Box::new(rdev_buffer { lease }));
-                        // SAFETY: caller-provided callback; buffer ownership passes to it.
-                        unsafe { cb(ud.0, rdev_status::RDEV_OK, std::ptr::null(), 0, b) };
-                    }
-                    Err(e) => {
-                        let msg = e.to_string();
-                        // SAFETY: caller-provided callback; msg lives for the call.
-                        unsafe { cb(ud.0, status::from_error(&e), msg.as_ptr().cast(), msg.len(), std::ptr::null_mut()) };
-                    }
-                }
-            }),
-        );
+        c.node.recv(peer, key, step_id, RECV_DONES.boxed(RecvCb { cb, ud: UserData(userdata) }));
         Ok(())
     })
 }

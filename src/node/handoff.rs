@@ -6,51 +6,105 @@
 //! - writes started by an event (a queued send that a credit or a publish
 //!   released), which copy the tensor (shm) or register its memory (verbs).
 //!
-//! One thread per node, fed by an unbounded queue (handing over never
-//! blocks), so callbacks keep the order in which the events produced them.
+//! One thread per node, fed by an unbounded queue of actions (handing
+//! over never blocks), so callbacks keep the order in which the events produced them.
 //! Each job runs inside `catch_unwind`: a panicking callback is logged and
 //! the thread goes on. The thread ends when the node is gone and its queue
-//! is drained.
+//! is drained (actions left for a gone node fail: `abandon`).
 
+use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Weak};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
-type Job = Box<dyn FnOnce() + Send>;
+use super::Inner;
+use crate::rendezvous::{smallvec, Action};
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Action>,
+    /// The node is gone: the thread drains the queue and ends.
+    closed: bool,
+}
+
+#[derive(Default)]
+struct Shared {
+    q: Mutex<Queue>,
+    cv: Condvar,
+}
 
 pub(super) struct Handoff {
-    tx: Mutex<Option<Sender<Job>>>,
+    /// `None`: the thread could not be started; jobs run on the caller.
+    shared: Option<Arc<Shared>>,
+    node: Weak<Inner>,
 }
 
 impl Handoff {
-    pub(super) fn start() -> Handoff {
-        let (tx, rx) = channel::<Job>();
-        let spawned = std::thread::Builder::new().name("rdev-callbacks".into()).spawn(move || {
-            while let Ok(job) = rx.recv() {
-                if catch_unwind(AssertUnwindSafe(job)).is_err() {
-                    log::error!("a callback handed to rdev-callbacks panicked; the thread goes on");
-                }
-            }
-        });
+    pub(super) fn start(node: Weak<Inner>) -> Handoff {
+        let shared = Arc::new(Shared::default());
+        let (s, n) = (shared.clone(), node.clone());
+        let spawned = std::thread::Builder::new().name("rdev-callbacks".into()).spawn(move || serve(&s, &n));
         match spawned {
-            Ok(_) => Handoff { tx: Mutex::new(Some(tx)) },
+            Ok(_) => Handoff { shared: Some(shared), node },
             Err(e) => {
                 log::error!("cannot start the rdev-callbacks thread ({e}): callbacks run on the transport's threads");
-                Handoff { tx: Mutex::new(None) }
+                Handoff { shared: None, node }
             }
         }
     }
 
-    /// Queue `job`; never blocks. Without a thread it runs here.
-    pub(super) fn run(&self, job: impl FnOnce() + Send + 'static) {
-        let job: Job = Box::new(job);
-        let left = match &*self.tx.lock() {
-            Some(tx) => tx.send(job).err().map(|e| e.0),
-            None => Some(job),
+    /// Queue `a` for the node's `exec`; never blocks (the queue keeps its
+    /// capacity, so a steady state allocates nothing). Without a thread it
+    /// runs here.
+    pub(super) fn run(&self, a: Action) {
+        let Some(sh) = &self.shared else {
+            return run_one(&self.node, a);
         };
-        if let Some(job) = left {
-            job();
+        let mut q = sh.q.lock();
+        if q.jobs.try_reserve(1).is_err() {
+            drop(q);
+            log::error!("rdev-callbacks: out of memory for its queue; running a callback on the event thread");
+            return run_one(&self.node, a);
+        }
+        q.jobs.push_back(a);
+        drop(q);
+        sh.cv.notify_one();
+    }
+}
+
+impl Drop for Handoff {
+    fn drop(&mut self) {
+        if let Some(sh) = &self.shared {
+            sh.q.lock().closed = true;
+            sh.cv.notify_one();
+        }
+    }
+}
+
+fn run_one(node: &Weak<Inner>, a: Action) {
+    match node.upgrade() {
+        Some(n) => n.exec(smallvec![a]),
+        None => super::abandon(a),
+    }
+}
+
+fn serve(sh: &Shared, node: &Weak<Inner>) {
+    loop {
+        let a = {
+            let mut q = sh.q.lock();
+            loop {
+                if let Some(a) = q.jobs.pop_front() {
+                    break a;
+                }
+                if q.closed {
+                    return;
+                }
+                sh.cv.wait(&mut q);
+            }
+        };
+        if catch_unwind(AssertUnwindSafe(|| run_one(node, a))).is_err() {
+            log::error!("a callback handed to rdev-callbacks panicked; the thread goes on");
         }
     }
 }

@@ -44,6 +44,7 @@ mod lease;
 mod peers;
 mod pool;
 mod stream;
+mod write;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -52,15 +53,16 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 
 use crate::config::Config;
+use crate::constants::HEADER_BYTES;
 use crate::error::{Error, Result};
 use crate::fabric::{self, Arena, ConnId, Endpoint, Fabric, FabricEvents, Listener, TransportKind};
-use crate::rendezvous::{self, Action, Data, Hello, Params, Payload, Received, Rendezvous, TensorMeta};
+use crate::rendezvous::{self, Action, Actions, Data, Hello, Params, Payload, Received, Rendezvous, TensorMeta};
 use crate::stats::Stats;
 
 pub use lease::Lease;
 pub use peers::PeerChoice;
 
-pub type LeaseDone = Box<dyn FnOnce(Result<Lease>) + Send>;
+pub type LeaseDone = Box<dyn crate::completion::Complete<Result<Lease>>>;
 
 enum LinkRef {
     Tx(Arc<dyn Endpoint>),
@@ -144,7 +146,7 @@ impl Node {
             placing: Mutex::new(HashMap::new()),
             totals: Mutex::new(rendezvous::Tally::default()),
             bounce: Arc::default(),
-            handoff: handoff::Handoff::start(),
+            handoff: handoff::Handoff::start(me.clone()),
             me: me.clone(),
         });
         let st = Stats::global();
@@ -292,12 +294,15 @@ impl Drop for Node {
 }
 
 /// Complete a handed-over action whose node is gone.
-fn abandon(a: Action) {
+pub(super) fn abandon(a: Action) {
     let gone = || Error::Aborted("transport shut down".into());
     match a {
-        Action::Write { done, .. } => done(Err(gone())),
-        Action::SendDone { done, result } => done(result),
-        Action::Deliver { done, result } => done(result),
+        Action::Write { done, payload, .. } => {
+            payload.release();
+            done.complete(Err(gone()))
+        }
+        Action::SendDone { done, result } => done.complete(result),
+        Action::Deliver { done, result } => done.complete(result),
         _ => {}
     }
 }
@@ -447,17 +452,13 @@ impl rendezvous::Granter for NodeGranter {
 struct ArenaMem<'a>(&'a Arena);
 
 impl rendezvous::SlotMemory for ArenaMem<'_> {
-    fn header(&self, offset: u64) -> Vec<u8> {
-        self.0.copy_out(offset as usize, crate::constants::HEADER_BYTES).unwrap_or_default()
-    }
-}
-
-/// A payload as a fabric segment.
-struct PayloadSeg(Box<dyn Payload>);
-
-impl AsRef<[u8]> for PayloadSeg {
-    fn as_ref(&self) -> &[u8] {
-        self.0.bytes()
+    fn header(&self, offset: u64) -> [u8; HEADER_BYTES] {
+        let mut h = [0u8; HEADER_BYTES];
+        let at = usize::try_from(offset).unwrap_or(usize::MAX);
+        if self.0.read_into(at, &mut h).is_err() {
+            h = [0u8; HEADER_BYTES];
+        }
+        h
     }
 }
 
@@ -523,7 +524,7 @@ impl Inner {
     }
 
     /// Carry out protocol actions (never called with the state locked).
-    fn exec(&self, acts: Vec<Action>) {
+    fn exec(&self, acts: Actions) {
         let on_event_thread = fabric::on_event_thread();
         for a in acts {
             // Stream chunk writes and slot copies go to the rdev-stream pool
@@ -531,17 +532,14 @@ impl Inner {
             let copies = matches!(a, Action::SendChunk { .. } | Action::CopyChunk { src: rendezvous::ChunkSrc::Bytes(_), .. });
             if on_event_thread && (copies || matches!(a, Action::Write { .. } | Action::Deliver { .. } | Action::SendDone { .. })) {
                 // Not on a backend's event thread: see handoff.rs.
-                let me = self.me.clone();
-                self.handoff.run(move || match me.upgrade() {
-                    Some(n) => n.exec(vec![a]),
-                    None => abandon(a),
-                });
+                self.handoff.run(a);
                 continue;
             }
             match a {
                 Action::Write { link, offset, key, header, payload, imm, done, bytes: _ } => {
                     let Some(ep) = self.endpoint(link) else {
-                        done(Err(Error::PeerLost(format!("connection {link} is closed"))));
+                        payload.release();
+                        done.complete(Err(Error::PeerLost(format!("connection {link} is closed"))));
                         let acts = self.locked(|r| r.write_done(link));
                         self.exec(acts);
                         continue;
@@ -549,10 +547,12 @@ impl Inner {
                     // rpc mode: write from a bounce buffer, as an RPC-over-RDMA
                     // transport does; the tensor itself is released now.
                     let payload: Box<dyn Payload> = if self.cfg.rpc_mode {
-                        match self.bounce.copy(payload.bytes()) {
+                        let copied = self.bounce.copy(payload.bytes());
+                        payload.release();
+                        match copied {
                             Ok(b) => Box::new(b),
                             Err(e) => {
-                                done(Err(e));
+                                done.complete(Err(e));
                                 let acts = self.locked(|r| r.write_done(link));
                                 self.exec(acts);
                                 continue;
@@ -561,21 +561,8 @@ impl Inner {
                     } else {
                         payload
                     };
-                    let me = self.me.clone();
-                    let segs: Vec<fabric::Segment> = vec![Box::new(header), Box::new(PayloadSeg(payload))];
-                    ep.write_imm(
-                        offset,
-                        key,
-                        segs,
-                        imm,
-                        Box::new(move |res| {
-                            done(res);
-                            if let Some(n) = me.upgrade() {
-                                let acts = n.locked(|r| r.write_done(link));
-                                n.exec(acts);
-                            }
-                        }),
-                    );
+                    let op = write::TensorWrite::new(header.encode(), payload, write::Then::Send(done), self.me.clone(), link);
+                    ep.write(offset, key, imm, op);
                 }
                 Action::WriteChunk { link, stream, offset, key, header, payload, imm } => self.write_chunk(link, stream, offset, key, header, payload, imm),
                 Action::SendChunk { link, stream, offset, payload } => self.send_chunk(link, stream, offset, payload),
@@ -591,8 +578,8 @@ impl Inner {
                     }
                 }
                 Action::Close { link, why } => self.fail_link(link, why),
-                Action::SendDone { done, result } => done(result),
-                Action::Deliver { done, result } => done(result),
+                Action::SendDone { done, result } => done.complete(result),
+                Action::Deliver { done, result } => done.complete(result),
                 Action::Release { link, slot, gen } => {
                     let acts = self.locked(|r| r.release(link, slot, gen));
                     self.exec(acts);

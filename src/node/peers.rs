@@ -208,7 +208,7 @@ impl Inner {
         }
         if self.cfg.rpc_mode {
             // The receiver sends its requests on this link once it is up.
-            self.exec(vec![crate::rendezvous::Action::Send { link: id, msg: crate::rendezvous::Msg::Ready }]);
+            self.exec(crate::rendezvous::smallvec![crate::rendezvous::Action::Send { link: id, msg: crate::rendezvous::Msg::Ready }]);
         }
         *held = Some((id, ep));
         if let Some(e) = self.peers.table.lock().get_mut(peer) {
@@ -316,7 +316,7 @@ impl Inner {
             out
         };
         for q in failed {
-            (q.done)(Err(why.clone()));
+            q.done.complete(Err(why.clone()));
         }
     }
 
@@ -340,7 +340,7 @@ impl Inner {
                     let acts = self.locked(|r| r.send(*link, &q.key, q.step, q.meta, q.payload, q.done));
                     self.exec(acts);
                 }
-                Err(e) => (q.done)(Err(e.clone())),
+                Err(e) => q.done.complete(Err(e.clone())),
             }
         }
     }
@@ -352,13 +352,13 @@ impl Inner {
 
     pub(super) fn recv(&self, peer: &str, key: &str, step: u64, done: LeaseDone) {
         if self.routes_over_grpc(peer) {
-            return done(Err(self.grpc_route(peer)));
+            return done.complete(Err(self.grpc_route(peer)));
         }
         let me = self.me.clone();
         let wrapped: crate::rendezvous::RecvDone = Box::new(move |res| match (res, me.upgrade()) {
-            (Ok(r), Some(n)) => done(Ok(n.lease(r))),
-            (Ok(_), None) => done(Err(Error::Aborted("transport shut down".into()))),
-            (Err(e), _) => done(Err(e)),
+            (Ok(r), Some(n)) => done.complete(Ok(n.lease(r))),
+            (Ok(_), None) => done.complete(Err(Error::Aborted("transport shut down".into()))),
+            (Err(e), _) => done.complete(Err(e)),
         });
         let (acts, connected) = self.locked(|r| {
             let a = r.recv(peer, key, step, wrapped);

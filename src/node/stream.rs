@@ -18,9 +18,10 @@
 use std::sync::Arc;
 
 use super::pool;
-use super::{Inner, PayloadSeg};
+use super::write::{TensorWrite, Then};
+use super::Inner;
 use crate::error::{Error, Result};
-use crate::fabric::{self, ConnId};
+use crate::fabric::ConnId;
 use crate::rendezvous::{self, ChunkSrc, Payload, StreamBuf};
 
 /// `n` zeroed bytes, or None if the allocator refuses.
@@ -43,7 +44,7 @@ fn zeroed(n: u64) -> Option<Vec<u8>> {
 
 impl Inner {
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn write_chunk(&self, link: ConnId, stream: u32, offset: u64, key: u32, header: Vec<u8>, payload: Box<dyn Payload>, imm: u32) {
+    pub(super) fn write_chunk(&self, link: ConnId, stream: u32, offset: u64, key: u32, header: rendezvous::SlotHeader, payload: Box<dyn Payload>, imm: u32) {
         let Some(ep) = self.endpoint(link) else {
             let acts = self.locked(|r| r.chunk_written(link, stream, Err(Error::PeerLost(format!("connection {link} is closed")))));
             self.exec(acts);
@@ -51,19 +52,8 @@ impl Inner {
         };
         let me = self.me.clone();
         pool::STREAM.schedule(move || {
-            let segs: Vec<fabric::Segment> = vec![Box::new(header), Box::new(PayloadSeg(payload))];
-            ep.write_imm(
-                offset,
-                key,
-                segs,
-                imm,
-                Box::new(move |res| {
-                    if let Some(n) = me.upgrade() {
-                        let acts = n.locked(|r| r.chunk_written(link, stream, res));
-                        n.exec(acts);
-                    }
-                }),
-            );
+            let op = TensorWrite::new(header.encode(), payload, Then::Chunk(stream), me, link);
+            ep.write(offset, key, imm, op);
         });
     }
 

@@ -32,9 +32,10 @@ mod tests;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
+pub use crate::completion::Complete;
 use crate::constants::FINISHED_STEPS_REMEMBERED;
 use crate::error::{Error, Result};
-pub use wire::{ChunkAt, Hello, Msg, SlotDesc, SlotHeader, TensorMeta, FLAG_DEAD, FLAG_SERIALIZED, STEP_AHEAD};
+pub use wire::{ChunkAt, Dims, Hello, Msg, MsgBytes, SlotDesc, SlotHeader, TensorMeta, FLAG_DEAD, FLAG_SERIALIZED, STEP_AHEAD};
 
 /// A connection, as the protocol knows it (the fabric's id, opaque here).
 pub type LinkId = u64;
@@ -43,6 +44,10 @@ pub type LinkId = u64;
 /// completion runs; dropping it releases nothing by itself.
 pub trait Payload: Send + Sync {
     fn bytes(&self) -> &[u8];
+    /// The sender is done with the bytes (the write completed or failed):
+    /// by default the payload is dropped; a recycled one goes back to its
+    /// pool.
+    fn release(self: Box<Self>) {}
 }
 
 impl Payload for Vec<u8> {
@@ -51,8 +56,8 @@ impl Payload for Vec<u8> {
     }
 }
 
-pub type SendDone = Box<dyn FnOnce(Result<()>) + Send>;
-pub type RecvDone = Box<dyn FnOnce(Result<Received>) + Send>;
+pub type SendDone = Box<dyn Complete<Result<()>>>;
+pub type RecvDone = Box<dyn Complete<Result<Received>>>;
 
 /// Where a received tensor's bytes are.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,16 +75,21 @@ pub struct Received {
     pub data: Data,
 }
 
+/// The effects of one protocol input, in order: inline for the usual few
+/// (no allocation on the hot path).
+pub type Actions = smallvec::SmallVec<[Action; 4]>;
+pub use smallvec::smallvec;
+
 /// Effects for the caller to carry out, in order, outside its lock.
 pub enum Action {
-    /// One-sided write of `header` then `payload` at `offset` of the peer's
+    /// One-sided write of `header` (encoded) then `payload` at `offset` of the peer's
     /// arena, then immediate `imm`. When it completes, call
     /// [`Rendezvous::write_done`] and then `done`.
-    Write { link: LinkId, offset: u64, key: u32, header: Vec<u8>, payload: Box<dyn Payload>, imm: u32, done: SendDone, bytes: u64 },
+    Write { link: LinkId, offset: u64, key: u32, header: SlotHeader, payload: Box<dyn Payload>, imm: u32, done: SendDone, bytes: u64 },
     /// One chunk of stream `stream`: a one-sided write like `Write`, off
     /// the caller's thread if it is large. When it completes, call
     /// [`Rendezvous::chunk_written`] with its result.
-    WriteChunk { link: LinkId, stream: u32, offset: u64, key: u32, header: Vec<u8>, payload: Box<dyn Payload>, imm: u32 },
+    WriteChunk { link: LinkId, stream: u32, offset: u64, key: u32, header: SlotHeader, payload: Box<dyn Payload>, imm: u32 },
     /// Last resort: send `payload` (a range of stream `stream` at `offset`)
     /// as one `Msg::StreamData` (encoded outside the lock; a failure to send
     /// fails the link, as for `Send`).
@@ -288,10 +298,10 @@ impl Rendezvous {
     }
 
     /// A control message arrived on `link` (either direction).
-    pub fn on_message(&mut self, link: LinkId, bytes: &[u8]) -> Vec<Action> {
+    pub fn on_message(&mut self, link: LinkId, bytes: &[u8]) -> Actions {
         let msg = match Msg::decode(bytes) {
             Ok(m) => m,
-            Err(e) => return vec![Action::Close { link, why: e }],
+            Err(e) => return smallvec![Action::Close { link, why: e }],
         };
         let is_tx = self.tx.contains_key(&link);
         let is_rx = self.rx.contains_key(&link);
@@ -306,8 +316,8 @@ impl Rendezvous {
             (Msg::Ready, _, true) => Ok(self.rx_ready(link)),
             (Msg::More { edge_id, need }, _, true) => self.rx_more(link, edge_id, need),
             (Msg::Abort { step, reason }, _, _) => Ok(self.peer_aborted(link, step, reason)),
-            (Msg::PlaceFor { req, receiver, key, bytes }, _, _) => Ok(vec![Action::PlaceFor { link, req, receiver, key, bytes }]),
-            (Msg::PlaceDone { req, outcome, error }, _, _) => Ok(vec![Action::PlaceDone { req, outcome, error }]),
+            (Msg::PlaceFor { req, receiver, key, bytes }, _, _) => Ok(smallvec![Action::PlaceFor { link, req, receiver, key, bytes }]),
+            (Msg::PlaceDone { req, outcome, error }, _, _) => Ok(smallvec![Action::PlaceDone { req, outcome, error }]),
             (Msg::Announce { key, step, need, returned }, _, true) => self.rx_announce(link, key, step, need, returned),
             (Msg::ReturnSlot { slot, gen }, _, true) => self.rx_return(link, slot, gen),
             (Msg::StreamReady { stream, outcome, error }, true, _) => self.tx_stream_ready(link, stream, outcome, error),
@@ -318,12 +328,12 @@ impl Rendezvous {
             (Msg::StreamCancel { stream }, _, true) => Ok(self.rx_stream_cancel(link, stream)),
             (m, _, _) => Err(Error::Protocol(format!("unexpected message on link {link}: {m:?}"))),
         };
-        r.unwrap_or_else(|e| vec![Action::Close { link, why: e }])
+        r.unwrap_or_else(|e| smallvec![Action::Close { link, why: e }])
     }
 
     /// A link to or from `peer` broke: fail what depended on it.
-    pub fn on_link_lost(&mut self, link: LinkId, why: Error) -> Vec<Action> {
-        let mut acts = Vec::new();
+    pub fn on_link_lost(&mut self, link: LinkId, why: Error) -> Actions {
+        let mut acts = Actions::new();
         let mut peer = None;
         if let Some(t) = self.tx.remove(&link) {
             peer = Some(t.peer.clone());
@@ -348,14 +358,14 @@ impl Rendezvous {
     }
 
     /// Fail every waiting receive matching `pred(peer, step)`.
-    fn fail_waiters(&mut self, pred: impl Fn(&str, u64) -> bool, why: &Error) -> Vec<Action> {
+    fn fail_waiters(&mut self, pred: impl Fn(&str, u64) -> bool, why: &Error) -> Actions {
         let keys: Vec<(String, u64)> = self
             .table
             .iter()
             .filter(|((_, step), e)| matches!(e, Entry::Waiting { peer, .. } if pred(peer, *step)))
             .map(|(k, _)| k.clone())
             .collect();
-        let mut acts = Vec::new();
+        let mut acts = Actions::new();
         for k in keys {
             if let Some(Entry::Waiting { done, .. }) = self.table.remove(&k) {
                 self.tally.waiters_failed += 1;
@@ -378,7 +388,7 @@ impl Rendezvous {
 
     /// Drop the step's unclaimed arrivals and pending work; fail its
     /// waiters and queued sends with `why`.
-    fn end_step(&mut self, step: u64, why: Error) -> Vec<Action> {
+    fn end_step(&mut self, step: u64, why: Error) -> Actions {
         self.mark_finished(step);
         let mut acts = self.fail_waiters(|_, s| s == step, &why);
         let ready: Vec<(String, u64)> = self
@@ -406,7 +416,7 @@ impl Rendezvous {
     }
 
     /// The step is over (TF cleaned it up): late pushes for it are dropped.
-    pub fn step_done(&mut self, step: u64) -> Vec<Action> {
+    pub fn step_done(&mut self, step: u64) -> Actions {
         self.end_step(step, Error::Aborted(format!("step {step} finished before this tensor was received")))
     }
 
@@ -415,8 +425,8 @@ impl Rendezvous {
     /// from us for this step fails too (a push never comes once we abort;
     /// with pulls, the peer's pull would have failed). TensorFlow's normal
     /// end-of-step cleanup must not propagate.
-    pub fn abort_step(&mut self, step: u64, why: Error, propagate: bool) -> Vec<Action> {
-        let mut acts = Vec::new();
+    pub fn abort_step(&mut self, step: u64, why: Error, propagate: bool) -> Actions {
+        let mut acts = Actions::new();
         if propagate {
             let reason = why.to_string();
             for link in self.tx.keys().chain(self.rx.keys()) {
@@ -429,9 +439,9 @@ impl Rendezvous {
 
     /// The peer on `link` aborted `step`: fail our receives of that step
     /// from it (now and later) and our queued sends of it to it.
-    fn peer_aborted(&mut self, link: LinkId, step: u64, reason: String) -> Vec<Action> {
+    fn peer_aborted(&mut self, link: LinkId, step: u64, reason: String) -> Actions {
         let Some(peer) = self.tx.get(&link).map(|t| t.peer.clone()).or_else(|| self.rx.get(&link).map(|r| r.peer.clone())) else {
-            return Vec::new();
+            return Actions::new();
         };
         let why = Error::Aborted(format!("{peer} aborted step {step}: {reason}"));
         let mut acts = self.fail_waiters(|p, s| p == peer && s == step, &why);
@@ -451,7 +461,7 @@ impl Rendezvous {
     }
 
     /// Abort everything (server shutdown): every waiter and queued send.
-    pub fn abort_all(&mut self, why: Error) -> Vec<Action> {
+    pub fn abort_all(&mut self, why: Error) -> Actions {
         let mut acts = self.fail_waiters(|_, _| true, &why);
         for t in self.tx.values_mut() {
             acts.extend(t.fail_pending(&why));

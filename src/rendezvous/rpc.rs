@@ -4,7 +4,7 @@
 //! design (bounce buffer at the sender, copy-out at the receiver) are the
 //! node's (`node/bounce.rs`): this module moves no bytes.
 
-use super::{Action, LinkId, Rendezvous};
+use super::{smallvec, Actions, Action, LinkId, Rendezvous};
 use crate::error::{Error, Result};
 use crate::rendezvous::wire::Msg;
 
@@ -16,39 +16,39 @@ const MAX_REQUESTED_EDGES: usize = 1 << 16;
 
 impl Rendezvous {
     /// rpc mode: ask `peer` for `(key, step)` now, or when it connects.
-    pub(super) fn request(&mut self, peer: &str, key: &str, step: u64) -> Vec<Action> {
+    pub(super) fn request(&mut self, peer: &str, key: &str, step: u64) -> Actions {
         self.tally.requests_sent += 1;
         let msg = Msg::Request { key: key.to_string(), step };
         // The newest link from the peer (a restarted peer's old link goes
         // away with its disconnect).
         let ready = &self.ready_links;
         match self.rx.iter().filter(|(l, r)| r.peer == peer && ready.contains(l)).map(|(l, _)| *l).max() {
-            Some(link) => vec![Action::Send { link, msg }],
+            Some(link) => smallvec![Action::Send { link, msg }],
             None => {
                 self.unsent_requests.entry(peer.to_string()).or_default().push((key.to_string(), step));
-                Vec::new()
+                Actions::new()
             }
         }
     }
 
     /// rpc mode: the sender on `link` says the link is up: requests made
     /// before go out on it now.
-    pub(super) fn rx_ready(&mut self, link: LinkId) -> Vec<Action> {
-        let Some(peer) = self.rx.get(&link).map(|r| r.peer.clone()) else { return Vec::new() };
+    pub(super) fn rx_ready(&mut self, link: LinkId) -> Actions {
+        let Some(peer) = self.rx.get(&link).map(|r| r.peer.clone()) else { return Actions::new() };
         self.ready_links.insert(link);
         let reqs = self.unsent_requests.remove(&peer).unwrap_or_default();
         reqs.into_iter().map(|(key, step)| Action::Send { link, msg: Msg::Request { key, step } }).collect()
     }
 
     /// rpc mode: the receiver's `Recv` of `(key, step)` is running.
-    pub(super) fn tx_request(&mut self, link: LinkId, key: String, step: u64) -> Result<Vec<Action>> {
+    pub(super) fn tx_request(&mut self, link: LinkId, key: String, step: u64) -> Result<Actions> {
         if !self.params.rpc {
             return Err(Error::NotViable(
                 "the receiver requests tensors (RDMA_DEVICE_MODE=rpc) but this task pushes them: set the same mode on every task".into(),
             ));
         }
         if self.finished_set.contains(&step) {
-            return Ok(Vec::new());
+            return Ok(Actions::new());
         }
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("request on unknown link".into()))?;
         if !t.edges.contains_key(&key) && t.edges.len() >= MAX_REQUESTED_EDGES {

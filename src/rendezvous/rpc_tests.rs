@@ -11,9 +11,9 @@ const LINK: LinkId = 7;
 
 struct Mem(Arc<Mutex<Vec<u8>>>);
 impl SlotMemory for Mem {
-    fn header(&self, offset: u64) -> Vec<u8> {
+    fn header(&self, offset: u64) -> [u8; HEADER_BYTES] {
         let m = self.0.lock().unwrap();
-        m[offset as usize..offset as usize + HEADER_BYTES].to_vec()
+        m[offset as usize..offset as usize + HEADER_BYTES].try_into().unwrap()
     }
 }
 
@@ -43,13 +43,14 @@ impl Pair {
 
     /// Carry out actions of either side until both are quiet. Returns the
     /// reasons of any link the sender closed.
-    fn run(&mut self, mut to_tx: Vec<Action>, mut to_rx: Vec<Action>) -> Vec<String> {
+    fn run(&mut self, to_tx: impl IntoIterator<Item = Action>, to_rx: impl IntoIterator<Item = Action>) -> Vec<String> {
+        let (mut to_tx, mut to_rx): (Vec<Action>, Vec<Action>) = (to_tx.into_iter().collect(), to_rx.into_iter().collect());
         let mut closed = Vec::new();
         while !to_tx.is_empty() || !to_rx.is_empty() {
             for a in std::mem::take(&mut to_rx) {
                 match a {
                     Action::Send { msg, .. } => to_tx.extend(self.tx.on_message(LINK, &msg.encode())),
-                    Action::Deliver { done, result } => done(result),
+                    Action::Deliver { done, result } => done.complete(result),
                     Action::Release { link, slot, gen } => to_rx.extend(self.rx.release(link, slot, gen)),
                     other => panic!("unexpected receiver action {other:?}"),
                 }
@@ -58,6 +59,7 @@ impl Pair {
                 match a {
                     Action::Send { msg, .. } => to_rx.extend(self.rx.on_message(LINK, &msg.encode())),
                     Action::Write { offset, header, payload, imm, done, .. } => {
+                        let header = header.encode();
                         let step = SlotHeader::decode(&header).map(|h| h.step).unwrap_or(0);
                         self.writes.push(step);
                         {
@@ -67,11 +69,11 @@ impl Pair {
                             let b = payload.bytes();
                             m[o + header.len()..o + header.len() + b.len()].copy_from_slice(b);
                         }
-                        done(Ok(()));
+                        done.complete(Ok(()));
                         to_tx.extend(self.tx.write_done(LINK));
                         to_rx.extend(self.rx.on_write_imm(LINK, imm, &Mem(self.mem.clone())));
                     }
-                    Action::SendDone { done, result } => done(result),
+                    Action::SendDone { done, result } => done.complete(result),
                     Action::Close { why, .. } => closed.push(why.to_string()),
                     other => panic!("unexpected sender action {other:?}"),
                 }
@@ -80,15 +82,15 @@ impl Pair {
         closed
     }
 
-    fn send(&mut self, step: u64, bytes: Vec<u8>) -> Vec<Action> {
-        let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![bytes.len() as i64 / 4] };
-        self.tx.send(LINK, "edge", step, meta, Box::new(bytes), Box::new(|r| r.expect("send completes")))
+    fn send(&mut self, step: u64, bytes: Vec<u8>) -> Actions {
+        let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![bytes.len() as i64 / 4].into() };
+        self.tx.send(LINK, "edge", step, meta, Box::new(bytes), Box::new(|r: Result<()>| r.expect("send completes")))
     }
 
-    fn recv(&mut self, step: u64) -> Vec<Action> {
+    fn recv(&mut self, step: u64) -> Actions {
         let got = self.got.clone();
         let mem = self.mem.clone();
-        self.rx.recv("tx", "edge", step, Box::new(move |r| {
+        self.rx.recv("tx", "edge", step, Box::new(move |r: Result<Received>| {
             let r = r.expect("receive completes");
             let bytes = match r.data {
                 Data::Slot { offset, len, .. } => mem.lock().unwrap()[offset as usize..(offset + len) as usize].to_vec(),
@@ -167,10 +169,10 @@ fn an_aborted_step_forgets_its_request() {
     let _ = p.run(vec![], acts);
     let _ = p.tx.abort_step(4, Error::Aborted("test".into()), false);
     // A late send of the aborted step fails; nothing is written.
-    let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![1] };
+    let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![1].into() };
     let failed = Arc::new(Mutex::new(false));
     let f = failed.clone();
-    let acts = p.tx.send(LINK, "edge", 4, meta, Box::new(vec![0u8; 4]), Box::new(move |r| *f.lock().unwrap() = r.is_err()));
+    let acts = p.tx.send(LINK, "edge", 4, meta, Box::new(vec![0u8; 4]), Box::new(move |r: Result<()>| *f.lock().unwrap() = r.is_err()));
     let _ = p.run(acts, vec![]);
     assert!(*failed.lock().unwrap());
     assert!(p.writes.is_empty());

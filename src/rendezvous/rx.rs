@@ -5,14 +5,16 @@
 use std::collections::HashMap;
 
 use super::stream::{RxStream, STREAM_KEY};
-use super::{Action, Data, Entry, LinkId, Received, RecvDone, Rendezvous};
+use super::{smallvec, Actions, Action, Data, Entry, LinkId, Received, RecvDone, Rendezvous};
 use crate::constants::HEADER_BYTES;
 use crate::error::{Error, Result};
 use crate::rendezvous::wire::{Msg, SlotDesc, SlotHeader};
 
 /// Read access to slot headers in the arena (the caller owns the memory).
 pub trait SlotMemory {
-    fn header(&self, offset: u64) -> Vec<u8>;
+    /// The `HEADER_BYTES` at `offset` (zeros, which fail to decode, when
+    /// the range is outside the memory).
+    fn header(&self, offset: u64) -> [u8; HEADER_BYTES];
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,7 +144,7 @@ impl Rendezvous {
     }
 
     /// Wait for the tensor `(key, step)` from `peer`.
-    pub fn recv(&mut self, peer: &str, key: &str, step: u64, done: RecvDone) -> Vec<Action> {
+    pub fn recv(&mut self, peer: &str, key: &str, step: u64, done: RecvDone) -> Actions {
         let k = (key.to_string(), step);
         match self.table.remove(&k) {
             Some(Entry::Ready(r)) => {
@@ -152,11 +154,11 @@ impl Rendezvous {
             }
             Some(Entry::Failed(why)) => {
                 self.tally.waiters_failed += 1;
-                return vec![Action::Deliver { done, result: Err(why) }];
+                return smallvec![Action::Deliver { done, result: Err(why) }];
             }
             Some(w @ Entry::Waiting { .. }) => {
                 self.table.insert(k, w);
-                return vec![Action::Deliver {
+                return smallvec![Action::Deliver {
                     done,
                     result: Err(Error::InvalidArgument(format!("duplicate receive for {key} in step {step}"))),
                 }];
@@ -164,11 +166,11 @@ impl Rendezvous {
             None => {}
         }
         if self.finished_set.contains(&step) {
-            return vec![Action::Deliver { done, result: Err(Error::Aborted(format!("step {step} was aborted"))) }];
+            return smallvec![Action::Deliver { done, result: Err(Error::Aborted(format!("step {step} was aborted"))) }];
         }
         if let Some(why) = self.peer_aborts.get(&(peer.to_string(), step)) {
             self.tally.waiters_failed += 1;
-            return vec![Action::Deliver { done, result: Err(Error::Aborted(why.clone())) }];
+            return smallvec![Action::Deliver { done, result: Err(Error::Aborted(why.clone())) }];
         }
         // A lost peer does not fail new receives here: it may have
         // restarted; the caller reconnects (and fails them if it cannot).
@@ -176,7 +178,7 @@ impl Rendezvous {
         if self.params.rpc {
             return self.request(peer, key, step);
         }
-        Vec::new()
+        Actions::new()
     }
 
     /// Did a connection with `peer` break since the last one was made?
@@ -185,16 +187,16 @@ impl Rendezvous {
     }
 
     /// Fail the receives waiting on `peer` (it is unreachable).
-    pub fn peer_unreachable(&mut self, peer: &str, why: Error) -> Vec<Action> {
+    pub fn peer_unreachable(&mut self, peer: &str, why: Error) -> Actions {
         if self.peer_connected(peer) {
-            return Vec::new();
+            return Actions::new();
         }
         self.lost.insert(peer.to_string(), why.clone());
         self.unsent_requests.remove(peer);
         self.fail_waiters(|p, _| p == peer, &why)
     }
 
-    pub(super) fn arrive(&mut self, key: String, step: u64, r: Received) -> Vec<Action> {
+    pub(super) fn arrive(&mut self, key: String, step: u64, r: Received) -> Actions {
         self.tally.tensors_received += 1;
         self.tally.bytes_received += match &r.data {
             Data::Slot { len, .. } => *len,
@@ -203,8 +205,8 @@ impl Rendezvous {
         if self.finished_set.contains(&step) {
             self.tally.dropped_late += 1;
             return match r.data {
-                Data::Slot { link, slot, gen, .. } => vec![Action::Release { link, slot, gen }],
-                Data::Owned(_) => Vec::new(),
+                Data::Slot { link, slot, gen, .. } => smallvec![Action::Release { link, slot, gen }],
+                Data::Owned(_) => Actions::new(),
             };
         }
         let k = (key, step);
@@ -219,58 +221,58 @@ impl Rendezvous {
                 self.table.insert(k.clone(), Entry::Ready(old));
                 let link = match r.data { Data::Slot { link, .. } => Some(link), _ => None };
                 let why = Error::Protocol(format!("second tensor for {} in step {}", k.0, k.1));
-                link.map(|link| vec![Action::Close { link, why }]).unwrap_or_default()
+                link.map(|link| smallvec![Action::Close { link, why }]).unwrap_or_default()
             }
             None | Some(Entry::Failed(_)) => {
                 self.table.insert(k, Entry::Ready(r));
-                Vec::new()
+                Actions::new()
             }
         }
     }
 
     /// The tensor `(key, step)` will not come: fail its receive, now or
     /// when it is made.
-    pub(super) fn fail_receive(&mut self, key: String, step: u64, why: Error) -> Vec<Action> {
+    pub(super) fn fail_receive(&mut self, key: String, step: u64, why: Error) -> Actions {
         let k = (key, step);
         match self.table.remove(&k) {
             Some(Entry::Waiting { done, .. }) => {
                 self.tally.waiters_failed += 1;
-                vec![Action::Deliver { done, result: Err(why) }]
+                smallvec![Action::Deliver { done, result: Err(why) }]
             }
             Some(ready @ Entry::Ready(_)) => {
                 self.table.insert(k, ready);
-                Vec::new()
+                Actions::new()
             }
             None | Some(Entry::Failed(_)) => {
                 if !self.finished_set.contains(&k.1) {
                     self.table.insert(k, Entry::Failed(why));
                 }
-                Vec::new()
+                Actions::new()
             }
         }
     }
 
     /// A write landed in slot `imm` of `link`.
-    pub fn on_write_imm(&mut self, link: LinkId, imm: u32, mem: &dyn SlotMemory) -> Vec<Action> {
+    pub fn on_write_imm(&mut self, link: LinkId, imm: u32, mem: &dyn SlotMemory) -> Actions {
         let Some(r) = self.rx.get_mut(&link) else {
             self.tally.rejected_writes += 1;
-            return Vec::new();
+            return Actions::new();
         };
         let Some(s) = r.slots.get_mut(&imm) else {
             self.tally.rejected_writes += 1;
             let why = Error::Protocol(format!("write into unknown slot {imm}"));
-            return vec![Action::Close { link, why }];
+            return smallvec![Action::Close { link, why }];
         };
         if s.token != Token::AtSender {
             self.tally.rejected_writes += 1;
             let why = Error::Protocol(format!("write into slot {imm}, which the sender does not own"));
-            return vec![Action::Close { link, why }];
+            return smallvec![Action::Close { link, why }];
         }
         let h = match SlotHeader::decode(&mem.header(s.offset)) {
             Ok(h) => h,
             Err(e) => {
                 self.tally.rejected_writes += 1;
-                return vec![Action::Close { link, why: e }];
+                return smallvec![Action::Close { link, why: e }];
             }
         };
         if h.incarnation != r.incarnation || h.gen != s.gen {
@@ -282,7 +284,7 @@ impl Rendezvous {
                 "stale write into slot {imm} (generation {} vs {}, incarnation {:#x} vs {:#x})",
                 h.gen, s.gen, h.incarnation, r.incarnation
             ));
-            return vec![Action::Close { link, why }];
+            return smallvec![Action::Close { link, why }];
         }
         if h.slot != imm || h.edge_id != s.edge_id || h.len > s.capacity || h.chunk.is_some() != (r.stream_edge == Some(s.edge_id)) {
             self.tally.rejected_writes += 1;
@@ -291,7 +293,7 @@ impl Rendezvous {
                 h.slot, h.edge_id, h.len, if h.chunk.is_some() { ", a stream chunk" } else { "" },
                 s.edge_id, s.capacity, if r.stream_edge == Some(s.edge_id) { ", a stream slot" } else { "" }
             ));
-            return vec![Action::Close { link, why }];
+            return smallvec![Action::Close { link, why }];
         }
         if let Some(c) = h.chunk {
             let (gen, offset) = (s.gen, s.offset);
@@ -312,27 +314,27 @@ impl Rendezvous {
 
     /// The application is done with an arrival: the slot goes back to the
     /// sender (credit), or to the arena if the edge was re-placed.
-    pub fn release(&mut self, link: LinkId, slot: u32, gen: u32) -> Vec<Action> {
+    pub fn release(&mut self, link: LinkId, slot: u32, gen: u32) -> Actions {
         let Some(r) = self.rx.get_mut(&link) else {
             // The link is gone; its slots were freed except this one.
             if let Some((off, reserved)) = self.orphans.remove(&(link, slot, gen)) {
                 self.alloc.free(off, reserved);
             }
-            return Vec::new();
+            return Actions::new();
         };
-        let Some(s) = r.slots.get_mut(&slot) else { return Vec::new() };
+        let Some(s) = r.slots.get_mut(&slot) else { return Actions::new() };
         if s.gen != gen || s.token != Token::AtReceiver {
-            return Vec::new();
+            return Actions::new();
         }
         if s.retired {
             let s = r.slots.remove(&slot).expect("present");
             self.alloc.free(s.offset, s.reserved);
-            return Vec::new();
+            return Actions::new();
         }
         s.token = Token::AtSender;
         s.lent = false;
         self.tally.credits_sent += 1;
-        vec![Action::Send { link, msg: Msg::Credit { edge_id: s.edge_id, slot, gen } }]
+        smallvec![Action::Send { link, msg: Msg::Credit { edge_id: s.edge_id, slot, gen } }]
     }
 
     /// Place `key` on `link` for `need` payload bytes; publish the slots.
@@ -344,7 +346,7 @@ impl Rendezvous {
         step: u64,
         need: u64,
         returned: Vec<(u32, u32)>,
-    ) -> Result<Vec<Action>> {
+    ) -> Result<Actions> {
         let n = self.params.slots_per_edge;
         if key == STREAM_KEY {
             return Err(Error::Protocol("Announce for the reserved stream edge".into()));
@@ -386,7 +388,7 @@ impl Rendezvous {
         // (or overflows with the header) is refused like a full arena.
         let Some(reserved) = self.alloc.slot_bytes(need) else {
             log::warn!("{key}: {need} bytes cannot fit a receive arena of {} bytes; it is streamed through the link's stream slots", self.alloc.total());
-            return Ok(vec![Action::Send { link, msg: Msg::NoSpace { key, need } }]);
+            return Ok(smallvec![Action::Send { link, msg: Msg::NoSpace { key, need } }]);
         };
         let mut placed = Vec::new();
         for _ in 0..n {
@@ -411,24 +413,24 @@ impl Rendezvous {
         }
         r.edge_info.get_mut(&edge_id).expect("edge").set = descs.iter().map(|d| d.id).collect();
         self.tally.negotiation_messages += 1;
-        Ok(vec![Action::Send { link, msg: Msg::Publish { key, edge_id, slots: descs } }])
+        Ok(smallvec![Action::Send { link, msg: Msg::Publish { key, edge_id, slots: descs } }])
     }
 
     /// An arrival goes to the application: its slot is lent. If the sender
     /// wanted another slot and now every slot of the edge is lent, add it.
-    fn lend(&mut self, r: &Received) -> Vec<Action> {
-        let Data::Slot { link, slot, .. } = r.data else { return Vec::new() };
-        let Some(rx) = self.rx.get_mut(&link) else { return Vec::new() };
-        let Some(s) = rx.slots.get_mut(&slot) else { return Vec::new() };
+    fn lend(&mut self, r: &Received) -> Actions {
+        let Data::Slot { link, slot, .. } = r.data else { return Actions::new() };
+        let Some(rx) = self.rx.get_mut(&link) else { return Actions::new() };
+        let Some(s) = rx.slots.get_mut(&slot) else { return Actions::new() };
         s.lent = true;
         let edge_id = s.edge_id;
-        let Some(e) = rx.edge_info.get(&edge_id) else { return Vec::new() };
+        let Some(e) = rx.edge_info.get(&edge_id) else { return Actions::new() };
         match e.more_wanted {
             Some(need) if all_lent(rx, edge_id) => {
                 rx.edge_info.get_mut(&edge_id).expect("edge").more_wanted = None;
                 self.rx_more(link, edge_id, need).unwrap_or_default()
             }
-            _ => Vec::new(),
+            _ => Actions::new(),
         }
     }
 
@@ -436,19 +438,19 @@ impl Rendezvous {
     /// the application (which may keep them indefinitely), add one for
     /// `need` bytes; if some merely wait to be taken, we are just behind:
     /// the sender gets a credit soon, or the slot once they are all lent.
-    pub(super) fn rx_more(&mut self, link: LinkId, edge_id: u32, need: u64) -> Result<Vec<Action>> {
+    pub(super) fn rx_more(&mut self, link: LinkId, edge_id: u32, need: u64) -> Result<Actions> {
         let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("more on unknown link".into()))?;
         if !r.edge_info.contains_key(&edge_id) || r.stream_edge == Some(edge_id) {
             return Err(Error::Protocol(format!("More for unknown edge {edge_id}")));
         }
         if !all_lent(r, edge_id) {
             r.edge_info.get_mut(&edge_id).expect("edge").more_wanted = Some(need);
-            return Ok(Vec::new());
+            return Ok(Actions::new());
         }
         let e = r.edge_info.get(&edge_id).expect("edge");
         let cap = e.set.iter().filter_map(|id| r.slots.get(id)).map(|s| s.capacity).max().unwrap_or(0).max(need);
         let Some(reserved) = self.alloc.slot_bytes(cap) else {
-            return Ok(vec![Action::Send { link, msg: Msg::NoMore { edge_id } }]);
+            return Ok(smallvec![Action::Send { link, msg: Msg::NoMore { edge_id } }]);
         };
         let off = if e.set.len() < crate::constants::MAX_SLOTS_PER_EDGE { self.alloc.alloc(reserved) } else { None };
         let Some(off) = off else {
@@ -459,10 +461,10 @@ impl Rendezvous {
         let slot = r.new_slot(link, edge_id, off, reserved, &mut self.next_gen, &self.granter, &mut self.refused);
         r.edge_info.get_mut(&edge_id).expect("edge exists").set.push(slot.id);
         self.tally.negotiation_messages += 1;
-        Ok(vec![Action::Send { link, msg: Msg::Grow { edge_id, slot } }])
+        Ok(smallvec![Action::Send { link, msg: Msg::Grow { edge_id, slot } }])
     }
 
-    pub(super) fn rx_return(&mut self, link: LinkId, slot: u32, gen: u32) -> Result<Vec<Action>> {
+    pub(super) fn rx_return(&mut self, link: LinkId, slot: u32, gen: u32) -> Result<Actions> {
         let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("return on unknown link".into()))?;
         if r.slots.get(&slot).is_some_and(|s| s.gen == gen && s.token == Token::AtSender) {
             let s = r.slots.remove(&slot).expect("present");
@@ -477,14 +479,14 @@ impl Rendezvous {
             }
             self.alloc.free(s.offset, s.reserved);
         }
-        Ok(Vec::new())
+        Ok(Actions::new())
     }
 
     /// The arena is full: ask senders to give back the slots of the
     /// least recently used idle edges (all slots with the sender), enough
     /// to hold `want` bytes, never `except` on `except_link`.
     /// Stream slots are never reclaimed (a stream may need them at once).
-    pub(super) fn reclaim_cold(&mut self, except_link: LinkId, except: u32, want: u64) -> Vec<Action> {
+    pub(super) fn reclaim_cold(&mut self, except_link: LinkId, except: u32, want: u64) -> Actions {
         let mut cands: Vec<(u64, LinkId, u32, u64)> = Vec::new();
         for (l, r) in &self.rx {
             for (id, e) in &r.edge_info {
@@ -499,7 +501,7 @@ impl Rendezvous {
             }
         }
         cands.sort();
-        let mut acts = Vec::new();
+        let mut acts = Actions::new();
         let mut got = 0;
         for (_, l, id, bytes) in cands {
             if got >= want {

@@ -57,7 +57,7 @@ use parking_lot::Mutex;
 
 use super::rx::{RxEdge, Token};
 use super::wire::{ChunkAt, Msg, SlotHeader, TensorMeta, STREAM_MESSAGES, STREAM_REFUSED, STREAM_SLOTS};
-use super::{Action, Data, LinkId, Payload, Received, Rendezvous, SendDone, Tally};
+use super::{smallvec, Actions, Action, Data, LinkId, Payload, Received, Rendezvous, SendDone, Tally};
 use crate::constants::{
     HEADER_BYTES, MAX_STREAM_TOTAL, SLOT_ALIGN, STREAM_ARENA_FRACTION, STREAM_CHUNK_BYTES, STREAM_MIN_CHUNK, STREAM_MSG_BYTES,
     STREAM_MSG_WINDOW, STREAM_SLOTS as SLOTS_PER_LINK,
@@ -177,7 +177,7 @@ impl Default for TxStreams {
 
 impl TxStreams {
     /// Open a stream for `p` (a tensor that cannot go through a slot).
-    pub(super) fn begin(&mut self, link: LinkId, key: &str, p: super::tx::Pending, tally: &mut Tally) -> Vec<Action> {
+    pub(super) fn begin(&mut self, link: LinkId, key: &str, p: super::tx::Pending, tally: &mut Tally) -> Actions {
         let total = p.payload.bytes().len() as u64;
         tally.inline_tensors += 1;
         tally.inline_bytes += total;
@@ -185,16 +185,16 @@ impl TxStreams {
         self.next_id = self.next_id.wrapping_add(1).max(1);
         let begin = Action::Send { link, msg: Msg::StreamBegin { stream: id, key: key.to_string(), step: p.step, meta: p.meta, total } };
         if total == 0 {
-            return vec![begin, Action::SendDone { done: p.done, result: Ok(()) }];
+            return smallvec![begin, Action::SendDone { done: p.done, result: Ok(()) }];
         }
         let payload: Arc<dyn Payload> = Arc::from(p.payload);
         self.list.push_back(TxStream { id, key: key.to_string(), step: p.step, payload, total, mode: TxMode::Waiting, sent: 0, inflight: 0, done: Some(p.done) });
-        vec![begin]
+        smallvec![begin]
     }
 
     /// Fail the streams matching `pred`; with `tell`, say so to the receiver.
-    pub(super) fn fail(&mut self, tell: Option<LinkId>, pred: impl Fn(&TxStream) -> bool, why: &Error) -> Vec<Action> {
-        let mut acts = Vec::new();
+    pub(super) fn fail(&mut self, tell: Option<LinkId>, pred: impl Fn(&TxStream) -> bool, why: &Error) -> Actions {
+        let mut acts = Actions::new();
         let (gone, keep): (VecDeque<TxStream>, VecDeque<TxStream>) = self.list.drain(..).partition(|s| pred(s));
         self.list = keep;
         for mut s in gone {
@@ -247,9 +247,9 @@ pub(super) struct RxStream {
 impl Rendezvous {
     /// Every free stream slot gets the next chunk (round-robin over the
     /// link's streams); message-mode streams fill their window.
-    pub(super) fn pump_streams(&mut self, link: LinkId) -> Vec<Action> {
+    pub(super) fn pump_streams(&mut self, link: LinkId) -> Actions {
         let incarnation = self.params.incarnation;
-        let mut acts = Vec::new();
+        let mut acts = Actions::new();
         let Some(t) = self.tx.get_mut(&link) else { return acts };
         let streams = &mut t.streams.list;
         if let Some(e) = t.edges.get_mut(STREAM_KEY) {
@@ -271,7 +271,7 @@ impl Rendezvous {
                     chunk: Some(ChunkAt { stream: s.id, offset: s.sent }),
                 };
                 let payload = Box::new(PayloadRange { whole: s.payload.clone(), off: s.sent as usize, len: len as usize });
-                acts.push(Action::WriteChunk { link, stream: s.id, offset: d.offset, key: d.key, header: header.encode(), payload, imm: d.id });
+                acts.push(Action::WriteChunk { link, stream: s.id, offset: d.offset, key: d.key, header, payload, imm: d.id });
                 *free = false;
                 s.sent += len;
                 s.inflight += 1;
@@ -293,14 +293,14 @@ impl Rendezvous {
     }
 
     /// A chunk write of `stream` on `link` completed with `res`.
-    pub fn chunk_written(&mut self, link: LinkId, stream: u32, res: crate::error::Result<()>) -> Vec<Action> {
-        let Some(t) = self.tx.get_mut(&link) else { return Vec::new() };
-        let Some(i) = t.streams.list.iter().position(|s| s.id == stream) else { return Vec::new() };
+    pub fn chunk_written(&mut self, link: LinkId, stream: u32, res: crate::error::Result<()>) -> Actions {
+        let Some(t) = self.tx.get_mut(&link) else { return Actions::new() };
+        let Some(i) = t.streams.list.iter().position(|s| s.id == stream) else { return Actions::new() };
         let s = &mut t.streams.list[i];
         s.inflight = s.inflight.saturating_sub(1);
         match res {
             Err(e) => {
-                let mut acts = vec![Action::Send { link, msg: Msg::StreamCancel { stream } }];
+                let mut acts = smallvec![Action::Send { link, msg: Msg::StreamCancel { stream } }];
                 if let Some(mut s) = t.streams.list.remove(i) {
                     if let Some(done) = s.done.take() {
                         acts.push(Action::SendDone { done, result: Err(e) });
@@ -310,17 +310,17 @@ impl Rendezvous {
             }
             Ok(()) if s.sent == s.total && s.inflight == 0 => {
                 let done = t.streams.list.remove(i).and_then(|mut s| s.done.take());
-                done.map(|done| vec![Action::SendDone { done, result: Ok(()) }]).unwrap_or_default()
+                done.map(|done| smallvec![Action::SendDone { done, result: Ok(()) }]).unwrap_or_default()
             }
-            Ok(()) => Vec::new(),
+            Ok(()) => Actions::new(),
         }
     }
 
-    pub(super) fn tx_stream_ready(&mut self, link: LinkId, stream: u32, outcome: u32, error: String) -> Result<Vec<Action>> {
+    pub(super) fn tx_stream_ready(&mut self, link: LinkId, stream: u32, outcome: u32, error: String) -> Result<Actions> {
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("stream ready on unknown link".into()))?;
         let Some(s) = t.streams.list.iter_mut().find(|s| s.id == stream) else {
             // Cancelled meanwhile.
-            return Ok(Vec::new());
+            return Ok(Actions::new());
         };
         if s.mode != TxMode::Waiting {
             return Err(Error::Protocol(format!("second StreamReady for stream {stream}")));
@@ -334,16 +334,16 @@ impl Rendezvous {
             STREAM_REFUSED => {
                 let mut s = t.streams.take(stream).expect("found above");
                 let why = Error::ResourceExhausted(format!("{} refused {} in step {} ({} bytes): {error}", t.peer, s.key, s.step, s.total));
-                return Ok(s.done.take().map(|done| vec![Action::SendDone { done, result: Err(why) }]).unwrap_or_default());
+                return Ok(s.done.take().map(|done| smallvec![Action::SendDone { done, result: Err(why) }]).unwrap_or_default());
             }
             o => return Err(Error::Protocol(format!("StreamReady with unknown outcome {o}"))),
         }
         Ok(self.pump_streams(link))
     }
 
-    pub(super) fn tx_stream_ack(&mut self, link: LinkId, stream: u32) -> Result<Vec<Action>> {
+    pub(super) fn tx_stream_ack(&mut self, link: LinkId, stream: u32) -> Result<Actions> {
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("stream ack on unknown link".into()))?;
-        let Some(i) = t.streams.list.iter().position(|s| s.id == stream) else { return Ok(Vec::new()) };
+        let Some(i) = t.streams.list.iter().position(|s| s.id == stream) else { return Ok(Actions::new()) };
         let s = &mut t.streams.list[i];
         if s.mode != TxMode::Messages || s.inflight == 0 {
             return Err(Error::Protocol(format!("StreamAck for stream {stream}, which has no message unacknowledged")));
@@ -351,21 +351,21 @@ impl Rendezvous {
         s.inflight -= 1;
         if s.sent == s.total && s.inflight == 0 {
             let done = t.streams.list.remove(i).and_then(|mut s| s.done.take());
-            return Ok(done.map(|done| vec![Action::SendDone { done, result: Ok(()) }]).unwrap_or_default());
+            return Ok(done.map(|done| smallvec![Action::SendDone { done, result: Ok(()) }]).unwrap_or_default());
         }
         Ok(self.pump_streams(link))
     }
 
     /// The receiver discarded `stream` (e.g. its step finished there).
-    pub(super) fn tx_stream_cancel(&mut self, link: LinkId, stream: u32) -> Vec<Action> {
-        let Some(t) = self.tx.get_mut(&link) else { return Vec::new() };
+    pub(super) fn tx_stream_cancel(&mut self, link: LinkId, stream: u32) -> Actions {
+        let Some(t) = self.tx.get_mut(&link) else { return Actions::new() };
         let peer = t.peer.clone();
-        let Some(mut s) = t.streams.take(stream) else { return Vec::new() };
+        let Some(mut s) = t.streams.take(stream) else { return Actions::new() };
         let why = Error::Aborted(format!("{peer} discarded {} in step {} (its step ended)", s.key, s.step));
-        s.done.take().map(|done| vec![Action::SendDone { done, result: Err(why) }]).unwrap_or_default()
+        s.done.take().map(|done| smallvec![Action::SendDone { done, result: Err(why) }]).unwrap_or_default()
     }
 
-    pub(super) fn rx_stream_begin(&mut self, link: LinkId, stream: u32, key: String, step: u64, meta: TensorMeta, total: u64) -> Result<Vec<Action>> {
+    pub(super) fn rx_stream_begin(&mut self, link: LinkId, stream: u32, key: String, step: u64, meta: TensorMeta, total: u64) -> Result<Actions> {
         let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("stream on unknown link".into()))?;
         if stream <= r.last_stream {
             return Err(Error::Protocol(format!("stream id {stream} reused (last begun {})", r.last_stream)));
@@ -379,13 +379,13 @@ impl Rendezvous {
         r.last_stream = stream;
         if self.finished_set.contains(&step) {
             self.tally.dropped_late += 1;
-            return Ok(vec![Action::Send { link, msg: Msg::StreamCancel { stream } }]);
+            return Ok(smallvec![Action::Send { link, msg: Msg::StreamCancel { stream } }]);
         }
         let open: u64 = r.streams.values().map(|s| s.total).sum();
         if total > MAX_STREAM_TOTAL.saturating_sub(open) {
             let error = format!("{total} bytes (with {open} bytes of streams already open) exceed the receiver's limit of {MAX_STREAM_TOTAL}");
             let why = Error::ResourceExhausted(format!("{key} in step {step} from {}: {error}", r.peer));
-            let mut acts = vec![Action::Send { link, msg: Msg::StreamReady { stream, outcome: STREAM_REFUSED, error } }];
+            let mut acts = smallvec![Action::Send { link, msg: Msg::StreamReady { stream, outcome: STREAM_REFUSED, error } }];
             acts.extend(self.fail_receive(key, step, why));
             return Ok(acts);
         }
@@ -393,19 +393,19 @@ impl Rendezvous {
             return Ok(self.arrive(key, step, Received { meta, data: Data::Owned(Vec::new()) }));
         }
         r.streams.insert(stream, RxStream { key, step, meta, total, mode: RxMode::Alloc, buf: None, seen: Vec::new(), accepted: 0, copied: 0 });
-        Ok(vec![Action::StreamAlloc { link, stream, total }])
+        Ok(smallvec![Action::StreamAlloc { link, stream, total }])
     }
 
     /// The destination of `stream` is allocated (`None`: no memory).
-    pub fn stream_alloc_done(&mut self, link: LinkId, stream: u32, buf: Option<Vec<u8>>) -> Vec<Action> {
-        let Some(r) = self.rx.get_mut(&link) else { return Vec::new() };
-        let Some(s) = r.streams.get_mut(&stream).filter(|s| s.mode == RxMode::Alloc) else { return Vec::new() };
+    pub fn stream_alloc_done(&mut self, link: LinkId, stream: u32, buf: Option<Vec<u8>>) -> Actions {
+        let Some(r) = self.rx.get_mut(&link) else { return Actions::new() };
+        let Some(s) = r.streams.get_mut(&stream).filter(|s| s.mode == RxMode::Alloc) else { return Actions::new() };
         let Some(buf) = buf.filter(|b| b.len() as u64 == s.total) else {
             let s = r.streams.remove(&stream).expect("found above");
             let error = format!("the receiver has no memory for {} bytes", s.total);
             log::warn!("{} in step {} from {}: {error}", s.key, s.step, r.peer);
             let why = Error::ResourceExhausted(format!("{} in step {} from {}: {error}", s.key, s.step, r.peer));
-            let mut acts = vec![Action::Send { link, msg: Msg::StreamReady { stream, outcome: STREAM_REFUSED, error } }];
+            let mut acts = smallvec![Action::Send { link, msg: Msg::StreamReady { stream, outcome: STREAM_REFUSED, error } }];
             acts.extend(self.fail_receive(s.key, s.step, why));
             return acts;
         };
@@ -429,15 +429,15 @@ impl Rendezvous {
 
     /// The link's stream slots, placed (and published) on first need:
     /// their capacity, or None if they cannot be placed now.
-    fn stream_slots(&mut self, link: LinkId) -> (Vec<Action>, Option<u64>) {
-        let Some(r) = self.rx.get_mut(&link) else { return (Vec::new(), None) };
+    fn stream_slots(&mut self, link: LinkId) -> (Actions, Option<u64>) {
+        let Some(r) = self.rx.get_mut(&link) else { return (Actions::new(), None) };
         if let Some(e) = r.stream_edge.and_then(|id| r.edge_info.get(&id)) {
             if let Some(s) = e.set.first().and_then(|id| r.slots.get(id)) {
-                return (Vec::new(), Some(s.capacity));
+                return (Actions::new(), Some(s.capacity));
             }
         }
-        let Some(cap) = stream_chunk_bytes(self.alloc.total()) else { return (Vec::new(), None) };
-        let Some(reserved) = self.alloc.slot_bytes(cap) else { return (Vec::new(), None) };
+        let Some(cap) = stream_chunk_bytes(self.alloc.total()) else { return (Actions::new(), None) };
+        let Some(reserved) = self.alloc.slot_bytes(cap) else { return (Actions::new(), None) };
         let edge_id = match r.stream_edge {
             Some(id) => id,
             None => {
@@ -467,15 +467,15 @@ impl Rendezvous {
             e.set = descs.iter().map(|d| d.id).collect();
         }
         self.tally.negotiation_messages += 1;
-        (vec![Action::Send { link, msg: Msg::Publish { key: STREAM_KEY.to_string(), edge_id, slots: descs } }], Some(cap))
+        (smallvec![Action::Send { link, msg: Msg::Publish { key: STREAM_KEY.to_string(), edge_id, slots: descs } }], Some(cap))
     }
 
     /// A chunk landed in stream slot `imm` (`gen`, at arena `slot_off`);
     /// the header was checked against the slot already.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn rx_chunk(&mut self, link: LinkId, imm: u32, gen: u32, slot_off: u64, step: u64, len: u64, c: ChunkAt) -> Vec<Action> {
-        let Some(r) = self.rx.get_mut(&link) else { return Vec::new() };
-        let bad = |why: String| vec![Action::Close { link, why: Error::Protocol(format!("stream {}: {why}", c.stream)) }];
+    pub(super) fn rx_chunk(&mut self, link: LinkId, imm: u32, gen: u32, slot_off: u64, step: u64, len: u64, c: ChunkAt) -> Actions {
+        let Some(r) = self.rx.get_mut(&link) else { return Actions::new() };
+        let bad = |why: String| smallvec![Action::Close { link, why: Error::Protocol(format!("stream {}: {why}", c.stream)) }];
         let Some(s) = r.streams.get_mut(&c.stream) else {
             if c.stream == 0 || c.stream > r.last_stream {
                 self.tally.rejected_writes += 1;
@@ -514,16 +514,16 @@ impl Rendezvous {
             sl.token = Token::AtReceiver;
         }
         let src = ChunkSrc::Slot { slot: imm, gen, offset: slot_off + HEADER_BYTES as u64 };
-        vec![Action::CopyChunk { link, stream: c.stream, src, len, dst, at: c.offset }]
+        smallvec![Action::CopyChunk { link, stream: c.stream, src, len, dst, at: c.offset }]
     }
 
-    pub(super) fn rx_stream_data(&mut self, link: LinkId, stream: u32, offset: u64, bytes: Vec<u8>) -> Result<Vec<Action>> {
+    pub(super) fn rx_stream_data(&mut self, link: LinkId, stream: u32, offset: u64, bytes: Vec<u8>) -> Result<Actions> {
         let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("stream data on unknown link".into()))?;
         let Some(s) = r.streams.get_mut(&stream) else {
             if stream == 0 || stream > r.last_stream {
                 return Err(Error::Protocol(format!("data of stream {stream}, never begun")));
             }
-            return Ok(Vec::new());
+            return Ok(Actions::new());
         };
         let len = bytes.len() as u64;
         if s.mode != RxMode::Messages || offset != s.accepted || len == 0 || len > s.total - s.accepted {
@@ -534,16 +534,16 @@ impl Rendezvous {
         }
         s.accepted += len;
         let Some(dst) = s.buf.clone() else { return Err(Error::Internal("stream without a buffer".into())) };
-        Ok(vec![Action::CopyChunk { link, stream, src: ChunkSrc::Bytes(bytes), len, dst, at: offset }])
+        Ok(smallvec![Action::CopyChunk { link, stream, src: ChunkSrc::Bytes(bytes), len, dst, at: offset }])
     }
 
     /// A chunk of `stream` (from stream slot `slot`, or from a message when
     /// None) was copied into its buffer (`res`): give the slot back (or
     /// acknowledge the message); the tensor arrives with its last byte.
-    pub fn chunk_copied(&mut self, link: LinkId, stream: u32, slot: Option<(u32, u32)>, len: u64, res: Result<()>) -> Vec<Action> {
+    pub fn chunk_copied(&mut self, link: LinkId, stream: u32, slot: Option<(u32, u32)>, len: u64, res: Result<()>) -> Actions {
         let mut acts = match slot {
             Some((slot, gen)) => self.release(link, slot, gen),
-            None => Vec::new(),
+            None => Actions::new(),
         };
         if let Err(why) = res {
             acts.push(Action::Close { link, why });
@@ -568,17 +568,17 @@ impl Rendezvous {
     }
 
     /// The sender gave up `stream`: its receive fails.
-    pub(super) fn rx_stream_cancel(&mut self, link: LinkId, stream: u32) -> Vec<Action> {
-        let Some(r) = self.rx.get_mut(&link) else { return Vec::new() };
-        let Some(s) = r.streams.remove(&stream) else { return Vec::new() };
+    pub(super) fn rx_stream_cancel(&mut self, link: LinkId, stream: u32) -> Actions {
+        let Some(r) = self.rx.get_mut(&link) else { return Actions::new() };
+        let Some(s) = r.streams.remove(&stream) else { return Actions::new() };
         let why = Error::Aborted(format!("{} gave up sending {} in step {}", r.peer, s.key, s.step));
         self.fail_receive(s.key, s.step, why)
     }
 
     /// The step ended here: drop its streams (and their buffers), telling
     /// their senders.
-    pub(super) fn rx_discard_streams(&mut self, step: u64) -> Vec<Action> {
-        let mut acts = Vec::new();
+    pub(super) fn rx_discard_streams(&mut self, step: u64) -> Actions {
+        let mut acts = Actions::new();
         for (link, r) in self.rx.iter_mut() {
             let ids: Vec<u32> = r.streams.iter().filter(|(_, s)| s.step == step).map(|(id, _)| *id).collect();
             for id in ids {

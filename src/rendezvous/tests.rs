@@ -13,9 +13,9 @@ const LINK: LinkId = 1;
 
 struct Mem(Arc<Mutex<Vec<u8>>>);
 impl SlotMemory for Mem {
-    fn header(&self, offset: u64) -> Vec<u8> {
+    fn header(&self, offset: u64) -> [u8; HEADER_BYTES] {
         let m = self.0.lock().unwrap();
-        m[offset as usize..offset as usize + HEADER_BYTES].to_vec()
+        m[offset as usize..offset as usize + HEADER_BYTES].try_into().unwrap()
     }
 }
 
@@ -76,10 +76,11 @@ impl Sim {
         self.rng
     }
 
-    fn run_tx(&mut self, acts: Vec<Action>) {
+    fn run_tx(&mut self, acts: Actions) {
         for a in acts {
             match a {
                 Action::Write { offset, header, payload, imm, done, .. } => {
+                    let header = header.encode();
                     let mut m = self.mem.lock().unwrap();
                     let o = offset as usize;
                     m[o..o + header.len()].copy_from_slice(&header);
@@ -87,11 +88,12 @@ impl Sim {
                     m[o + header.len()..o + header.len() + b.len()].copy_from_slice(b);
                     drop(m);
                     self.imms.push_back(imm);
-                    done(Ok(()));
+                    done.complete(Ok(()));
                     let more = self.tx.write_done(LINK);
                     self.run_tx(more);
                 }
                 Action::WriteChunk { stream, offset, header, payload, imm, .. } => {
+                    let header = header.encode();
                     let mut m = self.mem.lock().unwrap();
                     let o = offset as usize;
                     m[o..o + header.len()].copy_from_slice(&header);
@@ -110,18 +112,18 @@ impl Sim {
                     self.to_rx.push_back(Msg::StreamData { stream, offset, bytes: payload.bytes().to_vec() });
                 }
                 Action::Send { msg, .. } => self.to_rx.push_back(msg),
-                Action::SendDone { done, result } => done(result),
+                Action::SendDone { done, result } => done.complete(result),
                 Action::Close { why, .. } => panic!("sender closed the link: {why}"),
                 other => panic!("unexpected sender action {other:?}"),
             }
         }
     }
 
-    fn run_rx(&mut self, acts: Vec<Action>) {
+    fn run_rx(&mut self, acts: Actions) {
         for a in acts {
             match a {
                 Action::Send { msg, .. } => self.to_tx.push_back(msg),
-                Action::Deliver { done, result } => done(result),
+                Action::Deliver { done, result } => done.complete(result),
                 Action::Release { link, slot, gen } => {
                     let more = self.rx.release(link, slot, gen);
                     self.run_rx(more);
@@ -213,8 +215,8 @@ impl Sim {
 
     fn send(&mut self, key: &str, step: u64, data: Vec<u8>) {
         let ok = self.sent_ok.clone();
-        let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![data.len() as i64] };
-        let acts = self.tx.send(LINK, key, step, meta, Box::new(data), Box::new(move |r| {
+        let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![data.len() as i64].into() };
+        let acts = self.tx.send(LINK, key, step, meta, Box::new(data), Box::new(move |r: Result<()>| {
             r.expect("send ok");
             *ok.lock().unwrap() += 1;
         }));
@@ -419,7 +421,7 @@ fn stream_total_claimed_by_the_peer_is_not_reserved_up_front() {
     let p = Params { slots_per_edge: 2, max_outstanding_writes: 4, incarnation: 22, rpc: false };
     let mut rx = Rendezvous::new(p, 1 << 20);
     rx.add_rx_link(LINK, "tx", 11);
-    let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![] };
+    let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![].into() };
     let m = Msg::StreamBegin { stream: 1, key: "big".into(), step: 1, meta: meta.clone(), total: crate::constants::MAX_STREAM_TOTAL };
     let acts = rx.on_message(LINK, &m.encode());
     assert!(matches!(acts.as_slice(), [Action::StreamAlloc { stream: 1, total, .. }] if *total == crate::constants::MAX_STREAM_TOTAL), "{acts:?}");
@@ -434,7 +436,7 @@ fn stream_total_claimed_by_the_peer_is_not_reserved_up_front() {
     let acts = rx.recv("tx", "big0", 1, Box::new(move |r| *g.lock().unwrap() = Some(r)));
     for a in acts {
         if let Action::Deliver { done, result } = a {
-            done(result);
+            done.complete(result);
         }
     }
     assert!(matches!(got.lock().unwrap().take(), Some(Err(Error::ResourceExhausted(_)))));
@@ -472,7 +474,7 @@ fn streams_through_slots_in_any_order() {
             if seed % 2 == 0 {
                 s.recv(&key, 1);
             }
-            let m = TensorMeta { dtype: 1, flags: 0, dims: vec![*len as i64] };
+            let m = TensorMeta { dtype: 1, flags: 0, dims: vec![*len as i64].into() };
             sends.push(send_any(&mut s, &key, 1, m, pattern(seed + i as u64, *len)));
         }
         s.settle();
@@ -512,7 +514,7 @@ fn streams_through_messages_when_no_slot_fits() {
     let mut s = Sim::new(arena as usize, 2, 7);
     let len = 3 << 20;
     s.recv("big", 1);
-    let r = send_any(&mut s, "big", 1, TensorMeta { dtype: 1, flags: 0, dims: vec![len as i64] }, pattern(3, len));
+    let r = send_any(&mut s, "big", 1, TensorMeta { dtype: 1, flags: 0, dims: vec![len as i64].into() }, pattern(3, len));
     s.settle();
     let got = take_got(&s);
     assert!(s.bytes(got[0].1.as_ref().unwrap()) == pattern(3, len));
@@ -528,15 +530,15 @@ fn high_rank_tensors_are_streamed_with_their_shape() {
     let mut s = Sim::new(8 << 20, 2, 9);
     let dims: Vec<i64> = vec![1; 30];
     s.recv("r", 1);
-    send_any(&mut s, "r", 1, TensorMeta { dtype: 1, flags: 0, dims: dims.clone() }, vec![5; 4]);
-    send_any(&mut s, "d", 1, TensorMeta { dtype: 1, flags: FLAG_DEAD, dims: dims.clone() }, vec![]);
+    send_any(&mut s, "r", 1, TensorMeta { dtype: 1, flags: 0, dims: dims.clone().into() }, vec![5; 4]);
+    send_any(&mut s, "d", 1, TensorMeta { dtype: 1, flags: FLAG_DEAD, dims: dims.clone().into() }, vec![]);
     s.recv("d", 1);
     s.settle();
     let got = take_got(&s);
     assert_eq!(got.len(), 2);
     for (_, r) in got {
         let r = r.unwrap();
-        assert_eq!(r.meta.dims, dims);
+        assert_eq!(r.meta.dims.as_slice(), &dims[..]);
         assert_eq!(s.bytes(&r), if r.meta.flags == FLAG_DEAD { vec![] } else { vec![5; 4] });
     }
 }
@@ -549,7 +551,7 @@ fn step_end_mid_stream_discards_it_on_both_sides() {
     let arena = 8u64 << 20;
     let mut s = Sim::new(arena as usize, 2, 11);
     let len = 3 * arena as usize;
-    let r = send_any(&mut s, "big", 4, TensorMeta { dtype: 1, flags: 0, dims: vec![len as i64] }, pattern(1, len));
+    let r = send_any(&mut s, "big", 4, TensorMeta { dtype: 1, flags: 0, dims: vec![len as i64].into() }, pattern(1, len));
     // Let a few chunks move, then end the step at the receiver.
     for _ in 0..40 {
         let choices = [!s.to_rx.is_empty(), !s.to_tx.is_empty(), !s.imms.is_empty(), !s.copies.is_empty()];
@@ -570,7 +572,7 @@ fn step_end_mid_stream_discards_it_on_both_sides() {
     assert!(s.rx.describe().matches("stream").count() <= 1, "{}", s.rx.describe());
     // The link still streams.
     s.recv("big", 5);
-    let r = send_any(&mut s, "big", 5, TensorMeta { dtype: 1, flags: 0, dims: vec![len as i64] }, pattern(2, len));
+    let r = send_any(&mut s, "big", 5, TensorMeta { dtype: 1, flags: 0, dims: vec![len as i64].into() }, pattern(2, len));
     s.settle();
     assert!(matches!(*r.lock().unwrap(), Some(Ok(()))));
     let got = take_got(&s);
@@ -584,7 +586,7 @@ fn stream_without_memory_fails_the_transfer_not_the_link() {
     let mut s = Sim::new(8 << 20, 2, 13);
     s.alloc_limit = 1 << 20;
     s.recv("big", 1);
-    let r = send_any(&mut s, "big", 1, TensorMeta { dtype: 1, flags: 0, dims: vec![] }, vec![1; 9 << 20]);
+    let r = send_any(&mut s, "big", 1, TensorMeta { dtype: 1, flags: 0, dims: vec![].into() }, vec![1; 9 << 20]);
     s.settle();
     assert!(matches!(&*r.lock().unwrap(), Some(Err(Error::ResourceExhausted(m))) if m.contains("no memory")), "{:?}", r.lock().unwrap());
     assert!(matches!(take_got(&s)[0].1, Err(Error::ResourceExhausted(_))));

@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::stream::{TxStreams, STREAM_KEY};
-use super::{Action, LinkId, Payload, Rendezvous, SendDone};
+use super::{smallvec, Actions, Action, LinkId, Payload, Rendezvous, SendDone};
 use crate::constants::{HEADER_BYTES, MAX_DIMS};
 use crate::error::{Error, Result};
 use crate::rendezvous::wire::{Msg, SlotDesc, SlotHeader, TensorMeta};
@@ -76,8 +76,8 @@ impl TxLink {
         o
     }
 
-    fn drain_pending(&mut self, pred: impl Fn(&Pending) -> bool, why: &Error) -> Vec<Action> {
-        let mut acts = Vec::new();
+    fn drain_pending(&mut self, pred: impl Fn(&Pending) -> bool, why: &Error) -> Actions {
+        let mut acts = Actions::new();
         for e in self.edges.values_mut() {
             if e.pending.is_empty() {
                 continue;
@@ -90,14 +90,14 @@ impl TxLink {
         acts
     }
 
-    pub(super) fn fail_all(self, why: &Error) -> Vec<Action> {
+    pub(super) fn fail_all(self, why: &Error) -> Actions {
         let mut s = self;
         let mut acts = s.drain_pending(|_| true, why);
         acts.extend(s.streams.fail(None, |_| true, why));
         acts
     }
 
-    pub(super) fn fail_pending(&mut self, why: &Error) -> Vec<Action> {
+    pub(super) fn fail_pending(&mut self, why: &Error) -> Actions {
         let mut acts = self.drain_pending(|_| true, why);
         acts.extend(self.streams.fail(None, |_| true, why));
         acts
@@ -105,8 +105,8 @@ impl TxLink {
 
     /// Fail the step's queued sends and its streams under way (the
     /// receiver is told, so it frees the stream's buffer).
-    pub(super) fn fail_step(&mut self, link: LinkId, step: u64, why: &Error) -> Vec<Action> {
-        let mut acts = Vec::new();
+    pub(super) fn fail_step(&mut self, link: LinkId, step: u64, why: &Error) -> Actions {
+        let mut acts = Actions::new();
         if self.requests > 0 {
             for e in self.edges.values_mut() {
                 if e.requested.remove(&step) {
@@ -145,16 +145,16 @@ impl Rendezvous {
         meta: TensorMeta,
         payload: Box<dyn Payload>,
         done: SendDone,
-    ) -> Vec<Action> {
+    ) -> Actions {
         if self.finished_set.contains(&step) {
-            return vec![Action::SendDone { done, result: Err(Error::Aborted(format!("step {step} was aborted"))) }];
+            return smallvec![Action::SendDone { done, result: Err(Error::Aborted(format!("step {step} was aborted"))) }];
         }
         if key == STREAM_KEY {
-            return vec![Action::SendDone { done, result: Err(Error::InvalidArgument("reserved rendezvous key".into())) }];
+            return smallvec![Action::SendDone { done, result: Err(Error::InvalidArgument("reserved rendezvous key".into())) }];
         }
         let Some(t) = self.tx.get_mut(&link) else {
             let why = self.lost_reason(link);
-            return vec![Action::SendDone { done, result: Err(why) }];
+            return smallvec![Action::SendDone { done, result: Err(why) }];
         };
         let p = Pending { step, meta, payload, done };
         // The edge's key is copied only the first time it is used.
@@ -171,14 +171,14 @@ impl Rendezvous {
     }
 
     /// Start every queued send of `key` that can start now.
-    pub(super) fn pump(&mut self, link: LinkId, key: &str) -> Vec<Action> {
+    pub(super) fn pump(&mut self, link: LinkId, key: &str) -> Actions {
         if key == STREAM_KEY {
             return self.pump_streams(link);
         }
         let max = self.params.max_outstanding_writes;
         let incarnation = self.params.incarnation;
         let rpc = self.params.rpc;
-        let mut acts = Vec::new();
+        let mut acts = Actions::new();
         let Some(t) = self.tx.get_mut(&link) else { return acts };
         let Some(e) = t.edges.get_mut(key) else { return acts };
         loop {
@@ -243,7 +243,7 @@ impl Rendezvous {
                 t.outstanding += 1;
                 self.tally.tensors_pushed += 1;
                 self.tally.bytes_pushed += len;
-                acts.push(Action::Write { link, offset: s.offset, key: s.key, header: header.encode(), payload: p.payload, imm: s.id, done: p.done, bytes: len });
+                acts.push(Action::Write { link, offset: s.offset, key: s.key, header, payload: p.payload, imm: s.id, done: p.done, bytes: len });
                 continue;
             }
             if e.slots.iter().any(|(s, _)| s.capacity >= len) {
@@ -282,10 +282,10 @@ impl Rendezvous {
         acts
     }
 
-    pub(super) fn tx_publish(&mut self, link: LinkId, key: String, edge_id: u32, slots: Vec<SlotDesc>) -> Result<Vec<Action>> {
+    pub(super) fn tx_publish(&mut self, link: LinkId, key: String, edge_id: u32, slots: Vec<SlotDesc>) -> Result<Actions> {
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("publish on unknown link".into()))?;
         let e = t.edges.entry(key.clone()).or_default();
-        let mut acts = Vec::new();
+        let mut acts = Actions::new();
         // Free slots of the old set that the new set drops go back.
         for (s, free) in e.slots.drain(..) {
             if free && !slots.iter().any(|n| n.id == s.id && n.gen == s.gen) {
@@ -306,7 +306,7 @@ impl Rendezvous {
         Ok(acts)
     }
 
-    pub(super) fn tx_credit(&mut self, link: LinkId, edge_id: u32, slot: u32, gen: u32) -> Result<Vec<Action>> {
+    pub(super) fn tx_credit(&mut self, link: LinkId, edge_id: u32, slot: u32, gen: u32) -> Result<Actions> {
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("credit on unknown link".into()))?;
         let key = t.by_id.get(&edge_id).cloned();
         let hit = key.as_ref().and_then(|k| t.edges.get_mut(k)).and_then(|e| {
@@ -326,11 +326,11 @@ impl Rendezvous {
             }
             // A credit for a slot we no longer use (the edge was re-placed
             // while the credit was in flight): give it back for good.
-            _ => Ok(vec![Action::Send { link, msg: Msg::ReturnSlot { slot, gen } }]),
+            _ => Ok(smallvec![Action::Send { link, msg: Msg::ReturnSlot { slot, gen } }]),
         }
     }
 
-    pub(super) fn tx_nospace(&mut self, link: LinkId, key: String, need: u64) -> Result<Vec<Action>> {
+    pub(super) fn tx_nospace(&mut self, link: LinkId, key: String, need: u64) -> Result<Actions> {
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("nospace on unknown link".into()))?;
         if let Some(e) = t.edges.get_mut(&key) {
             log::info!("receiver has no arena room for {need} bytes of {key}; streaming it");
@@ -343,17 +343,17 @@ impl Rendezvous {
     /// Sender side, ahead of the first step: ask the receiver to place `key`
     /// for `need` bytes now (static placement). Nothing is sent when the
     /// edge already has a slot that fits or a placement is in flight.
-    pub fn place_ahead(&mut self, link: LinkId, key: &str, need: u64) -> Vec<Action> {
-        let Some(t) = self.tx.get_mut(&link) else { return Vec::new() };
+    pub fn place_ahead(&mut self, link: LinkId, key: &str, need: u64) -> Actions {
+        let Some(t) = self.tx.get_mut(&link) else { return Actions::new() };
         let e = t.edges.entry(key.to_string()).or_default();
         if e.awaiting_publish || e.slots.iter().any(|(s, _)| s.capacity >= need) {
-            return Vec::new();
+            return Actions::new();
         }
         let returned: Vec<(u32, u32)> = e.slots.iter().filter(|(_, free)| *free).map(|(s, _)| (s.id, s.gen)).collect();
         e.slots.clear();
         e.awaiting_publish = true;
         self.tally.negotiation_messages += 1;
-        vec![Action::Send { link, msg: Msg::Announce { key: key.to_string(), step: super::STEP_AHEAD, need, returned } }]
+        smallvec![Action::Send { link, msg: Msg::Announce { key: key.to_string(), step: super::STEP_AHEAD, need, returned } }]
     }
 
     /// Where the placement of `key` on `link` stands.
@@ -370,7 +370,7 @@ impl Rendezvous {
     /// One more slot for an edge. Taken only if the edge is still the
     /// placement it was asked for (not re-placed or revoked since);
     /// otherwise it goes straight back.
-    pub(super) fn tx_grow(&mut self, link: LinkId, edge_id: u32, slot: SlotDesc) -> Result<Vec<Action>> {
+    pub(super) fn tx_grow(&mut self, link: LinkId, edge_id: u32, slot: SlotDesc) -> Result<Actions> {
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("grow on unknown link".into()))?;
         let key = t.by_id.get(&edge_id).cloned();
         let e = key.as_ref().and_then(|k| t.edges.get_mut(k));
@@ -380,13 +380,13 @@ impl Rendezvous {
                 e.slots.push((slot, true));
                 Ok(self.pump(link, &key))
             }
-            _ => Ok(vec![Action::Send { link, msg: Msg::ReturnSlot { slot: slot.id, gen: slot.gen } }]),
+            _ => Ok(smallvec![Action::Send { link, msg: Msg::ReturnSlot { slot: slot.id, gen: slot.gen } }]),
         }
     }
 
-    pub(super) fn tx_nomore(&mut self, link: LinkId, edge_id: u32) -> Result<Vec<Action>> {
+    pub(super) fn tx_nomore(&mut self, link: LinkId, edge_id: u32) -> Result<Actions> {
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("nomore on unknown link".into()))?;
-        let Some(key) = t.by_id.get(&edge_id).cloned() else { return Ok(Vec::new()) };
+        let Some(key) = t.by_id.get(&edge_id).cloned() else { return Ok(Actions::new()) };
         if let Some(e) = t.edges.get_mut(&key) {
             e.more_pending = false;
             e.no_more = true;
@@ -397,24 +397,24 @@ impl Rendezvous {
     /// The receiver wants an idle edge's slots back (its arena is full).
     /// Hand them back if the edge is idle here too; the next send of the
     /// edge places it again.
-    pub(super) fn tx_revoke(&mut self, link: LinkId, edge_id: u32) -> Result<Vec<Action>> {
+    pub(super) fn tx_revoke(&mut self, link: LinkId, edge_id: u32) -> Result<Actions> {
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("revoke on unknown link".into()))?;
-        let Some(key) = t.by_id.get(&edge_id).cloned() else { return Ok(Vec::new()) };
-        let Some(e) = t.edges.get_mut(&key) else { return Ok(Vec::new()) };
+        let Some(key) = t.by_id.get(&edge_id).cloned() else { return Ok(Actions::new()) };
+        let Some(e) = t.edges.get_mut(&key) else { return Ok(Actions::new()) };
         if !e.pending.is_empty() || e.awaiting_publish || e.slots.iter().any(|(_, free)| !*free) {
-            return Ok(Vec::new());
+            return Ok(Actions::new());
         }
         let acts = e.slots.drain(..).map(|(s, _)| Action::Send { link, msg: Msg::ReturnSlot { slot: s.id, gen: s.gen } }).collect();
         Ok(acts)
     }
 
     /// A write on `link` completed (either way): frees budget for queued sends.
-    pub fn write_done(&mut self, link: LinkId) -> Vec<Action> {
-        let Some(t) = self.tx.get_mut(&link) else { return Vec::new() };
+    pub fn write_done(&mut self, link: LinkId) -> Actions {
+        let Some(t) = self.tx.get_mut(&link) else { return Actions::new() };
         let was_full = t.outstanding >= self.params.max_outstanding_writes;
         t.outstanding = t.outstanding.saturating_sub(1);
         if !was_full {
-            return Vec::new();
+            return Actions::new();
         }
         let keys: Vec<String> = t.edges.iter().filter(|(_, e)| !e.pending.is_empty()).map(|(k, _)| k.clone()).collect();
         keys.iter().flat_map(|k| self.pump(link, k)).collect()

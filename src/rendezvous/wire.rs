@@ -11,8 +11,14 @@ use crate::error::{Error, Result};
 pub struct TensorMeta {
     pub dtype: u32,
     pub flags: u32,
-    pub dims: Vec<i64>,
+    pub dims: Dims,
 }
+
+/// A shape: up to 8 dimensions inline (no allocation per tensor).
+pub type Dims = smallvec::SmallVec<[i64; 8]>;
+
+/// An encoded control message: the usual ones fit inline.
+pub type MsgBytes = smallvec::SmallVec<[u8; 64]>;
 
 /// The tensor is dead (a not-taken branch of a cond): no payload.
 pub const FLAG_DEAD: u32 = 1;
@@ -122,7 +128,7 @@ pub const STEP_AHEAD: u64 = u64::MAX;
 /// Longest rendezvous key accepted (TF keys are a few hundred bytes).
 pub const MAX_KEY: usize = 4096;
 
-struct W(Vec<u8>);
+struct W(MsgBytes);
 impl W {
     fn u8(&mut self, v: u8) { self.0.push(v) }
     fn u32(&mut self, v: u32) { self.0.extend_from_slice(&v.to_le_bytes()) }
@@ -170,7 +176,8 @@ impl<'a> R<'a> {
         let dtype = self.u32()?;
         let flags = self.u32()?;
         let n = self.count(8)?;
-        let mut dims = Vec::with_capacity(n);
+        // n is bounded by the message's length (count).
+        let mut dims = Dims::with_capacity(n);
         for _ in 0..n { dims.push(self.u64()? as i64) }
         Ok(TensorMeta { dtype, flags, dims })
     }
@@ -236,8 +243,8 @@ impl Msg {
         }
     }
 
-    pub fn encode(&self) -> Vec<u8> {
-        let mut w = W(Vec::with_capacity(64));
+    pub fn encode(&self) -> MsgBytes {
+        let mut w = W(MsgBytes::new());
         match self {
             Msg::Announce { key, step, need, returned } => {
                 w.u8(T_ANNOUNCE); w.bytes(key.as_bytes()); w.u64(*step); w.u64(*need);
@@ -333,11 +340,11 @@ pub struct Hello {
 
 impl Hello {
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = W(Vec::new());
+        let mut w = W(MsgBytes::new());
         w.u32(MAGIC); w.u32(PROTOCOL_VERSION);
         w.bytes(self.task.as_bytes()); w.u64(self.incarnation); w.bytes(self.target.as_bytes());
         w.u8(self.rpc as u8);
-        w.0
+        w.0.into_vec()
     }
 
     pub fn decode(b: &[u8]) -> Result<Hello> {
@@ -395,10 +402,10 @@ const HDR_CHUNK: u32 = 1 << 31;
 impl SlotHeader {
     /// Encode into exactly `HEADER_BYTES`. Callers ensure
     /// `meta.dims.len() <= MAX_DIMS` (higher ranks go inline).
-    pub fn encode(&self) -> Vec<u8> {
-        let mut b = vec![0u8; HEADER_BYTES];
-        let put32 = |b: &mut Vec<u8>, at: usize, v: u32| b[at..at + 4].copy_from_slice(&v.to_le_bytes());
-        let put64 = |b: &mut Vec<u8>, at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        let put32 = |b: &mut [u8; HEADER_BYTES], at: usize, v: u32| b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        let put64 = |b: &mut [u8; HEADER_BYTES], at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_le_bytes());
         put32(&mut b, 0, MAGIC);
         let chunk = if self.chunk.is_some() { HDR_CHUNK } else { 0 };
         put32(&mut b, 4, (PROTOCOL_VERSION & 0xffff) | ((self.meta.dims.len() as u32) << 16) | chunk);
@@ -470,7 +477,7 @@ mod tests {
             Msg::PlaceFor { req: 1, receiver: "r".into(), key: "k".into(), bytes: 9 },
             Msg::PlaceDone { req: 1, outcome: 2, error: "e".into() },
             Msg::Grow { edge_id: 1, slot: SlotDesc { id: 2, gen: 3, offset: 4096, capacity: 5, key: 7 } },
-            Msg::StreamBegin { stream: 3, key: "k".into(), step: 1, meta: TensorMeta { dtype: 1, flags: 2, dims: vec![2; 30] }, total: 6 << 30 },
+            Msg::StreamBegin { stream: 3, key: "k".into(), step: 1, meta: TensorMeta { dtype: 1, flags: 2, dims: vec![2; 30].into() }, total: 6 << 30 },
             Msg::StreamReady { stream: 3, outcome: STREAM_REFUSED, error: "no memory".into() },
             Msg::StreamData { stream: 3, offset: 1 << 33, bytes: vec![1, 2, 3] },
             Msg::StreamAck { stream: 3 },
@@ -518,7 +525,7 @@ mod tests {
     #[test]
     fn header_round_trip_and_checks() {
         let h = SlotHeader { edge_id: 1, slot: 2, gen: 3, incarnation: 4, step: 5, len: 6,
-            meta: TensorMeta { dtype: 7, flags: FLAG_DEAD, dims: vec![1, -1, 3] }, chunk: None };
+            meta: TensorMeta { dtype: 7, flags: FLAG_DEAD, dims: vec![1, -1, 3].into() }, chunk: None };
         let b = h.encode();
         assert_eq!(b.len(), HEADER_BYTES);
         assert_eq!(SlotHeader::decode(&b).unwrap(), h);
@@ -529,7 +536,7 @@ mod tests {
         // A chunk header: stream and offset (past 4 GiB) round-trip, and
         // the chunk bit does not leak into the rank.
         let c = SlotHeader { edge_id: 1, slot: 2, gen: 3, incarnation: 4, step: 5, len: 16 << 20,
-            meta: TensorMeta { dtype: 7, flags: 0, dims: vec![] }, chunk: Some(ChunkAt { stream: u32::MAX, offset: (5 << 30) + 4096 }) };
+            meta: TensorMeta { dtype: 7, flags: 0, dims: vec![].into() }, chunk: Some(ChunkAt { stream: u32::MAX, offset: (5 << 30) + 4096 }) };
         assert_eq!(SlotHeader::decode(&c.encode()).unwrap(), c);
         let mut plain = c.clone(); plain.chunk = None;
         assert_eq!(SlotHeader::decode(&plain.encode()).unwrap().chunk, None);

@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 /// progress thread has stopped gets there.
 const RING_FULL_TIMEOUT: Duration = Duration::from_secs(10);
 use crate::fabric::arena::{check_range, map_shared};
-use crate::fabric::{next_conn_id, ConnId, Endpoint, FabricEvents, Segment, TransportKind, WriteDone};
+use crate::fabric::{next_conn_id, ConnId, Endpoint, FabricEvents, TransportKind, WriteOp};
 
 pub struct ShmEndpoint {
     id: ConnId,
@@ -148,17 +148,19 @@ impl Endpoint for ShmEndpoint {
         self.arena_len as u64
     }
 
-    fn write_imm(&self, remote_off: u64, _key: u32, segs: Vec<Segment>, imm: u32, done: WriteDone) {
+    fn write(&self, remote_off: u64, _key: u32, imm: u32, done: Box<dyn WriteOp>) {
         if self.dead.load(Ordering::SeqCst) {
-            return done(Err(self.lost()));
+            return done.complete(Err(self.lost()));
         }
-        let total: usize = segs.iter().map(|s| (**s).as_ref().len()).sum();
-        if let Err(e) = check_range(remote_off as usize, total, self.arena_len) {
-            return done(Err(e));
+        let segs = done.segments();
+        let total = segs.iter().try_fold(0usize, |t, s| t.checked_add(s.len()));
+        let checked = total.ok_or_else(|| Error::InvalidArgument("write size overflows".into())).and_then(|t| check_range(remote_off as usize, t, self.arena_len));
+        if let Err(e) = checked {
+            drop(segs);
+            return done.complete(Err(e));
         }
         let mut off = remote_off as usize;
-        for s in &segs {
-            let b = (**s).as_ref();
+        for b in &segs {
             // SAFETY: [off, off+len) was checked to lie inside the mapping
             // (which the slot protocol gives to this write alone); the
             // source is a live slice that cannot overlap our mapping.
@@ -175,7 +177,7 @@ impl Endpoint for ShmEndpoint {
                     break w;
                 }
                 if self.dead.load(Ordering::SeqCst) {
-                    return done(Err(self.lost()));
+                    return done.complete(Err(self.lost()));
                 }
                 // Full ring: the receiver is behind. Back off gently, and
                 // give up on a receiver that stopped draining it.
@@ -184,7 +186,7 @@ impl Endpoint for ShmEndpoint {
                     full_since = Some(Instant::now());
                 }
                 if full_since.is_some_and(|t| t.elapsed() >= RING_FULL_TIMEOUT) {
-                    return done(Err(Error::Timeout(format!(
+                    return done.complete(Err(Error::Timeout(format!(
                         "{}'s doorbell ring stayed full for {RING_FULL_TIMEOUT:?}: the receiver stopped taking writes",
                         self.remote
                     ))));
@@ -199,7 +201,7 @@ impl Endpoint for ShmEndpoint {
         if wake {
             self.doorbell.ring();
         }
-        done(Ok(()))
+        done.complete(Ok(()))
     }
 
     fn send_msg(&self, msg: &[u8]) -> Result<()> {

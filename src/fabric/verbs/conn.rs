@@ -33,7 +33,7 @@ use super::wr::{self, WrKind, NO_CHUNK};
 
 mod post;
 use crate::error::{Error, Result};
-use crate::fabric::{ConnId, FabricEvents, Segment, WriteDone};
+use crate::fabric::{ConnId, FabricEvents, WriteOp as FabricWrite};
 
 /// Control-message fragment header: kind, flags, 2 spare, payload length.
 const HDR: usize = 8;
@@ -82,8 +82,7 @@ pub(crate) enum Action {
 /// long for a large region).
 pub(crate) struct Finished {
     mrs: Vec<Option<Mr>>,
-    segs: Vec<Segment>,
-    done: Option<WriteDone>,
+    op: Box<dyn FabricWrite>,
     res: Result<()>,
 }
 
@@ -92,25 +91,22 @@ impl Finished {
         self.mrs.iter().any(|m| m.is_some())
     }
 
-    fn failed(done: WriteDone, why: Error) -> Finished {
-        Finished { mrs: Vec::new(), segs: Vec::new(), done: Some(done), res: Err(why) }
+    fn failed(op: Box<dyn FabricWrite>, why: Error) -> Finished {
+        Finished { mrs: Vec::new(), op, res: Err(why) }
     }
 
     pub(crate) fn run(self) {
-        let Finished { mrs, segs, done, res } = self;
+        let Finished { mrs, op, res } = self;
         drop(mrs);
-        drop(segs);
-        if let Some(d) = done {
-            d(res);
-        }
+        op.complete(res);
     }
 }
 
 struct WriteOp {
     // Field order = drop order: registrations before the memory they pin.
     mrs: Vec<Option<Mr>>,
-    segs: Vec<Segment>,
-    done: Option<WriteDone>,
+    /// The source segments and the completion.
+    op: Box<dyn FabricWrite>,
     imm: u32,
     /// The rkey of the range written (the slot's key from the receiver).
     rkey: u32,
@@ -344,21 +340,22 @@ impl Conn {
         Ok(self.pump(&mut inner))
     }
 
-    /// Start a write (see [`crate::fabric::Endpoint::write_imm`]).
-    pub fn write_imm(&self, remote_off: u64, rkey: u32, segs: Vec<Segment>, imm: u32, done: WriteDone) -> Vec<Action> {
+    /// Start a write (see [`crate::fabric::Endpoint::write`]).
+    pub fn write(&self, remote_off: u64, rkey: u32, imm: u32, done: Box<dyn FabricWrite>) -> Vec<Action> {
         let closed = || Error::PeerLost(format!("connection {} is closed", self.id));
-        let total: usize = segs.iter().map(|s| (**s).as_ref().len()).sum();
+        let total = done.segments().iter().try_fold(0usize, |t, s| t.checked_add(s.len()));
+        let Some(total) = total else {
+            return vec![Action::WriteDone(Finished::failed(done, Error::InvalidArgument("write size overflows".into())))];
+        };
         let (dev, arena_len) = {
             let inner = self.inner.lock();
             if inner.phase != Phase::Ready {
                 drop(inner);
-                drop(segs);
                 return vec![Action::WriteDone(Finished::failed(done, closed()))];
             }
             (inner.dev.clone(), inner.remote.map(|r| r.arena_len).unwrap_or(0))
         };
         if remote_off.checked_add(total as u64).map_or(true, |end| end > arena_len) {
-            drop(segs);
             return vec![Action::WriteDone(Finished::failed(done, Error::InvalidArgument(format!(
                 "write of {total} bytes at {remote_off} is outside the peer's arena of {arena_len} bytes"
             ))))];
@@ -371,8 +368,8 @@ impl Conn {
             let Some(dev) = dev else {
                 return vec![Action::WriteDone(Finished::failed(done, Error::Internal("no device".into())))];
             };
-            for s in &segs {
-                let b = (**s).as_ref();
+            let mut failed = None;
+            for b in done.segments() {
                 if b.is_empty() {
                     mrs.push(None);
                     continue;
@@ -390,24 +387,25 @@ impl Conn {
                         break;
                     }
                     Err(e) => {
-                        drop(mrs);
-                        drop(segs);
-                        return vec![Action::WriteDone(Finished::failed(done, e))];
+                        failed = Some(e);
+                        break;
                     }
                 }
+            }
+            if let Some(e) = failed {
+                drop(mrs);
+                return vec![Action::WriteDone(Finished::failed(done, e))];
             }
         }
         let mut inner = self.inner.lock();
         if inner.phase != Phase::Ready {
             drop(inner);
             drop(mrs);
-            drop(segs);
             return vec![Action::WriteDone(Finished::failed(done, closed()))];
         }
         let op = Op::Write(WriteOp {
             mrs,
-            segs,
-            done: Some(done),
+            op: done,
             imm,
             rkey,
             remote_off,
@@ -485,7 +483,7 @@ impl Conn {
                             if w.last_chunk != NO_CHUNK {
                                 inner.free_chunks.push(w.last_chunk);
                             }
-                            acts.push(Action::WriteDone(Finished { mrs: w.mrs, segs: w.segs, done: w.done, res }));
+                            acts.push(Action::WriteDone(Finished { mrs: w.mrs, op: w.op, res }));
                         }
                     }
                 }
@@ -589,7 +587,7 @@ impl Conn {
         for s in inner.ops.iter_mut() {
             match s.op.take() {
                 Some(Op::Write(w)) => {
-                    acts.push(Action::WriteDone(Finished { mrs: w.mrs, segs: w.segs, done: w.done, res: Err(why.clone()) }));
+                    acts.push(Action::WriteDone(Finished { mrs: w.mrs, op: w.op, res: Err(why.clone()) }));
                 }
                 None => {}
             }

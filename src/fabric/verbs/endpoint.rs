@@ -10,7 +10,7 @@ use super::cm::{self, CmId, RawAddr};
 use super::conn::{Conn, Phase, Role, MSG_USER};
 use super::progress::{self, Request, Shared};
 use crate::error::{Error, Result};
-use crate::fabric::{ConnId, Endpoint, FabricEvents, Segment, TransportKind, WriteDone};
+use crate::fabric::{ConnId, Endpoint, FabricEvents, TransportKind, WriteOp};
 
 /// A connected sender. Only handed out once the receiver accepted, so
 /// every data-path method has a live remote arena behind it.
@@ -118,10 +118,10 @@ impl Endpoint for VerbsEndpoint {
         self.remote_len
     }
 
-    fn write_imm(&self, remote_off: u64, key: u32, segs: Vec<Segment>, imm: u32, done: WriteDone) {
+    fn write(&self, remote_off: u64, key: u32, imm: u32, op: Box<dyn WriteOp>) {
         // `key` is the rkey the receiver granted for the range (a memory
         // window bound to this connection, or its shared arena region).
-        let acts = self.conn.write_imm(remote_off, key, segs, imm, done);
+        let acts = self.conn.write(remote_off, key, imm, op);
         progress::run_actions(&self.shared, &self.conn, acts);
     }
 

@@ -24,11 +24,11 @@ const INCARNATION: u64 = 11;
 
 struct Mem(Vec<u8>);
 impl SlotMemory for Mem {
-    fn header(&self, offset: u64) -> Vec<u8> {
+    fn header(&self, offset: u64) -> [u8; HEADER_BYTES] {
         let o = offset as usize;
         // The protocol only asks for headers of slots it placed itself.
         assert!(o.checked_add(HEADER_BYTES).is_some_and(|e| e <= self.0.len()), "header read outside the arena at {offset}");
-        self.0[o..o + HEADER_BYTES].to_vec()
+        self.0[o..o + HEADER_BYTES].try_into().expect("header length")
     }
 }
 
@@ -89,7 +89,7 @@ fn message(i: &mut In) -> Option<Msg> {
             stream: i.u32()? % 8,
             key: i.key()?,
             step: i.u64()? % 8,
-            meta: TensorMeta { dtype: 1, flags: 0, dims: vec![1; (i.u8()? % 32) as usize] },
+            meta: TensorMeta { dtype: 1, flags: 0, dims: vec![1; (i.u8()? % 32) as usize].into() },
             total: i.size()?,
         },
         9 => Msg::StreamReady { stream: i.u32()? % 8, outcome: i.u32()? % 4, error: String::new() },
@@ -227,7 +227,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
                     incarnation: if inc & 1 == 0 { INCARNATION } else { inc as u64 },
                     step: step % 8,
                     len: if chunk.is_some() && inc & 0x20 != 0 { cg } else { len },
-                    meta: TensorMeta { dtype: 1, flags: (inc >> 1) as u32 & 3, dims: vec![len as i64] },
+                    meta: TensorMeta { dtype: 1, flags: (inc >> 1) as u32 & 3, dims: vec![len as i64].into() },
                     chunk,
                 };
                 let at = (off as usize % (ARENA / 4096)) * 4096;
@@ -248,7 +248,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
             },
             7 => match (i.key(), i.u64(), i.bytes(8192)) {
                 (Some(k), Some(step), Some(b)) => {
-                    let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![b.len() as i64] };
+                    let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![b.len() as i64].into() };
                     w.r.send(TX, &k, step % 8, meta, Box::new(b.to_vec()), Box::new(|_| {}))
                 }
                 _ => break,

@@ -150,8 +150,9 @@ impl Conn {
             let Some(op) = inner.ops[slot as usize].op.as_mut() else { return Ok(true) };
             let (wr_id, opcode, sge, remote, imm, last) = match op {
                 Op::Write(w) => {
+                    let segs = w.op.segments();
                     // Skip empty segments so the cursor points at real bytes.
-                    while w.seg < w.segs.len() && w.seg_off >= (*w.segs[w.seg]).as_ref().len() {
+                    while w.seg < segs.len() && w.seg_off >= segs[w.seg].len() {
                         w.seg += 1;
                         w.seg_off = 0;
                     }
@@ -164,7 +165,7 @@ impl Conn {
                         piece = w.left;
                         let mut copied = 0;
                         while copied < piece {
-                            let b = (*w.segs[w.seg]).as_ref();
+                            let b = segs[w.seg];
                             let n = (b.len() - w.seg_off).min(piece - copied);
                             tmp[copied..copied + n].copy_from_slice(&b[w.seg_off..w.seg_off + n]);
                             copied += n;
@@ -179,7 +180,7 @@ impl Conn {
                         piece = w.left.min(chunk_size);
                         let mut copied = 0;
                         while copied < piece {
-                            let b = (*w.segs[w.seg]).as_ref();
+                            let b = segs[w.seg];
                             let n = (b.len() - w.seg_off).min(piece - copied);
                             // SAFETY: chunk c is ours (popped from the free
                             // list) and holds chunk_size >= piece bytes; the
@@ -195,7 +196,7 @@ impl Conn {
                         sge = Some(ibv_sge { addr: p as u64, length: piece as u32, lkey: slab_lkey });
                         let _ = c;
                     } else {
-                        let b = (*w.segs[w.seg]).as_ref();
+                        let b = segs[w.seg];
                         let mr = w.mrs[w.seg].as_ref().ok_or_else(|| Error::Internal("segment not registered".into()))?;
                         piece = (b.len() - w.seg_off).min(crate::fabric::verbs::MAX_WR_BYTES);
                         // SAFETY: offset inside the registered segment.

@@ -1,0 +1,184 @@
+//! The steady-state hot path allocates nothing: a counting global
+//! allocator watches every thread of the process (the caller's, the shm
+//! progress and reader threads, `rdev-callbacks`) while two transports in
+//! this process move tensors through the C ABI, as the TensorFlow shim
+//! calls it, on an edge placed ahead.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use rdma_device::ffi::buffer::*;
+use rdma_device::ffi::*;
+
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+/// `ALLOC_TRACE=1`: print a backtrace of every counted allocation.
+static TRACE: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    static IN_TRACE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+fn note_alloc() {
+    if !COUNTING.load(Ordering::Relaxed) {
+        return;
+    }
+    ALLOCS.fetch_add(1, Ordering::Relaxed);
+    if TRACE.load(Ordering::Relaxed) {
+        let _ = IN_TRACE.try_with(|t| {
+            if !t.replace(true) {
+                eprintln!("=== alloc on {:?}\n{}", std::thread::current().name(), std::backtrace::Backtrace::force_capture());
+                t.set(false);
+            }
+        });
+    }
+}
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        note_alloc();
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        note_alloc();
+        unsafe { System.alloc_zeroed(l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        note_alloc();
+        unsafe { System.realloc(p, l, n) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        unsafe { System.dealloc(p, l) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+static SENT: AtomicU64 = AtomicU64::new(0);
+static RECEIVED: AtomicU64 = AtomicU64::new(0);
+static LAST_BUF: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static FAILED: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn on_sent(_ud: *mut c_void, st: rdev_status, _m: *const std::ffi::c_char, _l: usize) {
+    if st != rdev_status::RDEV_OK {
+        FAILED.fetch_add(1, Ordering::SeqCst);
+    }
+    SENT.fetch_add(1, Ordering::SeqCst);
+}
+
+extern "C" fn on_received(_ud: *mut c_void, st: rdev_status, _m: *const std::ffi::c_char, _l: usize, buf: *mut rdev_buffer) {
+    if st != rdev_status::RDEV_OK {
+        FAILED.fetch_add(1, Ordering::SeqCst);
+    }
+    LAST_BUF.store(buf as usize, Ordering::SeqCst);
+    RECEIVED.fetch_add(1, Ordering::SeqCst);
+}
+
+/// Spin (yielding) until `c` reaches `n`; allocation-free, with a deadline.
+fn wait_for(c: &AtomicU64, n: u64) {
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while c.load(Ordering::SeqCst) < n {
+        assert!(std::time::Instant::now() < until, "timed out waiting for a completion");
+        std::thread::yield_now();
+    }
+}
+
+fn new_ctx(task: &str, addr: &str) -> *mut rdev_context {
+    let mut c = std::ptr::null_mut();
+    // SAFETY: valid strings and out-param.
+    let st = unsafe { rdev_context_new(task.as_ptr().cast(), task.len(), addr.as_ptr().cast(), addr.len(), &mut c) };
+    assert_eq!(st, rdev_status::RDEV_OK);
+    c
+}
+
+fn add_peer(c: *mut rdev_context, task: &str, addr: &str) {
+    let mut t = rdev_transport::RDEV_TRANSPORT_NONE;
+    // SAFETY: valid context, strings and out-param.
+    let st = unsafe { rdev_context_add_peer(c, task.as_ptr().cast(), task.len(), addr.as_ptr().cast(), addr.len(), &mut t) };
+    assert_eq!(st, rdev_status::RDEV_OK);
+    assert_ne!(t, rdev_transport::RDEV_TRANSPORT_NONE);
+}
+
+/// Move `steps` tensors of `len` bytes over one edge; returns the number of
+/// allocations the whole process made during the last `measured` steps.
+fn run(a: *mut rdev_context, b: *mut rdev_context, ta: &str, tb: &str, key: &str, len: usize, first_step: u64, steps: u64, measured: u64) -> u64 {
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+    let dims = [len as i64];
+    let meta = rdev_tensor_meta { dtype: 4, flags: 0, ndims: 1, dims: dims.as_ptr() };
+    let mut placed = false;
+    // SAFETY: valid context and strings.
+    let st = unsafe { rdev_place_edge(a, tb.as_ptr().cast(), tb.len(), key.as_ptr().cast(), key.len(), len as u64, 10_000, &mut placed) };
+    assert_eq!(st, rdev_status::RDEV_OK);
+    assert!(placed);
+    let before = ALLOCS.load(Ordering::SeqCst);
+    for i in 0..steps {
+        let step = first_step + i;
+        if i == steps - measured {
+            // Every thread is idle here (the previous step completed).
+            COUNTING.store(true, Ordering::SeqCst);
+        }
+        let (s0, r0) = (SENT.load(Ordering::SeqCst), RECEIVED.load(Ordering::SeqCst));
+        // SAFETY: valid contexts, strings, meta and data (kept alive until on_sent).
+        unsafe {
+            assert_eq!(rdev_recv(b, ta.as_ptr().cast(), ta.len(), key.as_ptr().cast(), key.len(), step, Some(on_received), std::ptr::null_mut()), rdev_status::RDEV_OK);
+            assert_eq!(
+                rdev_send(a, tb.as_ptr().cast(), tb.len(), key.as_ptr().cast(), key.len(), step, &meta, data.as_ptr(), len, Some(on_sent), std::ptr::null_mut()),
+                rdev_status::RDEV_OK
+            );
+        }
+        wait_for(&SENT, s0 + 1);
+        wait_for(&RECEIVED, r0 + 1);
+        assert_eq!(FAILED.load(Ordering::SeqCst), 0);
+        let buf = LAST_BUF.load(Ordering::SeqCst) as *mut rdev_buffer;
+        // SAFETY: a buffer handed to on_received, released once below.
+        unsafe {
+            assert!(rdev_buffer_in_place(buf), "step {step}: not received in place");
+            let got = std::slice::from_raw_parts(rdev_buffer_data(buf), rdev_buffer_len(buf));
+            assert!(got == &data[..], "step {step}: bytes differ");
+            rdev_buffer_release(buf);
+            assert_eq!(rdev_step_done(a, step), rdev_status::RDEV_OK);
+            assert_eq!(rdev_step_done(b, step), rdev_status::RDEV_OK);
+        }
+    }
+    // Let completions that trail the callbacks (credits, releases) finish.
+    std::thread::sleep(Duration::from_millis(50));
+    COUNTING.store(false, Ordering::SeqCst);
+    let _ = before;
+    ALLOCS.swap(0, Ordering::SeqCst)
+}
+
+#[test]
+fn steady_state_send_and_receive_allocate_nothing() {
+    let (pa, pb) = (free_port(), free_port());
+    let (ta, tb) = ("/job:worker/replica:0/task:0", "/job:worker/replica:0/task:1");
+    let (aa, ab) = (format!("localhost:{pa}"), format!("localhost:{pb}"));
+    std::env::set_var("RDMA_DEVICE_ARENA_BYTES", "64M");
+    TRACE.store(std::env::var_os("ALLOC_TRACE").is_some(), Ordering::SeqCst);
+    let a = new_ctx(ta, &aa);
+    let b = new_ctx(tb, &ab);
+    add_peer(a, tb, &ab);
+    add_peer(b, ta, &aa);
+    let mut step = 1;
+    for (i, len) in [4096usize, 1 << 20].into_iter().enumerate() {
+        let key = format!("edge{i};0:0");
+        ALLOCS.store(0, Ordering::SeqCst);
+        let n = run(a, b, ta, tb, &key, len, step, 300, 200);
+        step += 300;
+        eprintln!("{len} B: {n} allocations over 200 steps");
+        assert_eq!(n, 0, "{len}-byte tensors: {n} heap allocations in 200 steady-state steps ({} per step)", n as f64 / 200.0);
+    }
+    // SAFETY: contexts from rdev_context_new, freed once.
+    unsafe {
+        rdev_context_free(a);
+        rdev_context_free(b);
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
