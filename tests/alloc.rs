@@ -27,13 +27,16 @@ fn note_alloc() {
     if !COUNTING.load(Ordering::Relaxed) {
         return;
     }
+    // Allocations made while printing a trace are the test's own.
+    if IN_TRACE.try_with(|t| t.get()).unwrap_or(true) {
+        return;
+    }
     ALLOCS.fetch_add(1, Ordering::Relaxed);
     if TRACE.load(Ordering::Relaxed) {
         let _ = IN_TRACE.try_with(|t| {
-            if !t.replace(true) {
-                eprintln!("=== alloc on {:?}\n{}", std::thread::current().name(), std::backtrace::Backtrace::force_capture());
-                t.set(false);
-            }
+            t.set(true);
+            eprintln!("=== alloc on {:?}\n{}", std::thread::current().name(), std::backtrace::Backtrace::force_capture());
+            t.set(false);
         });
     }
 }
@@ -106,7 +109,8 @@ fn add_peer(c: *mut rdev_context, task: &str, addr: &str) {
 
 /// Move `steps` tensors of `len` bytes over one edge; returns the number of
 /// allocations the whole process made during the last `measured` steps.
-fn run(a: *mut rdev_context, b: *mut rdev_context, ta: &str, tb: &str, key: &str, len: usize, first_step: u64, steps: u64, measured: u64) -> u64 {
+#[allow(clippy::too_many_arguments)]
+fn run(a: *mut rdev_context, b: *mut rdev_context, ta: &str, tb: &str, key: &str, len: usize, recv_first: bool, first_step: u64, steps: u64, measured: u64) -> u64 {
     let data: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
     let dims = [len as i64];
     let meta = rdev_tensor_meta { dtype: 4, flags: 0, ndims: 1, dims: dims.as_ptr() };
@@ -124,12 +128,17 @@ fn run(a: *mut rdev_context, b: *mut rdev_context, ta: &str, tb: &str, key: &str
         }
         let (s0, r0) = (SENT.load(Ordering::SeqCst), RECEIVED.load(Ordering::SeqCst));
         // SAFETY: valid contexts, strings, meta and data (kept alive until on_sent).
-        unsafe {
-            assert_eq!(rdev_recv(b, ta.as_ptr().cast(), ta.len(), key.as_ptr().cast(), key.len(), step, Some(on_received), std::ptr::null_mut()), rdev_status::RDEV_OK);
-            assert_eq!(
-                rdev_send(a, tb.as_ptr().cast(), tb.len(), key.as_ptr().cast(), key.len(), step, &meta, data.as_ptr(), len, Some(on_sent), std::ptr::null_mut()),
-                rdev_status::RDEV_OK
-            );
+        let recv = || unsafe { rdev_recv(b, ta.as_ptr().cast(), ta.len(), key.as_ptr().cast(), key.len(), step, Some(on_received), std::ptr::null_mut()) };
+        // SAFETY: as above.
+        let send = || unsafe { rdev_send(a, tb.as_ptr().cast(), tb.len(), key.as_ptr().cast(), key.len(), step, &meta, data.as_ptr(), len, Some(on_sent), std::ptr::null_mut()) };
+        if recv_first {
+            assert_eq!(recv(), rdev_status::RDEV_OK);
+            assert_eq!(send(), rdev_status::RDEV_OK);
+        } else {
+            // The tensor arrives before its receive is made.
+            assert_eq!(send(), rdev_status::RDEV_OK);
+            wait_for(&SENT, s0 + 1);
+            assert_eq!(recv(), rdev_status::RDEV_OK);
         }
         wait_for(&SENT, s0 + 1);
         wait_for(&RECEIVED, r0 + 1);
@@ -159,19 +168,31 @@ fn steady_state_send_and_receive_allocate_nothing() {
     let (aa, ab) = (format!("localhost:{pa}"), format!("localhost:{pb}"));
     std::env::set_var("RDMA_DEVICE_ARENA_BYTES", "64M");
     TRACE.store(std::env::var_os("ALLOC_TRACE").is_some(), Ordering::SeqCst);
+    // The counter counts (a test that cannot fail is no test),
+    // checked before any transport thread runs.
+    COUNTING.store(true, Ordering::SeqCst);
+    drop(std::hint::black_box(vec![1u8; 10]));
+    COUNTING.store(false, Ordering::SeqCst);
+    assert_eq!(ALLOCS.swap(0, Ordering::SeqCst), 1);
+
     let a = new_ctx(ta, &aa);
     let b = new_ctx(tb, &ab);
     add_peer(a, tb, &ab);
     add_peer(b, ta, &aa);
     let mut step = 1;
-    for (i, len) in [4096usize, 1 << 20].into_iter().enumerate() {
+    for (i, (len, recv_first)) in [(4096usize, true), (4096, false), (1 << 20, true), (16 << 20, false)].into_iter().enumerate() {
         let key = format!("edge{i};0:0");
         ALLOCS.store(0, Ordering::SeqCst);
-        let n = run(a, b, ta, tb, &key, len, step, 300, 200);
+        let n = run(a, b, ta, tb, &key, len, recv_first, step, 300, 200);
         step += 300;
-        eprintln!("{len} B: {n} allocations over 200 steps");
-        assert_eq!(n, 0, "{len}-byte tensors: {n} heap allocations in 200 steady-state steps ({} per step)", n as f64 / 200.0);
+        let order = if recv_first { "receive first" } else { "send first" };
+        eprintln!("{len} B, {order}: {n} allocations over 200 steps");
+        assert_eq!(n, 0, "{len}-byte tensors, {order}: {n} heap allocations in 200 steady-state steps ({} per step)", n as f64 / 200.0);
     }
+    // Every tensor went through a placed slot (one-sided writes), none
+    // through a stream.
+    let pushed = rdma_device::stats::Stats::global().c.tensors_pushed.load(Ordering::SeqCst);
+    assert_eq!(pushed, 4 * 300);
     // SAFETY: contexts from rdev_context_new, freed once.
     unsafe {
         rdev_context_free(a);

@@ -38,8 +38,11 @@ pub struct Arena {
     base: Mutex<Option<usize>>,
     /// What is mapped where in `ptr..ptr+len`: start → (end, window or
     /// None for the arena's own pages). Covers the whole arena.
-    shown: Mutex<BTreeMap<usize, (usize, Option<Arc<Window>>)>>,
+    shown: Mutex<Shown>,
 }
+
+/// start → (end, the window shown there or None for the arena's own pages).
+type Shown = BTreeMap<usize, (usize, Option<Arc<Window>>)>;
 
 /// One sender's view of the arena (see the module docs).
 pub struct Window {

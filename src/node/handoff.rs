@@ -21,6 +21,9 @@ use parking_lot::{Condvar, Mutex};
 use super::Inner;
 use crate::rendezvous::{smallvec, Action};
 
+/// Actions the queue has room for before it first grows.
+const QUEUE_START: usize = 64;
+
 #[derive(Default)]
 struct Queue {
     jobs: VecDeque<Action>,
@@ -43,6 +46,8 @@ pub(super) struct Handoff {
 impl Handoff {
     pub(super) fn start(node: Weak<Inner>) -> Handoff {
         let shared = Arc::new(Shared::default());
+        // Room for bursts from the start; it grows (amortised) past that.
+        shared.q.lock().jobs.reserve(QUEUE_START);
         let (s, n) = (shared.clone(), node.clone());
         let spawned = std::thread::Builder::new().name("rdev-callbacks".into()).spawn(move || serve(&s, &n));
         match spawned {

@@ -236,7 +236,7 @@ impl Node {
     }
 
     pub fn step_done(&self, step: u64) {
-        self.inner.fail_queued(|s| s == step, &Error::Aborted(format!("step {step} finished before this tensor was sent")));
+        self.inner.fail_queued(|s| s == step, &|| Error::Aborted(format!("step {step} finished before this tensor was sent")));
         let acts = self.inner.locked(|r| r.step_done(step));
         self.inner.exec(acts);
     }
@@ -244,13 +244,13 @@ impl Node {
     /// Abort `step`: its waiters and queued sends fail with `why`; with
     /// `propagate`, peers fail what they wait on from us for it.
     pub fn abort_step(&self, step: u64, why: Error, propagate: bool) {
-        self.inner.fail_queued(|s| s == step, &why);
+        self.inner.fail_queued(|s| s == step, &|| why.clone());
         let acts = self.inner.locked(|r| r.abort_step(step, why, propagate));
         self.inner.exec(acts);
     }
 
     pub fn abort_all(&self, why: Error) {
-        self.inner.fail_queued(|_| true, &why);
+        self.inner.fail_queued(|_| true, &|| why.clone());
         let acts = self.inner.locked(|r| r.abort_all(why));
         self.inner.exec(acts);
     }

@@ -302,7 +302,9 @@ impl Inner {
     /// Fail the sends queued while connecting whose step matches `pred`
     /// (an aborted step, or every step when the node shuts down), now
     /// rather than when the connect ends.
-    pub(super) fn fail_queued(&self, pred: impl Fn(u64) -> bool, why: &Error) {
+    pub(super) fn fail_queued(&self, pred: impl Fn(u64) -> bool, why: &dyn Fn() -> Error) {
+        // The error is built only when a send fails (ending a step is
+        // frequent; failing one is not).
         let failed: Vec<QueuedSend> = {
             let mut t = self.peers.table.lock();
             let mut out = Vec::new();
@@ -315,6 +317,10 @@ impl Inner {
             }
             out
         };
+        if failed.is_empty() {
+            return;
+        }
+        let why = why();
         for q in failed {
             q.done.complete(Err(why.clone()));
         }
@@ -354,12 +360,7 @@ impl Inner {
         if self.routes_over_grpc(peer) {
             return done.complete(Err(self.grpc_route(peer)));
         }
-        let me = self.me.clone();
-        let wrapped: crate::rendezvous::RecvDone = Box::new(move |res| match (res, me.upgrade()) {
-            (Ok(r), Some(n)) => done.complete(Ok(n.lease(r))),
-            (Ok(_), None) => done.complete(Err(Error::Aborted("transport shut down".into()))),
-            (Err(e), _) => done.complete(Err(e)),
-        });
+        let wrapped = TO_LEASE.boxed(ToLease { node: self.me.clone(), done: Some(done) });
         let (acts, connected) = self.locked(|r| {
             let a = r.recv(peer, key, step, wrapped);
             (a, r.peer_connected(peer))
@@ -481,5 +482,29 @@ impl Inner {
             .map(|link| crate::rendezvous::Action::Close { link, why: Error::Aborted(format!("connection to {peer} aborted")) })
             .collect();
         self.exec(acts);
+    }
+}
+
+/// A receive's completion in the protocol's terms (`Received`) turned
+/// into the caller's (`Lease`); recycled, so a receive allocates nothing.
+struct ToLease {
+    node: std::sync::Weak<Inner>,
+    /// `None` only while the box waits in `TO_LEASE`.
+    done: Option<LeaseDone>,
+}
+
+static TO_LEASE: crate::completion::Recycler<ToLease> = crate::completion::Recycler::new(4096);
+
+impl crate::completion::Complete<Result<crate::rendezvous::Received>> for ToLease {
+    fn complete(mut self: Box<Self>, res: Result<crate::rendezvous::Received>) {
+        let node = std::mem::take(&mut self.node);
+        let done = self.done.take();
+        TO_LEASE.recycle(self);
+        let Some(done) = done else { return };
+        match (res, node.upgrade()) {
+            (Ok(r), Some(n)) => done.complete(Ok(n.lease(r))),
+            (Ok(_), None) => done.complete(Err(Error::Aborted("transport shut down".into()))),
+            (Err(e), _) => done.complete(Err(e)),
+        }
     }
 }

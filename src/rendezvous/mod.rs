@@ -157,7 +157,7 @@ pub struct Params {
 pub use crate::stats::Tally;
 
 enum Entry {
-    Waiting { peer: String, done: RecvDone },
+    Waiting { peer: Arc<str>, done: RecvDone },
     Ready(Received),
     /// The tensor will not come (its stream was refused or abandoned): the
     /// receive fails with this error when it is made.
@@ -170,14 +170,16 @@ pub struct Rendezvous {
     tx: HashMap<LinkId, tx::TxLink>,
     rx: HashMap<LinkId, rx::RxLink>,
     /// Matching table: (key, step) → a waiting receive or an arrival.
-    table: HashMap<(String, u64), Entry>,
+    table: HashMap<(Arc<str>, u64), Entry>,
+    /// Edge keys and peer names, one `Arc<str>` each (see [`Names`]).
+    names: Names,
     finished: VecDeque<u64>,
     finished_set: HashSet<u64>,
     /// Peers whose connection broke, until they connect again.
     lost: HashMap<String, Error>,
     /// Steps a peer told us it aborted: receives of them from it fail.
-    peer_aborts: HashMap<(String, u64), String>,
-    peer_abort_order: VecDeque<(String, u64)>,
+    peer_aborts: HashMap<(Arc<str>, u64), String>,
+    peer_abort_order: VecDeque<(Arc<str>, u64)>,
     /// Slots of dead links still lent to the application: (offset, bytes).
     orphans: HashMap<(LinkId, u32, u32), (u64, u64)>,
     /// Slots the sender of a dead link held, (offset, bytes): its writes
@@ -199,6 +201,37 @@ pub struct Rendezvous {
     /// Links whose grant failed since the caller last looked (see
     /// `take_refused`): their Publish names a range they cannot write.
     refused: Vec<(LinkId, Error)>,
+}
+
+/// Interned names (edge keys, peer tasks): the matching table, the edges
+/// and waiting receives share one `Arc<str>` per name, so matching a
+/// tensor to its receive copies no string. Names only this set still holds
+/// are pruned whenever it has doubled since the last pruning (amortised
+/// O(1) per new name).
+#[derive(Default)]
+struct Names {
+    set: HashSet<Arc<str>>,
+    prune_at: usize,
+}
+
+impl Names {
+    /// The name if it is interned (never allocates).
+    fn get(&self, s: &str) -> Option<Arc<str>> {
+        self.set.get(s).cloned()
+    }
+
+    fn intern(&mut self, s: &str) -> Arc<str> {
+        if let Some(n) = self.set.get(s) {
+            return n.clone();
+        }
+        if self.set.len() >= self.prune_at {
+            self.set.retain(|n| Arc::strong_count(n) > 1);
+            self.prune_at = (2 * self.set.len()).max(1024);
+        }
+        let n: Arc<str> = Arc::from(s);
+        self.set.insert(n.clone());
+        n
+    }
 }
 
 /// Lets a sender write an arena range just placed for it (the node asks
@@ -233,8 +266,10 @@ impl Rendezvous {
             tx: HashMap::new(),
             rx: HashMap::new(),
             table: HashMap::new(),
-            finished: VecDeque::new(),
-            finished_set: HashSet::new(),
+            names: Names::default(),
+            // Full size from the start: the steady state never grows them.
+            finished: VecDeque::with_capacity(FINISHED_STEPS_REMEMBERED + 1),
+            finished_set: HashSet::with_capacity(FINISHED_STEPS_REMEMBERED + 1),
             lost: HashMap::new(),
             orphans: HashMap::new(),
             quarantine: HashMap::new(),
@@ -359,7 +394,7 @@ impl Rendezvous {
 
     /// Fail every waiting receive matching `pred(peer, step)`.
     fn fail_waiters(&mut self, pred: impl Fn(&str, u64) -> bool, why: &Error) -> Actions {
-        let keys: Vec<(String, u64)> = self
+        let keys: Vec<(Arc<str>, u64)> = self
             .table
             .iter()
             .filter(|((_, step), e)| matches!(e, Entry::Waiting { peer, .. } if pred(peer, *step)))
@@ -387,11 +422,32 @@ impl Rendezvous {
     }
 
     /// Drop the step's unclaimed arrivals and pending work; fail its
-    /// waiters and queued sends with `why`.
-    fn end_step(&mut self, step: u64, why: Error) -> Actions {
+    /// waiters and queued sends with `why`, which is built only when
+    /// something fails: ending a step with nothing pending (the steady
+    /// state) allocates nothing.
+    fn end_step(&mut self, step: u64, why: &dyn Fn() -> Error) -> Actions {
         self.mark_finished(step);
-        let mut acts = self.fail_waiters(|_, s| s == step, &why);
-        let ready: Vec<(String, u64)> = self
+        let mut acts = Actions::new();
+        if self.table.keys().any(|(_, s)| *s == step) {
+            acts.extend(self.end_step_entries(step, &why()));
+        }
+        if self.tx.values().any(|t| !t.idle()) {
+            let why = why();
+            for (link, t) in self.tx.iter_mut() {
+                acts.extend(t.fail_step(*link, step, &why));
+            }
+        }
+        acts.extend(self.rx_discard_streams(step));
+        for reqs in self.unsent_requests.values_mut() {
+            reqs.retain(|(_, s)| *s != step);
+        }
+        acts
+    }
+
+    /// `end_step` for the step's entries of the matching table.
+    fn end_step_entries(&mut self, step: u64, why: &Error) -> Actions {
+        let mut acts = self.fail_waiters(|_, s| s == step, why);
+        let ready: Vec<(Arc<str>, u64)> = self
             .table
             .iter()
             .filter(|((_, s), e)| *s == step && matches!(e, Entry::Ready(_)))
@@ -404,20 +460,13 @@ impl Rendezvous {
                 }
             }
         }
-        for (link, t) in self.tx.iter_mut() {
-            acts.extend(t.fail_step(*link, step, &why));
-        }
         self.table.retain(|(_, s), e| *s != step || !matches!(e, Entry::Failed(_)));
-        acts.extend(self.rx_discard_streams(step));
-        for reqs in self.unsent_requests.values_mut() {
-            reqs.retain(|(_, s)| *s != step);
-        }
         acts
     }
 
     /// The step is over (TF cleaned it up): late pushes for it are dropped.
     pub fn step_done(&mut self, step: u64) -> Actions {
-        self.end_step(step, Error::Aborted(format!("step {step} finished before this tensor was received")))
+        self.end_step(step, &|| Error::Aborted(format!("step {step} finished before this tensor was received")))
     }
 
     /// Abort one step: its waiters and queued sends fail with `why`. With
@@ -433,7 +482,7 @@ impl Rendezvous {
                 acts.push(Action::Send { link: *link, msg: Msg::Abort { step, reason: reason.clone() } });
             }
         }
-        acts.extend(self.end_step(step, why));
+        acts.extend(self.end_step(step, &|| why.clone()));
         acts
     }
 
@@ -448,7 +497,7 @@ impl Rendezvous {
         if let Some(t) = self.tx.get_mut(&link) {
             acts.extend(t.fail_step(link, step, &why));
         }
-        let k = (peer, step);
+        let k = (self.names.intern(&peer), step);
         if self.peer_aborts.insert(k.clone(), why.message().to_string()).is_none() {
             self.peer_abort_order.push_back(k);
             while self.peer_abort_order.len() > FINISHED_STEPS_REMEMBERED {

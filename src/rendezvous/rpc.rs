@@ -51,10 +51,10 @@ impl Rendezvous {
             return Ok(Actions::new());
         }
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("request on unknown link".into()))?;
-        if !t.edges.contains_key(&key) && t.edges.len() >= MAX_REQUESTED_EDGES {
+        if !t.edges.contains_key(key.as_str()) && t.edges.len() >= MAX_REQUESTED_EDGES {
             return Err(Error::Protocol(format!("more than {MAX_REQUESTED_EDGES} edges requested")));
         }
-        let e = t.edges.entry(key.clone()).or_default();
+        let e = t.edges.entry(std::sync::Arc::from(key.as_str())).or_default();
         if e.requested.len() >= MAX_REQUESTS_PER_EDGE {
             return Err(Error::Protocol(format!("more than {MAX_REQUESTS_PER_EDGE} outstanding requests for {key}")));
         }

@@ -3,6 +3,7 @@
 //! tensors (the receiver's part) are in `stream.rs`.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use super::stream::{RxStream, STREAM_KEY};
 use super::{smallvec, Actions, Action, Data, Entry, LinkId, Received, RecvDone, Rendezvous};
@@ -38,7 +39,7 @@ pub(super) struct RxSlot {
 }
 
 pub(super) struct RxEdge {
-    pub(super) key: String,
+    pub(super) key: Arc<str>,
     pub(super) set: Vec<u32>,
     /// Logical time of the last arrival (for choosing cold edges).
     pub(super) last_used: u64,
@@ -145,7 +146,7 @@ impl Rendezvous {
 
     /// Wait for the tensor `(key, step)` from `peer`.
     pub fn recv(&mut self, peer: &str, key: &str, step: u64, done: RecvDone) -> Actions {
-        let k = (key.to_string(), step);
+        let k = (self.names.intern(key), step);
         match self.table.remove(&k) {
             Some(Entry::Ready(r)) => {
                 let mut acts = self.lend(&r);
@@ -168,13 +169,14 @@ impl Rendezvous {
         if self.finished_set.contains(&step) {
             return smallvec![Action::Deliver { done, result: Err(Error::Aborted(format!("step {step} was aborted"))) }];
         }
-        if let Some(why) = self.peer_aborts.get(&(peer.to_string(), step)) {
+        if let Some(why) = self.names.get(peer).and_then(|p| self.peer_aborts.get(&(p, step))) {
             self.tally.waiters_failed += 1;
             return smallvec![Action::Deliver { done, result: Err(Error::Aborted(why.clone())) }];
         }
         // A lost peer does not fail new receives here: it may have
         // restarted; the caller reconnects (and fails them if it cannot).
-        self.table.insert(k, Entry::Waiting { peer: peer.to_string(), done });
+        let waiting = Entry::Waiting { peer: self.names.intern(peer), done };
+        self.table.insert(k, waiting);
         if self.params.rpc {
             return self.request(peer, key, step);
         }
@@ -196,7 +198,7 @@ impl Rendezvous {
         self.fail_waiters(|p, _| p == peer, &why)
     }
 
-    pub(super) fn arrive(&mut self, key: String, step: u64, r: Received) -> Actions {
+    pub(super) fn arrive(&mut self, key: Arc<str>, step: u64, r: Received) -> Actions {
         self.tally.tensors_received += 1;
         self.tally.bytes_received += match &r.data {
             Data::Slot { len, .. } => *len,
@@ -232,8 +234,8 @@ impl Rendezvous {
 
     /// The tensor `(key, step)` will not come: fail its receive, now or
     /// when it is made.
-    pub(super) fn fail_receive(&mut self, key: String, step: u64, why: Error) -> Actions {
-        let k = (key, step);
+    pub(super) fn fail_receive(&mut self, key: &str, step: u64, why: Error) -> Actions {
+        let k = (self.names.intern(key), step);
         match self.table.remove(&k) {
             Some(Entry::Waiting { done, .. }) => {
                 self.tally.waiters_failed += 1;
@@ -306,7 +308,7 @@ impl Rendezvous {
                 e.last_used = self.clock;
                 e.key.clone()
             }
-            None => String::new(),
+            None => Arc::from(""),
         };
         let data = Data::Slot { link, slot: imm, gen: s.gen, offset: s.offset + HEADER_BYTES as u64, len: h.len };
         self.arrive(key, h.step, Received { meta: h.meta, data })
@@ -372,7 +374,7 @@ impl Rendezvous {
                 let id = r.next_edge;
                 r.next_edge += 1;
                 r.edges.insert(key.clone(), id);
-                r.edge_info.insert(id, RxEdge { key: key.clone(), set: Vec::new(), last_used: self.clock, revoking: false, more_wanted: None });
+                r.edge_info.insert(id, RxEdge { key: self.names.intern(&key), set: Vec::new(), last_used: self.clock, revoking: false, more_wanted: None });
                 id
             }
         };

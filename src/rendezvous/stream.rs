@@ -169,6 +169,12 @@ pub(super) struct TxStreams {
     next_id: u32,
 }
 
+impl TxStreams {
+    pub(super) fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+}
+
 impl Default for TxStreams {
     fn default() -> TxStreams {
         TxStreams { list: VecDeque::new(), next_id: 1 }
@@ -386,10 +392,11 @@ impl Rendezvous {
             let error = format!("{total} bytes (with {open} bytes of streams already open) exceed the receiver's limit of {MAX_STREAM_TOTAL}");
             let why = Error::ResourceExhausted(format!("{key} in step {step} from {}: {error}", r.peer));
             let mut acts = smallvec![Action::Send { link, msg: Msg::StreamReady { stream, outcome: STREAM_REFUSED, error } }];
-            acts.extend(self.fail_receive(key, step, why));
+            acts.extend(self.fail_receive(&key, step, why));
             return Ok(acts);
         }
         if total == 0 {
+            let key = self.names.intern(&key);
             return Ok(self.arrive(key, step, Received { meta, data: Data::Owned(Vec::new()) }));
         }
         r.streams.insert(stream, RxStream { key, step, meta, total, mode: RxMode::Alloc, buf: None, seen: Vec::new(), accepted: 0, copied: 0 });
@@ -406,7 +413,7 @@ impl Rendezvous {
             log::warn!("{} in step {} from {}: {error}", s.key, s.step, r.peer);
             let why = Error::ResourceExhausted(format!("{} in step {} from {}: {error}", s.key, s.step, r.peer));
             let mut acts = smallvec![Action::Send { link, msg: Msg::StreamReady { stream, outcome: STREAM_REFUSED, error } }];
-            acts.extend(self.fail_receive(s.key, s.step, why));
+            acts.extend(self.fail_receive(&s.key, s.step, why));
             return acts;
         };
         s.buf = Some(Arc::new(StreamBuf::new(buf)));
@@ -443,7 +450,7 @@ impl Rendezvous {
             None => {
                 let id = r.next_edge;
                 r.next_edge += 1;
-                r.edge_info.insert(id, RxEdge { key: STREAM_KEY.to_string(), set: Vec::new(), last_used: self.clock, revoking: false, more_wanted: None });
+                r.edge_info.insert(id, RxEdge { key: Arc::from(STREAM_KEY), set: Vec::new(), last_used: self.clock, revoking: false, more_wanted: None });
                 r.stream_edge = Some(id);
                 id
             }
@@ -561,7 +568,10 @@ impl Rendezvous {
         let s = r.streams.remove(&stream).expect("found above");
         let buf = s.buf.map(Arc::try_unwrap);
         match buf {
-            Some(Ok(b)) => acts.extend(self.arrive(s.key, s.step, Received { meta: s.meta, data: Data::Owned(b.into_vec()) })),
+            Some(Ok(b)) => {
+                let key = self.names.intern(&s.key);
+                acts.extend(self.arrive(key, s.step, Received { meta: s.meta, data: Data::Owned(b.into_vec()) }))
+            }
             _ => acts.push(Action::Close { link, why: Error::Internal(format!("stream {stream}: buffer still in use when complete")) }),
         }
         acts
@@ -572,7 +582,7 @@ impl Rendezvous {
         let Some(r) = self.rx.get_mut(&link) else { return Actions::new() };
         let Some(s) = r.streams.remove(&stream) else { return Actions::new() };
         let why = Error::Aborted(format!("{} gave up sending {} in step {}", r.peer, s.key, s.step));
-        self.fail_receive(s.key, s.step, why)
+        self.fail_receive(&s.key, s.step, why)
     }
 
     /// The step ended here: drop its streams (and their buffers), telling

@@ -3,6 +3,7 @@
 //! Streamed tensors (the sender's part) are in `stream.rs`.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 
 use super::stream::{TxStreams, STREAM_KEY};
 use super::{smallvec, Actions, Action, LinkId, Payload, Rendezvous, SendDone};
@@ -48,8 +49,8 @@ pub(super) struct TxEdge {
 
 pub(super) struct TxLink {
     pub(super) peer: String,
-    pub(super) edges: HashMap<String, TxEdge>,
-    by_id: HashMap<u32, String>,
+    pub(super) edges: HashMap<Arc<str>, TxEdge>,
+    by_id: HashMap<u32, Arc<str>>,
     outstanding: usize,
     /// Sends queued over all edges, and outstanding rpc-mode requests:
     /// when both are 0 (the steady state), ending a step need not look at
@@ -95,6 +96,12 @@ impl TxLink {
         let mut acts = s.drain_pending(|_| true, why);
         acts.extend(s.streams.fail(None, |_| true, why));
         acts
+    }
+
+    /// Nothing queued, requested or streaming: ending a step has nothing
+    /// to fail here.
+    pub(super) fn idle(&self) -> bool {
+        self.queued == 0 && self.requests == 0 && self.streams.is_empty()
     }
 
     pub(super) fn fail_pending(&mut self, why: &Error) -> Actions {
@@ -160,7 +167,7 @@ impl Rendezvous {
         // The edge's key is copied only the first time it is used.
         match t.edges.get_mut(key) {
             Some(e) => e.pending.push_back(p),
-            None => t.edges.entry(key.to_string()).or_default().pending.push_back(p),
+            None => t.edges.entry(Arc::from(key)).or_default().pending.push_back(p),
         }
         t.queued += 1;
         self.pump(link, key)
@@ -284,6 +291,10 @@ impl Rendezvous {
 
     pub(super) fn tx_publish(&mut self, link: LinkId, key: String, edge_id: u32, slots: Vec<SlotDesc>) -> Result<Actions> {
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("publish on unknown link".into()))?;
+        let key: Arc<str> = match t.edges.get_key_value(key.as_str()) {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(key),
+        };
         let e = t.edges.entry(key.clone()).or_default();
         let mut acts = Actions::new();
         // Free slots of the old set that the new set drops go back.
@@ -332,7 +343,7 @@ impl Rendezvous {
 
     pub(super) fn tx_nospace(&mut self, link: LinkId, key: String, need: u64) -> Result<Actions> {
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("nospace on unknown link".into()))?;
-        if let Some(e) = t.edges.get_mut(&key) {
+        if let Some(e) = t.edges.get_mut(key.as_str()) {
             log::info!("receiver has no arena room for {need} bytes of {key}; streaming it");
             e.awaiting_publish = false;
             e.inline_from = Some(need);
@@ -345,7 +356,7 @@ impl Rendezvous {
     /// edge already has a slot that fits or a placement is in flight.
     pub fn place_ahead(&mut self, link: LinkId, key: &str, need: u64) -> Actions {
         let Some(t) = self.tx.get_mut(&link) else { return Actions::new() };
-        let e = t.edges.entry(key.to_string()).or_default();
+        let e = t.edges.entry(Arc::from(key)).or_default();
         if e.awaiting_publish || e.slots.iter().any(|(s, _)| s.capacity >= need) {
             return Actions::new();
         }
@@ -416,7 +427,7 @@ impl Rendezvous {
         if !was_full {
             return Actions::new();
         }
-        let keys: Vec<String> = t.edges.iter().filter(|(_, e)| !e.pending.is_empty()).map(|(k, _)| k.clone()).collect();
+        let keys: Vec<Arc<str>> = t.edges.iter().filter(|(_, e)| !e.pending.is_empty()).map(|(k, _)| k.clone()).collect();
         keys.iter().flat_map(|k| self.pump(link, k)).collect()
     }
 }

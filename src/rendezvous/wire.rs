@@ -529,7 +529,7 @@ mod tests {
         let b = h.encode();
         assert_eq!(b.len(), HEADER_BYTES);
         assert_eq!(SlotHeader::decode(&b).unwrap(), h);
-        let mut bad = b.clone(); bad[0] ^= 1;
+        let mut bad = b; bad[0] ^= 1;
         assert!(SlotHeader::decode(&bad).is_err());
         let mut bad = b; bad[6] = 200;
         assert!(SlotHeader::decode(&bad).is_err());

@@ -13,10 +13,14 @@
 //! nothing left to claim, so the sender never waits for a helper to be
 //! scheduled, only for chunks a helper is already copying: a large write is
 //! never much slower than one memcpy, and faster when helpers are free.
-//! Locks: each job's `done` mutex alone, held only to signal completion.
+//! Locks: each job's `done` mutex alone, held only to signal completion;
+//! a helper's queue lock and the spare-job lock, each held for a push or
+//! a pop. Jobs are reused once no helper holds them any more, and the
+//! queues keep their capacity, so a steady stream of large writes
+//! allocates nothing.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -71,9 +75,21 @@ impl Job {
     }
 }
 
-pub struct CopyPool {
-    workers: Vec<Mutex<Sender<Arc<Job>>>>,
+/// One helper's queue of jobs.
+#[derive(Default)]
+struct Queue {
+    jobs: Mutex<VecDeque<Arc<Job>>>,
+    ready: Condvar,
 }
+
+pub struct CopyPool {
+    workers: Vec<Arc<Queue>>,
+    /// Finished jobs, reused once no helper holds them.
+    spare: Mutex<Vec<Arc<Job>>>,
+}
+
+/// Spare jobs kept.
+const SPARE_JOBS: usize = 8;
 
 static POOL: OnceLock<CopyPool> = OnceLock::new();
 
@@ -84,9 +100,19 @@ impl CopyPool {
         POOL.get_or_init(|| {
             let mut workers = Vec::new();
             for i in 1..threads.max(1) {
-                let (tx, rx) = channel::<Arc<Job>>();
-                let spawned = std::thread::Builder::new().name(format!("rdev-copy-{i}")).spawn(move || {
-                    for j in rx {
+                let q = Arc::new(Queue::default());
+                let mine = q.clone();
+                let spawned = std::thread::Builder::new().name(format!("rdev-copy-{i}")).spawn(move || loop {
+                    let j = {
+                        let mut g = mine.jobs.lock();
+                        loop {
+                            if let Some(j) = g.pop_front() {
+                                break j;
+                            }
+                            mine.ready.wait(&mut g);
+                        }
+                    };
+                    {
                         // A panic here cannot come from the copy itself; the
                         // sender would still finish every unclaimed chunk.
                         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -101,11 +127,11 @@ impl CopyPool {
                     }
                 });
                 match spawned {
-                    Ok(_) => workers.push(Mutex::new(tx)),
+                    Ok(_) => workers.push(q),
                     Err(e) => log::warn!("shm: cannot start a copy thread ({e}); copying with fewer"),
                 }
             }
-            CopyPool { workers }
+            CopyPool { workers, spare: Mutex::new(Vec::with_capacity(SPARE_JOBS)) }
         })
     }
 
@@ -123,30 +149,61 @@ impl CopyPool {
             return;
         }
         let chunk = (len / (parts * CHUNKS_PER_PART)).max(MIN_CHUNK).div_ceil(4096) * 4096;
-        let job = Arc::new(Job {
-            src: src as usize,
-            dst: dst as usize,
+        let job = self.job(src as usize, dst as usize, len, chunk);
+        for w in &self.workers {
+            let mut q = w.jobs.lock();
+            // Out of memory for the queue only means one copier fewer.
+            if q.try_reserve(1).is_ok() {
+                q.push_back(job.clone());
+                drop(q);
+                w.ready.notify_one();
+            }
+        }
+        if !job.work() {
+            job.wait_copied();
+        }
+        let mut spare = self.spare.lock();
+        if spare.len() < SPARE_JOBS {
+            spare.push(job);
+        }
+    }
+
+    /// A job for this copy: a spare one that no helper holds any more, or
+    /// a new one.
+    fn job(&self, src: usize, dst: usize, len: usize, chunk: usize) -> Arc<Job> {
+        let fresh = Job {
+            src,
+            dst,
             len,
             chunk,
             chunks: len.div_ceil(chunk),
             next: AtomicUsize::new(0),
             copied: AtomicUsize::new(0),
             done: (Mutex::new(()), Condvar::new()),
-        });
-        for w in &self.workers {
-            // A helper that is gone only means fewer copiers.
-            let _ = w.lock().send(job.clone());
+        };
+        let mut spare = self.spare.lock();
+        while let Some(mut j) = spare.pop() {
+            // Unique: every helper that took it has dropped its handle, so
+            // none can claim a chunk of the new copy by mistake.
+            if let Some(m) = Arc::get_mut(&mut j) {
+                *m = fresh;
+                return j;
+            }
         }
-        if job.work() {
-            return;
-        }
-        // Only chunks that helpers claimed and are copying right now remain.
+        drop(spare);
+        Arc::new(fresh)
+    }
+}
+
+impl Job {
+    /// Wait for chunks that helpers claimed and are copying right now.
+    fn wait_copied(&self) {
         let t = Instant::now();
-        while !job.all_copied() {
+        while !self.all_copied() {
             if t.elapsed() > SPIN {
-                let mut g = job.done.0.lock();
-                while !job.all_copied() {
-                    job.done.1.wait(&mut g);
+                let mut g = self.done.0.lock();
+                while !self.all_copied() {
+                    self.done.1.wait(&mut g);
                 }
                 break;
             }

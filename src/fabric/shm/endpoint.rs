@@ -107,14 +107,15 @@ impl ShmEndpoint {
             .name("rdev-shm-reader".into())
             .spawn(move || {
                 crate::fabric::mark_event_thread();
+                let mut body = Vec::new();
                 let why = loop {
-                    match socket::recv_frame(&reader) {
-                        Ok((KIND_MSG, body, _)) => {
+                    match socket::recv_frame_into(&reader, &mut body) {
+                        Ok((KIND_MSG, _)) => {
                             if let Err(e) = crate::error::catch_panic("handling an shm control message", || events.on_message(id, &body)) {
                                 break e;
                             }
                         }
-                        Ok((k, _, _)) => break Error::Protocol(format!("unexpected frame kind {k}")),
+                        Ok((k, _)) => break Error::Protocol(format!("unexpected frame kind {k}")),
                         Err(e) => break e,
                     }
                 };

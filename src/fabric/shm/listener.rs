@@ -180,14 +180,15 @@ fn serve_conn(inner: Arc<Inner>, stream: UnixStream) {
             return;
         }
     };
+    let mut body = Vec::new();
     let why = loop {
-        match socket::recv_frame(&conn.stream) {
-            Ok((KIND_MSG, body, _)) => {
+        match socket::recv_frame_into(&conn.stream, &mut body) {
+            Ok((KIND_MSG, _)) => {
                 if let Err(e) = crate::error::catch_panic("handling an shm control message", || inner.events.on_message(id, &body)) {
                     break e;
                 }
             }
-            Ok((kind, _, _)) => break Error::Protocol(format!("unexpected frame kind {kind} after handshake")),
+            Ok((kind, _)) => break Error::Protocol(format!("unexpected frame kind {kind} after handshake")),
             Err(e) => break e,
         }
     };

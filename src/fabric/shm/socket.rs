@@ -131,6 +131,9 @@ pub fn peer_cred(s: &UnixStream) -> Result<(u32, i32)> {
     Ok((cred.uid, cred.pid))
 }
 
+/// Bodies up to this size are sent from a stack buffer.
+const SMALL_FRAME: usize = 256;
+
 /// Send one frame, with `fds` attached to its first byte.
 pub fn send_frame(s: &UnixStream, kind: u8, body: &[u8], fds: &[i32]) -> Result<()> {
     if body.len() > MAX_FRAME {
@@ -139,6 +142,13 @@ pub fn send_frame(s: &UnixStream, kind: u8, body: &[u8], fds: &[i32]) -> Result<
     let mut head = [0u8; 5];
     head[..4].copy_from_slice(&((body.len() + 1) as u32).to_le_bytes());
     head[4] = kind;
+    if fds.is_empty() && body.len() <= SMALL_FRAME {
+        // The usual control message: one write from the stack.
+        let mut buf = [0u8; 5 + SMALL_FRAME];
+        buf[..5].copy_from_slice(&head);
+        buf[5..5 + body.len()].copy_from_slice(body);
+        return send_all(s, &buf[..5 + body.len()]);
+    }
     if fds.is_empty() {
         let mut buf = Vec::with_capacity(5 + body.len());
         buf.extend_from_slice(&head);
@@ -194,11 +204,23 @@ fn send_all(s: &UnixStream, mut b: &[u8]) -> Result<()> {
 
 /// Receive one frame: (kind, body, received fds). EOF → `PeerLost`.
 pub fn recv_frame(s: &UnixStream) -> Result<(u8, Vec<u8>, Vec<OwnedFd>)> {
+    let mut body = Vec::new();
+    let (kind, fds) = recv_frame_into(s, &mut body)?;
+    Ok((kind, body, fds))
+}
+
+/// `recv_frame` into `body` (cleared first), whose capacity a reader keeps
+/// from frame to frame: a steady stream of messages allocates nothing.
+pub fn recv_frame_into(s: &UnixStream, body: &mut Vec<u8>) -> Result<(u8, Vec<OwnedFd>)> {
     let mut head = [0u8; 5];
     let mut iov = libc::iovec { iov_base: head.as_mut_ptr().cast(), iov_len: head.len() };
     // SAFETY: pure computation.
     let space = unsafe { libc::CMSG_SPACE((4 * std::mem::size_of::<i32>()) as u32) } as usize;
-    let mut cbuf = vec![0u8; space];
+    // Aligned for cmsghdr; CMSG_SPACE(16) is 32 bytes on Linux.
+    let mut cbuf = [0u64; 8];
+    if space > std::mem::size_of_val(&cbuf) {
+        return Err(Error::Internal(format!("control buffer of {space} bytes needed")));
+    }
     // SAFETY: POD.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
@@ -238,9 +260,11 @@ pub fn recv_frame(s: &UnixStream) -> Result<(u8, Vec<u8>, Vec<OwnedFd>)> {
     if len == 0 || len - 1 > MAX_FRAME {
         return Err(Error::Protocol(format!("frame length {len} out of range (max {MAX_FRAME})")));
     }
-    let mut body = vec![0u8; len - 1];
-    r.read_exact(&mut body).map_err(|e| Error::PeerLost(format!("shm socket read (truncated frame): {e}")))?;
-    Ok((head[4], body, fds))
+    body.clear();
+    body.try_reserve(len - 1).map_err(|_| Error::ResourceExhausted(format!("a frame of {len} bytes")))?;
+    body.resize(len - 1, 0);
+    r.read_exact(body).map_err(|e| Error::PeerLost(format!("shm socket read (truncated frame): {e}")))?;
+    Ok((head[4], fds))
 }
 
 /// A pidfd for `pid` (readable once the process has exited), or None where

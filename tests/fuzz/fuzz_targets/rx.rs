@@ -14,7 +14,7 @@ use std::collections::VecDeque;
 
 use rdma_device::constants::HEADER_BYTES;
 use rdma_device::error::Error;
-use rdma_device::rendezvous::{stream_chunk_bytes, STREAM_KEY, Action, ChunkAt, ChunkSrc, Data, Msg, Params, Rendezvous, SlotDesc, SlotHeader, SlotMemory, TensorMeta};
+use rdma_device::rendezvous::{stream_chunk_bytes, STREAM_KEY, Action, Actions, ChunkAt, ChunkSrc, Data, Msg, Params, Rendezvous, SlotDesc, SlotHeader, SlotMemory, TensorMeta};
 
 /// Large enough for stream slots (1/8 of it, in 4 chunks of 128 KiB).
 const ARENA: usize = 4 << 20;
@@ -115,7 +115,7 @@ struct World {
 }
 
 enum Write {
-    Tensor(Box<dyn FnOnce(rdma_device::Result<()>) + Send>),
+    Tensor(rdma_device::rendezvous::SendDone),
     Chunk(u32),
 }
 
@@ -125,7 +125,7 @@ const ALLOC_LIMIT: u64 = 1 << 20;
 impl World {
     /// Carry out a chunk copy the protocol asked for; it must lie inside
     /// the arena and inside its destination.
-    fn copy(&mut self, c: Action) -> Vec<Action> {
+    fn copy(&mut self, c: Action) -> Actions {
         let Action::CopyChunk { link, stream, src, len, dst, at } = c else { unreachable!() };
         let (slot, res) = match src {
             ChunkSrc::Slot { slot, gen, offset } => {
@@ -143,8 +143,8 @@ impl World {
         self.r.chunk_copied(link, stream, slot, len, res)
     }
 
-    fn run(&mut self, acts: Vec<Action>) {
-        let mut q: VecDeque<Action> = acts.into();
+    fn run(&mut self, acts: Actions) {
+        let mut q: VecDeque<Action> = acts.into_iter().collect();
         while let Some(a) = q.pop_front() {
             match a {
                 Action::Write { done, .. } => self.writes.push_back(Write::Tensor(done)),
@@ -158,7 +158,7 @@ impl World {
                     q.extend(self.r.stream_alloc_done(link, stream, buf));
                 }
                 c @ Action::CopyChunk { .. } => self.copies.push_back(c),
-                Action::SendDone { done, result } => done(result),
+                Action::SendDone { done, result } => done.complete(result),
                 Action::Deliver { done, result } => {
                     if let Ok(r) = &result {
                         if let Data::Slot { link, slot, gen, offset, len } = r.data {
@@ -167,7 +167,7 @@ impl World {
                             self.held.push_back((link, slot, gen));
                         }
                     }
-                    done(result);
+                    done.complete(result);
                 }
                 Action::Release { link, slot, gen } => q.extend(self.r.release(link, slot, gen)),
                 Action::Close { link, why } => q.extend(self.r.on_link_lost(link, why)),
@@ -240,7 +240,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
             },
             5 => match w.held.pop_front() {
                 Some((l, s, g)) => w.r.release(l, s, g),
-                None => Vec::new(),
+                None => Actions::new(),
             },
             6 => match (i.key(), i.u64()) {
                 (Some(k), Some(step)) => w.r.recv("tx", &k, step % 8, Box::new(|_| {})),
@@ -255,14 +255,14 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
             },
             8 => match w.writes.pop_front() {
                 Some(Write::Tensor(done)) => {
-                    done(Ok(()));
+                    done.complete(Ok(()));
                     w.r.write_done(TX)
                 }
                 Some(Write::Chunk(stream)) => {
                     let res = if op & 0x40 != 0 { Err(Error::PeerLost("fuzz".into())) } else { Ok(()) };
                     w.r.chunk_written(TX, stream, res)
                 }
-                None => Vec::new(),
+                None => Actions::new(),
             },
             9 => match i.u64() {
                 Some(s) => w.r.step_done(s % 8),
@@ -277,7 +277,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
                     let c = w.copies.remove(k as usize % w.copies.len()).expect("in range");
                     w.copy(c)
                 }
-                Some(_) => Vec::new(),
+                Some(_) => Actions::new(),
                 None => break,
             },
             _ => {
