@@ -55,6 +55,25 @@ def free_ports(n):
             s.close()
 
 
+def stop_tasks(procs, logs):
+    """End task processes that serve commands on stdin: close their stdin
+    (they exit), kill those still running after 10 s, close their logs."""
+    procs = list(procs)
+    for p in procs:
+        try:
+            p.stdin.close()
+        except OSError:
+            pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    for f in logs:
+        f.close()
+
+
 class LocalCluster:
     """Tasks ``jobs`` (e.g. {"worker": 2}) under ``protocol``, as processes."""
 
@@ -147,19 +166,7 @@ class LocalCluster:
         self._ask("reset")
 
     def close(self):
-        for p in self.procs.values():
-            try:
-                p.stdin.close()
-            except OSError:
-                pass
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for f in getattr(self, "_logs", []):
-            f.close()
+        stop_tasks(self.procs.values(), getattr(self, "_logs", []))
 
     def __enter__(self):
         return self

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from rdma_device._cluster import free_ports
+from rdma_device._cluster import free_ports, stop_tasks
 
 
 def make_strategy(workers, index, protocol):
@@ -221,19 +221,7 @@ class MwmsCluster:
         self.command("reset")
 
     def close(self):
-        for p in self.procs.values():
-            try:
-                p.stdin.close()
-            except OSError:
-                pass
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for f in self._logs:
-            f.close()
+        stop_tasks(self.procs.values(), self._logs)
 
     def __enter__(self):
         return self

@@ -129,6 +129,18 @@ impl TxLink {
     }
 }
 
+/// Take the edge's first queued send (the caller saw one): it leaves the
+/// link's count of queued sends and, in rpc mode, of requests.
+fn take_front(e: &mut TxEdge, queued: &mut usize, requests: &mut usize, tally: &mut super::Tally) -> Pending {
+    let p = e.pending.pop_front().expect("the caller saw a queued send");
+    *queued = queued.saturating_sub(1);
+    if e.requested.remove(&p.step) {
+        *requests = requests.saturating_sub(1);
+        tally.requests_served += 1;
+    }
+    p
+}
+
 impl Rendezvous {
     /// We connected to `peer` as a sender on `link`.
     pub fn add_tx_link(&mut self, link: LinkId, peer: &str) {
@@ -208,12 +220,7 @@ impl Rendezvous {
             let len = front.payload.bytes().len() as u64;
             let goes_inline = front.meta.dims.len() > MAX_DIMS || e.inline_from.is_some_and(|n| len >= n);
             if goes_inline {
-                let p = e.pending.pop_front().expect("front exists");
-                t.queued = t.queued.saturating_sub(1);
-                if e.requested.remove(&p.step) {
-                    t.requests = t.requests.saturating_sub(1);
-                    self.tally.requests_served += 1;
-                }
+                let p = take_front(e, &mut t.queued, &mut t.requests, &mut self.tally);
                 acts.extend(t.streams.begin(link, key, p, &mut self.tally));
                 continue;
             }
@@ -229,12 +236,7 @@ impl Rendezvous {
                 .min_by_key(|(_, (s, _))| s.capacity)
                 .map(|(i, _)| i);
             if let Some(i) = best {
-                let p = e.pending.pop_front().expect("front exists");
-                t.queued = t.queued.saturating_sub(1);
-                if e.requested.remove(&p.step) {
-                    t.requests = t.requests.saturating_sub(1);
-                    self.tally.requests_served += 1;
-                }
+                let p = take_front(e, &mut t.queued, &mut t.requests, &mut self.tally);
                 e.slots[i].1 = false;
                 let s = e.slots[i].0;
                 let header = SlotHeader {
@@ -259,12 +261,7 @@ impl Rendezvous {
                 // slot rather than count on a credit; if none can be added,
                 // this tensor is streamed.
                 if e.no_more {
-                    let p = e.pending.pop_front().expect("front exists");
-                    t.queued = t.queued.saturating_sub(1);
-                    if e.requested.remove(&p.step) {
-                        t.requests = t.requests.saturating_sub(1);
-                        self.tally.requests_served += 1;
-                    }
+                    let p = take_front(e, &mut t.queued, &mut t.requests, &mut self.tally);
                     acts.extend(t.streams.begin(link, key, p, &mut self.tally));
                     continue;
                 }
