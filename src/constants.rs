@@ -78,8 +78,8 @@ pub const MAGIC: u32 = 0x5244_4556;
 /// Wire protocol version: both handshakes carry it; a mismatch is refused
 /// with a clear error instead of misparsing. 3: streamed tensors (chunk
 /// headers, `Stream*` messages) replace the inline messages. 4: each
-/// published slot carries the key its sender writes it with.
-pub const PROTOCOL_VERSION: u32 = 4;
+/// published slot carries the key its sender writes it with. 5: `Ping`.
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Upper bound of the adaptive spin window of a progress thread. While
 /// small writes keep arriving, the thread polls for twice the recent gap
@@ -96,3 +96,8 @@ pub const MAX_ADAPTIVE_SPIN_US: u64 = 200;
 /// sender streams the tensor instead of waiting for a credit that may
 /// never come.
 pub const MAX_SLOTS_PER_EDGE: usize = 64;
+
+/// How often a link with work waiting on its peer is probed (`Msg::Ping`;
+/// see `node::keepalive`): a vanished host is noticed within this plus the
+/// transport's own bound (verbs: ACK timeout × retries).
+pub const KEEPALIVE_INTERVAL_MS: u64 = 1000;

@@ -11,6 +11,13 @@
 //!                            then b1 SIGKILLs itself;
 //!       step 2N+2            a2 must fail within 10 s;
 //!   P3  steps 2N+3..=3N+2    a2 <-> b2 (the restarted b is reached again).
+//!   P4  from step 3N+3       a2 streams tensors to b2, which takes them,
+//!                            until host B vanishes: the host script kills
+//!                            B's whole VM (no FIN, no NAK: its NIC is
+//!                            gone). a2's writes must fail within
+//!                            DETECT_BOUND; it reports how long after its
+//!                            last completed write, against the bound the
+//!                            verbs settings document.
 //! Each life prints `two-hosts-<role><life>: ...` lines the host script
 //! gathers from both consoles.
 
@@ -112,6 +119,60 @@ impl Side {
         }
     }
 
+    /// P4, the sender: stream one tensor after another until a write
+    /// fails (the host script kills B's VM once we say we stream).
+    fn stream_until_vanished(&mut self, tag: &str, from: u64, documented: Duration) {
+        let (meta, data) = Side::data(self.me, 1);
+        let start = Instant::now();
+        let mut last_ok = Instant::now();
+        let mut step = from;
+        loop {
+            let (tx, done) = std::sync::mpsc::channel();
+            let sent = self.node.send(&self.peer_task, "v", step, meta.clone(), Box::new(data.clone()), Box::new(move |r| {
+                let _ = tx.send(r);
+            }));
+            let res = match sent {
+                Err(e) => Err(e.to_string()),
+                Ok(()) => match done.recv_timeout(DETECT_BOUND + Duration::from_secs(20)) {
+                    Ok(r) => r.map_err(|e| e.to_string()),
+                    Err(_) => panic!("{tag}: a write to the vanished host neither completed nor failed within {:?}", DETECT_BOUND + Duration::from_secs(20)),
+                },
+            };
+            match res {
+                Ok(()) => {
+                    last_ok = Instant::now();
+                    if step == from + 20 {
+                        say(tag, "vanish: streaming");
+                    }
+                    assert!(start.elapsed() < PHASE_DEADLINE, "{tag}: host B never vanished");
+                    step += 1;
+                }
+                Err(e) => {
+                    let dt = last_ok.elapsed();
+                    say(tag, &format!(
+                        "host B vanished: writes failed {} ms after the last completed one (documented bound {} ms), after {} tensors: {e}",
+                        dt.as_millis(), documented.as_millis(), step - from
+                    ));
+                    assert!(step > from + 20, "{tag}: a write failed before B was killed: {e}");
+                    assert!(dt < DETECT_BOUND, "{tag}: detecting the vanished host took {dt:?} (bound {DETECT_BOUND:?})");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// P4, the receiver: take every tensor until this host is killed.
+    fn take_until_killed(&mut self, tag: &str, from: u64) -> ! {
+        say(tag, "vanish: taking tensors until this host is killed");
+        for step in from.. {
+            match recv_async(&self.node, &self.peer_task, "v", step).recv_timeout(PHASE_DEADLINE) {
+                Ok(Ok(lease)) => drop(lease),
+                r => panic!("{tag}: step {step}: {:?}", r.map(|x| x.map(|l| l.len()))),
+            }
+        }
+        unreachable!()
+    }
+
     fn die(&self, tag: &str) -> ! {
         say(tag, &format!("SIGKILL self after {} tensors, {} bytes", self.tensors, self.bytes));
         // SAFETY: signals our own process; nothing runs after it.
@@ -172,8 +233,15 @@ fn two_hosts_role() {
             s.phase(&tag, N + 2, 2 * N + 1);
             s.detect(&tag, 2 * N + 2);
             s.phase(&tag, 2 * N + 3, 3 * N + 2);
+            // 4.096 µs × 2^ack_timeout per try, retry_count + 1 tries.
+            let per_try = Duration::from_nanos(4096 << cfg.verbs_ack_timeout);
+            s.stream_until_vanished(&tag, 3 * N + 3, per_try * (cfg.verbs_retry_count as u32 + 1));
         }
-        (1, 2) => s.phase(&tag, 2 * N + 3, 3 * N + 2),
+        (1, 2) => {
+            s.phase(&tag, 2 * N + 3, 3 * N + 2);
+            say(&tag, &format!("done: {} tensors, {} bytes exchanged", s.tensors, s.bytes));
+            s.take_until_killed(&tag, 3 * N + 3);
+        }
         _ => panic!("unknown role/life {role}/{life}"),
     }
     say(&tag, &format!("done: {} tensors, {} bytes exchanged", s.tensors, s.bytes));

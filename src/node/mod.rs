@@ -30,6 +30,7 @@
 //! | shm `write_imm` (inside `send` on a live link) | the sender's thread | ring space (8192 entries: full only when the receiver's progress thread has stopped) | 10 s, then the write fails with Timeout |
 //! | shm/verbs progress threads | own threads | events (sleep on the doorbell / CQ channel) | woken by events or shutdown |
 //! | callbacks and writes released by events | `rdev-callbacks` (one per node, queued) | what the callback does; a write as `send` on a live link | as `send` |
+//! | probing links with work waiting on their peer (`Msg::Ping`, keepalive.rs) | `rdev-keepalive` (one per node) | a control message's send | as a control message |
 //! | granting a placed slot to its sender (`NodeGranter` → `Listener::grant`, under the protocol lock) | whichever thread placed it (an event thread included) | nothing: shm maps the window's pages; verbs allocates a memory window and queues its bind on the sender's QP ahead of the Publish (ordered by the send queue, never awaited; see `fabric::verbs::mw`) | — |
 //!
 //! Locks: a peer's tx slot may be held while taking `rdv` or `links`
@@ -40,6 +41,7 @@
 
 mod bounce;
 mod handoff;
+mod keepalive;
 mod lease;
 mod peers;
 mod pool;
@@ -97,6 +99,8 @@ pub(crate) struct Inner {
     bounce: Arc<bounce::BouncePool>,
     /// Callbacks and writes that events produced (see handoff.rs).
     handoff: handoff::Handoff,
+    /// Probes links with work waiting on their peer (see keepalive.rs).
+    _keepalive: keepalive::Keepalive,
     me: Weak<Inner>,
 }
 
@@ -147,6 +151,7 @@ impl Node {
             totals: Mutex::new(rendezvous::Tally::default()),
             bounce: Arc::default(),
             handoff: handoff::Handoff::start(me.clone()),
+            _keepalive: keepalive::Keepalive::start(me.clone()),
             me: me.clone(),
         });
         let st = Stats::global();

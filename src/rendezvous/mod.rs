@@ -332,6 +332,46 @@ impl Rendezvous {
             .collect()
     }
 
+    /// Links with work that waits on their peer: sends queued or writes
+    /// outstanding on a link to it, or receives waiting for it (then every
+    /// link with that peer). The caller probes them (`Msg::Ping`) now and
+    /// then, so that a peer whose host vanished fails what waits on it
+    /// within the transport's retry bound rather than never. Into `out`,
+    /// with `peers` as scratch (both the caller's, kept between calls, so
+    /// this allocates nothing in a steady state). O(links × peers waited
+    /// for + waiting receives); nothing when idle.
+    pub fn links_to_probe(&self, peers: &mut Vec<Arc<str>>, out: &mut Vec<LinkId>) {
+        out.clear();
+        peers.clear();
+        let add = |out: &mut Vec<LinkId>, l: LinkId| {
+            if !out.contains(&l) {
+                out.push(l);
+            }
+        };
+        for (l, t) in &self.tx {
+            if !t.idle() || t.outstanding() > 0 {
+                add(out, *l);
+            }
+        }
+        for e in self.table.values() {
+            if let Entry::Waiting { peer, .. } = e {
+                // Interned: one Arc per name.
+                if !peers.iter().any(|p| Arc::ptr_eq(p, peer)) {
+                    peers.push(peer.clone());
+                }
+            }
+        }
+        for p in peers.iter() {
+            for (l, _) in self.tx.iter().filter(|(_, t)| *t.peer == **p) {
+                add(out, *l);
+            }
+            for (l, _) in self.rx.iter().filter(|(_, r)| *r.peer == **p) {
+                add(out, *l);
+            }
+        }
+        peers.clear();
+    }
+
     /// A control message arrived on `link` (either direction).
     pub fn on_message(&mut self, link: LinkId, bytes: &[u8]) -> Actions {
         let msg = match Msg::decode(bytes) {
@@ -349,6 +389,7 @@ impl Rendezvous {
             (Msg::Grow { edge_id, slot }, true, _) => self.tx_grow(link, edge_id, slot),
             (Msg::Request { key, step }, true, _) => self.tx_request(link, key, step),
             (Msg::Ready, _, true) => Ok(self.rx_ready(link)),
+            (Msg::Ping, _, _) => Ok(Actions::new()),
             (Msg::More { edge_id, need }, _, true) => self.rx_more(link, edge_id, need),
             (Msg::Abort { step, reason }, _, _) => Ok(self.peer_aborted(link, step, reason)),
             (Msg::PlaceFor { req, receiver, key, bytes }, _, _) => Ok(smallvec![Action::PlaceFor { link, req, receiver, key, bytes }]),

@@ -651,3 +651,34 @@ fn forged_chunks_close_the_link() {
     let m = Msg::StreamBegin { stream: 1, key: "again".into(), step: 1, meta: TensorMeta::default(), total: 5 };
     assert!(matches!(&s.rx.on_message(LINK, &m.encode())[..], [Action::Close { .. }]));
 }
+
+#[test]
+fn links_with_work_waiting_on_their_peer_are_probed() {
+    let p = Params { slots_per_edge: 2, max_outstanding_writes: 4, incarnation: 22, rpc: false };
+    let mut r = Rendezvous::new(p, 1 << 20);
+    r.add_tx_link(1, "p");
+    r.add_rx_link(2, "p", 7);
+    r.add_tx_link(3, "q");
+    let (mut peers, mut l) = (Vec::new(), Vec::new());
+    r.links_to_probe(&mut peers, &mut l);
+    assert!(l.is_empty(), "idle links are not probed");
+    // A receive waits for p: every link with p is probed, none with q.
+    let acts = r.recv("p", "k", 1, Box::new(|_: Result<Received>| {}));
+    assert!(acts.is_empty());
+    r.links_to_probe(&mut peers, &mut l);
+    l.sort();
+    assert_eq!(l, vec![1, 2]);
+    // A send to q waits for its placement: q's link is probed too.
+    let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![4].into() };
+    let acts = r.send(3, "e", 1, meta, Box::new(vec![0u8; 4]), Box::new(|_: Result<()>| {}));
+    assert!(acts.iter().any(|a| matches!(a, Action::Send { link: 3, msg: Msg::Announce { .. } })));
+    r.links_to_probe(&mut peers, &mut l);
+    l.sort();
+    assert_eq!(l, vec![1, 2, 3]);
+    // Once the step ends nothing waits any more.
+    let _ = r.step_done(1);
+    r.links_to_probe(&mut peers, &mut l);
+    assert!(l.is_empty());
+    // A probe is no event for the protocol.
+    assert!(r.on_message(2, &Msg::Ping.encode()).is_empty());
+}

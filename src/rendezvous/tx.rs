@@ -104,6 +104,11 @@ impl TxLink {
         self.queued == 0 && self.requests == 0 && self.streams.is_empty()
     }
 
+    /// Writes started and not completed.
+    pub(super) fn outstanding(&self) -> usize {
+        self.outstanding
+    }
+
     pub(super) fn fail_pending(&mut self, why: &Error) -> Actions {
         let mut acts = self.drain_pending(|_| true, why);
         acts.extend(self.streams.fail(None, |_| true, why));

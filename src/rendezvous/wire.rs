@@ -93,6 +93,10 @@ pub enum Msg {
     /// Either way: `stream` is abandoned (receiver: discarded, e.g. its step
     /// finished; sender: it will send no more of it).
     StreamCancel { stream: u32 },
+    /// Either way, no effect: a probe on a link with work waiting on the
+    /// peer, so a peer whose host vanished is noticed (the transport fails
+    /// the send) instead of waited for in silence (see `node::keepalive`).
+    Ping,
 }
 
 /// `StreamReady.outcome` values.
@@ -119,6 +123,7 @@ const T_STREAM_READY: u8 = 17;
 const T_STREAM_DATA: u8 = 18;
 const T_STREAM_ACK: u8 = 19;
 const T_STREAM_CANCEL: u8 = 20;
+const T_PING: u8 = 21;
 
 /// `Announce.step` of a placement made ahead of time (from a static shape,
 /// before the first step). TensorFlow's step ids use 56 bits, so this value
@@ -225,6 +230,7 @@ impl Msg {
             Msg::StreamData { .. } => "StreamData",
             Msg::StreamAck { .. } => "StreamAck",
             Msg::StreamCancel { .. } => "StreamCancel",
+            Msg::Ping => "Ping",
         }
     }
 
@@ -275,6 +281,7 @@ impl Msg {
             Msg::StreamData { stream, offset, bytes } => { w.u8(T_STREAM_DATA); w.u32(*stream); w.u64(*offset); w.bytes(bytes) }
             Msg::StreamAck { stream } => { w.u8(T_STREAM_ACK); w.u32(*stream) }
             Msg::StreamCancel { stream } => { w.u8(T_STREAM_CANCEL); w.u32(*stream) }
+            Msg::Ping => w.u8(T_PING),
         }
         w.0
     }
@@ -319,6 +326,7 @@ impl Msg {
             T_STREAM_DATA => Msg::StreamData { stream: r.u32()?, offset: r.u64()?, bytes: r.bytes(MAX_MSG_BYTES)?.to_vec() },
             T_STREAM_ACK => Msg::StreamAck { stream: r.u32()? },
             T_STREAM_CANCEL => Msg::StreamCancel { stream: r.u32()? },
+            T_PING => Msg::Ping,
             t => return Err(Error::Protocol(format!("unknown message type {t}"))),
         };
         r.end()?;
@@ -474,6 +482,7 @@ mod tests {
             Msg::Abort { step: 9, reason: "why".into() },
             Msg::Request { key: "k".into(), step: 12 },
             Msg::Ready,
+            Msg::Ping,
             Msg::PlaceFor { req: 1, receiver: "r".into(), key: "k".into(), bytes: 9 },
             Msg::PlaceDone { req: 1, outcome: 2, error: "e".into() },
             Msg::Grow { edge_id: 1, slot: SlotDesc { id: 2, gen: 3, offset: 4096, capacity: 5, key: 7 } },

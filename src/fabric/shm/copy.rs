@@ -13,13 +13,13 @@
 //! nothing left to claim, so the sender never waits for a helper to be
 //! scheduled, only for chunks a helper is already copying: a large write is
 //! never much slower than one memcpy, and faster when helpers are free.
-//! Locks: each job's `done` mutex alone, held only to signal completion;
-//! a helper's queue lock and the spare-job lock, each held for a push or
-//! a pop. Jobs are reused once no helper holds them any more, and the
-//! queues keep their capacity, so a steady stream of large writes
-//! allocates nothing.
+//! Helpers help with the newest large copy (one board, not a queue per
+//! helper): one woken late finds that copy done, or helps with whichever
+//! is current. Locks: each job's `done` mutex, held only to signal
+//! completion; the board's and the spare jobs' locks, each held for a
+//! field update. A job is reused once no helper holds it, so a steady
+//! stream of large writes allocates nothing.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -75,21 +75,24 @@ impl Job {
     }
 }
 
-/// One helper's queue of jobs.
+/// The job helpers should help with: the newest large copy under way.
 #[derive(Default)]
-struct Queue {
-    jobs: Mutex<VecDeque<Arc<Job>>>,
-    ready: Condvar,
+struct Board {
+    current: Option<Arc<Job>>,
+    /// Bumped for each new job (helpers wait for a change).
+    gen: u64,
 }
 
 pub struct CopyPool {
-    workers: Vec<Arc<Queue>>,
+    helpers: usize,
+    board: Arc<(Mutex<Board>, Condvar)>,
     /// Finished jobs, reused once no helper holds them.
     spare: Mutex<Vec<Arc<Job>>>,
 }
 
-/// Spare jobs kept.
-const SPARE_JOBS: usize = 8;
+/// Spare jobs kept (a helper holds at most one job at a time, and each
+/// concurrent sender one).
+const SPARE_JOBS: usize = 16;
 
 static POOL: OnceLock<CopyPool> = OnceLock::new();
 
@@ -98,21 +101,24 @@ impl CopyPool {
     /// last copier). The first caller decides the size.
     pub fn get(threads: usize) -> &'static CopyPool {
         POOL.get_or_init(|| {
-            let mut workers = Vec::new();
+            let board: Arc<(Mutex<Board>, Condvar)> = Arc::default();
+            let mut helpers = 0;
             for i in 1..threads.max(1) {
-                let q = Arc::new(Queue::default());
-                let mine = q.clone();
-                let spawned = std::thread::Builder::new().name(format!("rdev-copy-{i}")).spawn(move || loop {
-                    let j = {
-                        let mut g = mine.jobs.lock();
-                        loop {
-                            if let Some(j) = g.pop_front() {
-                                break j;
+                let b = board.clone();
+                let spawned = std::thread::Builder::new().name(format!("rdev-copy-{i}")).spawn(move || {
+                    let mut seen = 0;
+                    loop {
+                        let job = {
+                            let mut g = b.0.lock();
+                            while g.gen == seen {
+                                b.1.wait(&mut g);
                             }
-                            mine.ready.wait(&mut g);
-                        }
-                    };
-                    {
+                            seen = g.gen;
+                            g.current.clone()
+                        };
+                        // Woken late, the job may be done (or another one
+                        // current): then there is nothing left to claim.
+                        let Some(j) = job else { continue };
                         // A panic here cannot come from the copy itself; the
                         // sender would still finish every unclaimed chunk.
                         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -127,11 +133,18 @@ impl CopyPool {
                     }
                 });
                 match spawned {
-                    Ok(_) => workers.push(q),
+                    Ok(_) => helpers += 1,
                     Err(e) => log::warn!("shm: cannot start a copy thread ({e}); copying with fewer"),
                 }
             }
-            CopyPool { workers, spare: Mutex::new(Vec::with_capacity(SPARE_JOBS)) }
+            // Enough spare jobs from the start that one is always free for
+            // a sender (each helper holds at most one): none is allocated
+            // per write, even while helpers run late.
+            let mut spare = Vec::with_capacity(SPARE_JOBS);
+            for _ in 0..(helpers + 2).min(SPARE_JOBS) {
+                spare.push(Arc::new(Job::idle()));
+            }
+            CopyPool { helpers, board, spare: Mutex::new(spare) }
         })
     }
 
@@ -142,7 +155,7 @@ impl CopyPool {
     /// `src` is readable and `dst` writable for `len` bytes, the ranges do
     /// not overlap, and nothing else writes `dst` meanwhile.
     pub unsafe fn copy(&self, src: *const u8, dst: *mut u8, len: usize) {
-        let parts = self.workers.len() + 1;
+        let parts = self.helpers + 1;
         if len < PARALLEL_COPY_MIN || parts == 1 {
             // SAFETY: per the function contract.
             unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
@@ -150,17 +163,20 @@ impl CopyPool {
         }
         let chunk = (len / (parts * CHUNKS_PER_PART)).max(MIN_CHUNK).div_ceil(4096) * 4096;
         let job = self.job(src as usize, dst as usize, len, chunk);
-        for w in &self.workers {
-            let mut q = w.jobs.lock();
-            // Out of memory for the queue only means one copier fewer.
-            if q.try_reserve(1).is_ok() {
-                q.push_back(job.clone());
-                drop(q);
-                w.ready.notify_one();
-            }
+        {
+            let mut b = self.board.0.lock();
+            b.current = Some(job.clone());
+            b.gen = b.gen.wrapping_add(1);
         }
+        self.board.1.notify_all();
         if !job.work() {
             job.wait_copied();
+        }
+        {
+            let mut b = self.board.0.lock();
+            if b.current.as_ref().is_some_and(|c| Arc::ptr_eq(c, &job)) {
+                b.current = None;
+            }
         }
         let mut spare = self.spare.lock();
         if spare.len() < SPARE_JOBS {
@@ -182,9 +198,10 @@ impl CopyPool {
             done: (Mutex::new(()), Condvar::new()),
         };
         let mut spare = self.spare.lock();
-        while let Some(mut j) = spare.pop() {
-            // Unique: every helper that took it has dropped its handle, so
-            // none can claim a chunk of the new copy by mistake.
+        // Unique: no helper holds it (nor can take it: only the board hands
+        // jobs out), so none can claim a chunk of the new copy by mistake.
+        if let Some(i) = spare.iter_mut().position(|j| Arc::get_mut(j).is_some()) {
+            let mut j = spare.swap_remove(i);
             if let Some(m) = Arc::get_mut(&mut j) {
                 *m = fresh;
                 return j;
@@ -196,6 +213,11 @@ impl CopyPool {
 }
 
 impl Job {
+    /// A job with nothing to copy (a spare).
+    fn idle() -> Job {
+        Job { src: 0, dst: 0, len: 0, chunk: 1, chunks: 0, next: AtomicUsize::new(0), copied: AtomicUsize::new(0), done: (Mutex::new(()), Condvar::new()) }
+    }
+
     /// Wait for chunks that helpers claimed and are copying right now.
     fn wait_copied(&self) {
         let t = Instant::now();
