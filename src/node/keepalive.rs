@@ -60,6 +60,9 @@ impl Keepalive {
 
 fn probe(n: &Inner, peers: &mut Vec<Arc<str>>, links: &mut Vec<u64>) {
     n.locked(|r| r.links_to_probe(peers, links));
+    if !links.is_empty() {
+        log::debug!("{}: probing connections {links:?}", n.task);
+    }
     for &link in links.iter() {
         if let Err(e) = n.send_msg(link, &Msg::Ping) {
             n.fail_link(link, Error::PeerLost(format!("{}: probing connection {link}: {}", n.task, e.message())));

@@ -21,8 +21,11 @@ deadline=$((SECONDS + ${SOFTROCE_TIMEOUT:-900}))
 ensure_packages
 ensure_kernel
 
+# This checkout's own files in the shared cache: two checkouts may run
+# this script at once.
+run="$cache/two-hosts-$(printf %s "$root" | md5sum | cut -c1-8)"
 say "building tests/two_hosts.rs with --features verbs"
-json="$cache/two-hosts.build.json"
+json="$run.build.json"
 (cd "$root" && timeout "$(left)" cargo test --features verbs --no-run --message-format=json --test two_hosts >"$json")
 bin="$(grep '"reason":"compiler-artifact"' "$json" | grep '"name":"two_hosts"' \
     | grep -o '"executable":"[^"]*"' | sed 's/"executable":"\(.*\)"/\1/' | tail -n1)"
@@ -30,8 +33,8 @@ bin="$(grep '"reason":"compiler-artifact"' "$json" | grep '"name":"two_hosts"' \
 # The guests see this host's root read-only, but with fresh tmpfs on /tmp,
 # /run and /dev/shm: run a copy kept in the cache, so a checkout under /tmp
 # works too.
-cp "$bin" "$cache/two_hosts.bin"
-bin="$cache/two_hosts.bin"
+cp "$bin" "$run.bin"
+bin="$run.bin"
 
 initrd="$cache/initrd-hostroot.cpio.gz"
 build_hostroot_initrd "$initrd"
@@ -39,10 +42,10 @@ build_hostroot_initrd "$initrd"
 addr_a=10.0.3.1:18600
 addr_b=10.0.3.2:18600
 for role in a b; do
-    cat >"$cache/two-hosts.$role.guest.sh" <<EOF
+    cat >"$run.$role.guest.sh" <<EOF
 set -u
 export RDMA_DEVICE_TWO_HOSTS_ROLE=$role RDMA_DEVICE_TWO_HOSTS_A=$addr_a RDMA_DEVICE_TWO_HOSTS_B=$addr_b
-export RDMA_DEVICE_LOG=warn RUST_BACKTRACE=1
+export RDMA_DEVICE_LOG=${TWO_HOSTS_LOG:-warn} RUST_BACKTRACE=1
 ibv_devices
 rc=0
 # Life 1 ends in its own SIGKILL (exit 137); life 2 must pass (exit 0),
@@ -60,11 +63,11 @@ done
 
 # A free local TCP port for the L2 link between the two qemu processes.
 port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-log_a="$cache/two-hosts.a.console.log"
-log_b="$cache/two-hosts.b.console.log"
+log_a="$run.a.console.log"
+log_b="$run.b.console.log"
 boot() { # role ip mac netdev-option log
     timeout "$(left)" "${qemu_tcg[@]}" -m 1024 -initrd "$initrd" "${hostroot_share[@]}" \
-        -append "$kargs RDEV_NET=eth0=$2/24 RDEV_RUN=$cache/two-hosts.$1.guest.sh" \
+        -append "$kargs RDEV_NET=eth0=$2/24 RDEV_RUN=$run.$1.guest.sh" \
         -netdev "socket,id=n1,$4" -device "virtio-net-pci,netdev=n1,mac=$3" \
         </dev/null >"$5" 2>&1 &
 }
@@ -85,8 +88,12 @@ trap 'kill "$pid_a" "$pid_b" 2>/dev/null || true; rm -rf "$stage"' EXIT
 # Kill host B's VM once A streams to it (the vanishing host), then wait.
 vanished=no
 while kill -0 "$pid_a" 2>/dev/null; do
-    if [ $vanished = no ] && tr -d '\r' <"$log_a" | grep -q '^two-hosts-a2: vanish: streaming'; then
+    # (grep reads the file itself: `tr | grep -q` fails under pipefail
+    # when grep stops early.)
+    if [ $vanished = no ] && grep -qa 'two-hosts-a2: vanish: streaming' "$log_a"; then
         say "host A streams to host B: killing host B's VM (qemu pid $pid_b)"
+        # qemu itself, then its `timeout` wrapper ($pid_b).
+        pkill -KILL -P "$pid_b" 2>/dev/null || true
         kill -9 "$pid_b" 2>/dev/null || true
         vanished=yes
     fi
