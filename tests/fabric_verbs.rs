@@ -732,6 +732,93 @@ fn measure_send_strategies() {
     }
 }
 
+/// CPU time of a clock (`CLOCK_PROCESS_CPUTIME_ID`, `CLOCK_THREAD_CPUTIME_ID`).
+fn cpu_time(clock: libc::clockid_t) -> Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: ts is a valid out-pointer.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// Busy time of every CPU (`/proc/stat`: all but idle and iowait, in
+/// USER_HZ ticks, 10 ms): in the VM this includes the kernel's rxe work
+/// that runs in softirq context, which no process is charged for.
+fn busy_ticks() -> u64 {
+    let s = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let v: Vec<u64> = s.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    v.iter().sum::<u64>() - v.get(3).copied().unwrap_or(0) - v.get(4).copied().unwrap_or(0)
+}
+
+/// What one large tensor write costs the sending process, per write, with
+/// the same source buffers reused for every write (as TensorFlow's
+/// allocator hands a step's tensor the memory the last step freed): a
+/// 256-byte slot header and the payload, written back to back as the
+/// node does. Wall time, CPU time of the whole process (every thread: the
+/// caller, the progress thread, deregistration; the receiver lives in the
+/// same process and costs little per write) and of the calling thread
+/// alone. Under TCG emulation: only the relation between runs means
+/// anything.
+#[test]
+#[ignore = "a measurement, not a test: SOFTROCE_MEASURE=1 tests/softroce/run.sh"]
+fn measure_write_cpu() {
+    if std::env::var("RDMA_DEVICE_TEST_VERBS_MEASURE").as_deref() != Ok("1") {
+        return;
+    }
+    let modes: [(&str, VerbsOptions); 2] = [
+        ("default", VerbsOptions::default()),
+        ("staging", VerbsOptions { register_threshold: usize::MAX, ..Default::default() }),
+    ];
+    let stats = rdma_device::stats::Stats::global();
+    for (name, opts) in modes {
+        let Some(f) = fabric_with(opts) else { return };
+        const ARENA: usize = 40 << 20;
+        let arena = Arc::new(Arena::new("verbs-measure-cpu", ARENA).unwrap());
+        let rx = Rec::new(false);
+        let l = f.listen(&format!("{}:0", local_ip(&f)), arena.clone(), rx.clone()).unwrap();
+        let ep = f.connect(&l.local_addr(), b"m", Rec::new(false), Duration::from_secs(20), true).unwrap();
+        let key = grant_accepted(&l, &rx, b"m", 0, ARENA as u64);
+        for (len, reps) in [(1usize << 20, 48u32), (4 << 20, 16), (16 << 20, 6)] {
+            let hdr = SharedBuf(Arc::new(pattern(256, 3)));
+            let data = SharedBuf(Arc::new(pattern(len, 1)));
+            let segs = || -> Vec<Segment> { vec![Box::new(hdr.clone()), Box::new(data.clone())] };
+            for _ in 0..2 {
+                write_sync(&*ep, key, 0, segs(), 0).unwrap();
+            }
+            let counters = |s: &rdma_device::stats::Stats| {
+                ["verbs_write_registrations", "verbs_mr_cache_hits"].map(|n| s.get(n).unwrap_or(0))
+            };
+            let c0 = counters(stats);
+            let (w0, p0, b0) = (Instant::now(), cpu_time(libc::CLOCK_PROCESS_CPUTIME_ID), busy_ticks());
+            let mut caller = Duration::ZERO;
+            for i in 0..reps {
+                let (tx, done) = std::sync::mpsc::channel();
+                let t0 = cpu_time(libc::CLOCK_THREAD_CPUTIME_ID);
+                ep.write_imm(0, key, segs(), i, Box::new(move |r| tx.send(r).unwrap()));
+                caller += cpu_time(libc::CLOCK_THREAD_CPUTIME_ID) - t0;
+                done.recv_timeout(Duration::from_secs(60)).expect("write completion").unwrap();
+            }
+            let (wall, proc_cpu) = (w0.elapsed(), cpu_time(libc::CLOCK_PROCESS_CPUTIME_ID) - p0);
+            let all_cpu = Duration::from_millis((busy_ticks() - b0) * 10);
+            let c1 = counters(stats);
+            let per = |d: Duration| d.as_secs_f64() * 1e6 / f64::from(reps);
+            println!(
+                "verbs-measure-cpu: {name:8} {:>3} MiB x {reps:2}: wall {:7.0} us/write, all CPUs busy {:7.0} us/write, process CPU {:7.0} us/write, caller CPU {:7.0} us/write, registrations {} cache hits {}",
+                len >> 20,
+                per(wall),
+                per(all_cpu),
+                per(proc_cpu),
+                per(caller),
+                c1[0] - c0[0],
+                c1[1] - c0[1]
+            );
+            let mut want = hdr.0.to_vec();
+            want.extend_from_slice(&data.0);
+            assert_eq!(fnv(&arena.copy_out(0, len + 256).unwrap()), fnv(&want), "bytes of the last {len}-byte write");
+        }
+        l.shutdown();
+    }
+}
+
 // ---- Scale, timeouts, reachability ------------------------------------
 
 /// Whether this host has an IPv4 default route (`/proc/net/route`).

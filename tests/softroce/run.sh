@@ -9,6 +9,10 @@
 #   SOFTROCE_HOST_CHECKS=0 ...                  # skip the host-side checks
 #   SOFTROCE_ENV="K=V ..." ...                  # more environment for the tests
 #                                               # in the VM (suites_over_verbs.sh)
+#   SOFTROCE_RELEASE=1 ...                      # build the test binaries with --release
+#                                               # (for the measurements)
+#   SOFTROCE_FILTER="name ..." ...              # only the tests whose names contain one
+#                                               # of these (libtest filters; "" = all)
 #
 # Steps: install missing Debian packages; fetch (never install) the kernel
 # package into a cache outside the repo; build the test binaries with the
@@ -32,6 +36,7 @@ ensure_kernel
 say "building test binaries ($tests) with --features verbs,verbs-device-tests"
 cargo_args=()
 for t in $tests; do cargo_args+=(--test "$t"); done
+[ "${SOFTROCE_RELEASE:-0}" = 1 ] && cargo_args+=(--release)
 json="$cache/build.json"
 (cd "$root" && timeout "$(left)" cargo test --features verbs,verbs-device-tests --no-run --message-format=json "${cargo_args[@]}" >"$json")
 bins=()
@@ -93,10 +98,13 @@ export RDMA_DEVICE_TEST_VERBS=1 RDMA_DEVICE_TEST_VERBS_ADDR=10.0.2.15 RUST_BACKT
 rc=0
 for t in /tests/*; do
     echo "=== SOFTROCE-RUN \$t"
-    \$t --test-threads=1 --nocapture || rc=\$?
+    \$t --test-threads=1 --nocapture ${SOFTROCE_FILTER:-} || rc=\$?
 done
 if [ -n "$measure" ]; then
-    for t in /tests/fabric_verbs*; do \$t --ignored --exact measure_send_strategies --nocapture || rc=\$?; done
+    for t in /tests/*fabric_verbs*; do
+        \$t --ignored --exact measure_send_strategies --nocapture || rc=\$?
+        \$t --ignored --exact measure_write_cpu --nocapture || rc=\$?
+    done
 fi
 if [ -x /bin/rdma-device-bench ]; then
     echo "=== SOFTROCE-BENCH"
@@ -120,7 +128,7 @@ qemu_rc=${PIPESTATUS[0]}
 set -e
 rc="$(sed -n 's/^=== SOFTROCE-EXIT-CODE \([0-9]*\).*/\1/p' "$log" | tail -n1)"
 echo "---- softroce summary (device, test results) ----"
-grep -E '^(hca_id|[[:space:]]+device|[[:space:]]+rxe0|link rxe0)|hca_id:|test result:|verbs-measure:|two-process:|^multiprocess:|^=== SOFTROCE-RUN|FAILED|panicked' "$log" || true
+grep -E '^(hca_id|[[:space:]]+device|[[:space:]]+rxe0|link rxe0)|hca_id:|test result:|verbs-measure(-cpu)?:|two-process:|^multiprocess:|^=== SOFTROCE-RUN|FAILED|panicked' "$log" || true
 if [ -n "$bench" ]; then sed -n '/^=== SOFTROCE-BENCH/,/^=== SOFTROCE-EXIT-CODE/p' "$log"; fi
 if [ -z "$rc" ]; then
     say "no exit marker from the VM (qemu exit $qemu_rc): timeout or crash"
