@@ -698,10 +698,13 @@ fn measure_send_strategies() {
     for len in [4096usize, 65536, 1 << 20, 8 << 20] {
         let iters = (64usize << 20).div_ceil(len).clamp(4, 200) as u32;
         let (reg, copy) = f.measure_primitives(len, iters).unwrap();
+        let (miss, hit) = f.measure_cache(len, iters * 10).unwrap_or_default();
         println!(
-            "verbs-measure: primitives {len:>8} B: ibv_reg_mr+dereg {:9.1} us, memcpy {:9.1} us",
+            "verbs-measure: primitives {len:>8} B: ibv_reg_mr+dereg {:9.1} us, memcpy {:9.1} us, registration cache: miss (watch + register) {:9.1} us, hit {:6.2} us",
             reg.as_secs_f64() * 1e6,
-            copy.as_secs_f64() * 1e6
+            copy.as_secs_f64() * 1e6,
+            miss.as_secs_f64() * 1e6,
+            hit.as_secs_f64() * 1e6
         );
     }
     for (name, thr) in [("staging", usize::MAX), ("register", 0)] {
