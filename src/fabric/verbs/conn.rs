@@ -412,7 +412,7 @@ impl Conn {
             };
             let mut miss = None;
             for b in done.segments() {
-                if b.len() <= SMALL_COPY.min(self.sizing.slot) && self.sizing.n_small > 0 {
+                if b.is_empty() || (b.len() <= SMALL_COPY.min(self.sizing.slot) && self.sizing.n_small > 0) {
                     regs.push(None);
                     continue;
                 }

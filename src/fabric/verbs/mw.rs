@@ -31,6 +31,9 @@
 //! Ordering, without waiting: the bind goes into the connection's ordered
 //! work queue (`conn`), so it is posted before the Publish or Grow that
 //! carries its rkey (the node sends that only after `grant` returned). A
+//! bind whose arena extent is still being registered (a grant made on the
+//! progress thread, see `mr::arena`) stays at the head of that queue, with
+//! everything behind it, until the registration is done. A
 //! send queue executes its work requests in order and a bind is a local
 //! operation completed before the next request is processed (rxe:
 //! `rxe_requester` runs `rxe_do_local_ops` when the bind reaches the head,
