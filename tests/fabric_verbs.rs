@@ -1206,6 +1206,27 @@ fn cached_registration_is_reused() {
     l.shutdown();
 }
 
+/// The cache keeps within its bound: with room for one 4 MiB buffer, a
+/// second buffer evicts the first (idle) one; writing the first again
+/// registers it again. Every write carries the right bytes.
+#[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
+fn cache_stays_within_its_bound() {
+    let Some(f) = fabric_with(VerbsOptions { mr_cache_bytes: 6 << 20, ..Default::default() }) else { return };
+    let (l, ep, _rx, _tx, arena, key) = pair(&f, 16 << 20);
+    let (a, b) = (Mapping::new(std::ptr::null_mut(), 4 << 20, 1), Mapping::new(std::ptr::null_mut(), 4 << 20, 2));
+    let (r0, e0) = (stat("verbs_write_registrations"), stat("verbs_mr_cache_evictions"));
+    for (m, seed) in [(&a, 1), (&a, 1), (&b, 2), (&b, 2), (&a, 1)] {
+        assert!(write_checked(&*ep, key, &arena, 0, m, seed));
+        let (n, bytes) = f.mr_cache_usage().iter().fold((0, 0), |(n, b), (x, y)| (n + x, b + y));
+        assert!(n <= 1 && bytes <= 6 << 20, "cache holds {n} entries, {bytes} bytes");
+    }
+    let (regs, evicted) = (stat("verbs_write_registrations") - r0, stat("verbs_mr_cache_evictions") - e0);
+    println!("mr-cache: bound 6 MiB, buffers A A B B A: {regs} registrations, {evicted} evictions");
+    assert_eq!((regs, evicted), (3, 2));
+    l.shutdown();
+}
+
 /// A buffer freed and mapped again at the same address (munmap + mmap),
 /// or whose pages were discarded (madvise DONTNEED), holds new pages: the
 /// cache must not send the old ones. With the watch off (a test-only
@@ -1244,6 +1265,22 @@ fn reused_address_sends_the_new_pages() {
             assert!(fresh_discard, "stale bytes after the buffer's pages were discarded");
             assert_eq!(regs, 3, "each change of the mapping costs one new registration");
             assert!(inval >= 2, "{inval} invalidations");
+            // Many times over, each change of the mapping right before
+            // the write, as a busy allocator would.
+            let mut m = m;
+            for i in 0..16u8 {
+                let seed = 10 + i;
+                if i % 2 == 0 {
+                    drop(m);
+                    m = Mapping::new(at, len, seed);
+                } else {
+                    // SAFETY: our mapping.
+                    assert_eq!(unsafe { libc::madvise(m.ptr.cast(), len, libc::MADV_DONTNEED) }, 0);
+                    m.fill(seed);
+                }
+                assert!(write_checked(&*ep, key, &arena, 0, &m, seed), "stale bytes after change {i}");
+                assert!(write_checked(&*ep, key, &arena, 0, &m, seed), "a second write from the same pages {i}");
+            }
         }
         l.shutdown();
     }

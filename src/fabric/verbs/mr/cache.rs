@@ -30,9 +30,11 @@
 //! possible from a library loaded into TensorFlow without LD_PRELOAD).
 //!
 //! **Bounds.** At most [`super::super::VerbsOptions::mr_cache_bytes`]
-//! pinned bytes and [`MAX_ENTRIES`] entries; past either, the least
+//! pinned bytes and [`MAX_ENTRIES`] entries; to stay within them the least
 //! recently used entries that no write holds are evicted (deregistered
-//! once the last write holding them completes, and unwatched). Before
+//! once the last write holding them completes, and unwatched), and when
+//! writes in flight hold everything a new registration serves its own
+//! write only (uncached). Before
 //! pinning anything new, RLIMIT_MEMLOCK is checked against what the
 //! backend pinned (`mr::may_pin`), evicting idle entries to make room;
 //! when that is not enough, or the registration fails, [`Miss`] says so
@@ -291,18 +293,24 @@ impl RegCache {
                 return;
             }
         }
+        // Room within the bounds, evicting idle entries; when writes in
+        // flight hold everything, this registration serves its write only.
+        let n = r.mr.pinned();
+        if n > self.cap {
+            return;
+        }
+        while s.bytes + n > self.cap || s.map.len() >= MAX_ENTRIES {
+            if !self.evict_one(s) {
+                return;
+            }
+        }
         s.tick += 1;
         r.last.store(s.tick, Ordering::Relaxed);
         if let Some(old) = s.map.insert((start, end), r.clone()) {
             s.bytes -= old.mr.pinned();
             s.dead.push(old);
         }
-        s.bytes += r.mr.pinned();
-        while s.bytes > self.cap || s.map.len() > MAX_ENTRIES {
-            if !self.evict_one(s) {
-                break;
-            }
-        }
+        s.bytes += n;
     }
 
     /// Evict idle entries until `n` more bytes may be pinned; `false` if
