@@ -137,6 +137,8 @@ pub(crate) struct Watch {
     head: AtomicU64,
     /// Odd while the reader holds events it read but has not published.
     busy: AtomicU64,
+    /// The reader failed: nothing may be cached or trusted any more.
+    dead: std::sync::atomic::AtomicBool,
 }
 
 /// What [`Watch::since`] found.
@@ -192,12 +194,35 @@ impl Watch {
             ring: (0..RING).map(|_| Slot::default()).collect(),
             head: AtomicU64::new(0),
             busy: AtomicU64::new(0),
+            dead: std::sync::atomic::AtomicBool::new(false),
         }));
         std::thread::Builder::new()
             .name("rdev-verbs-watch".into())
-            .spawn(move || w.run())
+            .spawn(move || {
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.run())).is_err() {
+                    // Never expected (nothing in `run` panics), and fatal
+                    // for the cache: it must not trust anything any more.
+                    // But unmappers wait for this thread, so it goes on
+                    // reading (and dropping) events for ever.
+                    w.dead.store(true, Ordering::SeqCst);
+                    w.busy.store(1, Ordering::SeqCst);
+                    w.drain_forever();
+                }
+            })
             .map_err(|e| format!("spawning rdev-verbs-watch: {e}"))?;
         Ok(w)
+    }
+
+    fn drain_forever(&self) -> ! {
+        let mut buf = [0u8; 512];
+        loop {
+            let mut p = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd; a buffer of whole uffd_msg records.
+            unsafe {
+                libc::poll(&mut p, 1, -1);
+                libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len());
+            }
+        }
     }
 
     /// The reader (see the module docs: no allocation, no lock, no log).
@@ -305,6 +330,9 @@ impl Watch {
     /// aligned) from now on. `Err`: the kernel will not (see the module
     /// docs), so a registration there must not be cached.
     pub fn watch(&self, start: u64, end: u64) -> std::io::Result<()> {
+        if self.dead.load(Ordering::SeqCst) {
+            return Err(std::io::Error::other("the watch thread failed"));
+        }
         if !self.private_anonymous(start) || !self.private_anonymous(end - 1) {
             return Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "not private anonymous memory"));
         }
