@@ -27,6 +27,9 @@ set -euo pipefail
 deadline=$((SECONDS + ${SOFTROCE_TIMEOUT:-600}))
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 tests="${SOFTROCE_TESTS:-fabric_verbs}"
+# This checkout's own files in the shared cache (two checkouts may run at
+# once): build listings, initramfs, console log.
+run="$cache/run-$(printf %s "$root" | md5sum | cut -c1-8)"
 
 # ---- 1. packages; 2. kernel (downloaded, unpacked in the cache, never installed)
 ensure_packages
@@ -37,7 +40,7 @@ say "building test binaries ($tests) with --features verbs,verbs-device-tests"
 cargo_args=()
 for t in $tests; do cargo_args+=(--test "$t"); done
 [ "${SOFTROCE_RELEASE:-0}" = 1 ] && cargo_args+=(--release)
-json="$cache/build.json"
+json="$run.build.json"
 (cd "$root" && timeout "$(left)" cargo test --features verbs,verbs-device-tests --no-run --message-format=json "${cargo_args[@]}" >"$json")
 bins=()
 for t in $tests; do
@@ -49,8 +52,8 @@ done
 
 bench=""
 if [ "${SOFTROCE_BENCH:-0}" = 1 ]; then
-    (cd "$root" && timeout "$(left)" cargo build --features verbs --bin rdma-device-bench --message-format=json >"$cache/bench.json")
-    bench="$(grep '"reason":"compiler-artifact"' "$cache/bench.json" | grep '"name":"rdma-device-bench"' \
+    (cd "$root" && timeout "$(left)" cargo build --features verbs --bin rdma-device-bench --message-format=json >"$run.bench.json")
+    bench="$(grep '"reason":"compiler-artifact"' "$run.bench.json" | grep '"name":"rdma-device-bench"' \
         | grep -o '"executable":"[^"]*"' | sed 's/"executable":"\(.*\)"/\1/' | tail -n1)"
     [ -x "$bench" ] || { say "no rdma-device-bench executable"; exit 1; }
 fi
@@ -114,12 +117,12 @@ echo "=== SOFTROCE-EXIT-CODE \$rc"
 poweroff -f
 EOF
 chmod +x "$stage/init"
-initrd="$cache/initrd.cpio.gz"
+initrd="$run.initrd.cpio.gz"
 pack_initrd "$initrd"
 say "initramfs $(du -h "$initrd" | cut -f1), kernel $kver, modules: ${mods_order[*]}"
 
 # ---- 5. boot ---------------------------------------------------------------
-log="$cache/console.log"
+log="$run.console.log"
 say "booting qemu (TCG); console log: $log"
 set +e
 timeout "$(left)" "${qemu_tcg[@]}" -m 2048 -initrd "$initrd" -append "$kargs" \
