@@ -52,6 +52,8 @@ pub struct Config {
     pub verbs_tos: i32,
     /// Verbs: receive buffers in each device's shared receive queue.
     pub verbs_srq_depth: u32,
+    /// Verbs: pinned bytes of tensor memory the registration cache keeps.
+    pub verbs_mr_cache_bytes: usize,
 }
 
 /// One row of the table.
@@ -94,7 +96,7 @@ pub const VARS: &[Var] = &[
     Var { name: "RDMA_DEVICE_VERBS_CM_PORT_OFFSET", default: "0",
           help: "Verbs: rdma_cm listens on the task's port plus this offset (IB/RoCE have their own port space; iWARP needs a non-zero offset)." },
     Var { name: "RDMA_DEVICE_VERBS_REGISTER_BYTES", default: "1M",
-          help: "Verbs: writes of at least this size register the tensor's memory per write (zero-copy); smaller ones are copied into pre-registered staging buffers (suffix K/M/G)." },
+          help: "Verbs: writes of at least this size are sent zero-copy from the tensor's memory, registered through a cache (RDMA_DEVICE_VERBS_MR_CACHE_BYTES); smaller ones are copied into pre-registered staging buffers (suffix K/M/G)." },
     Var { name: "RDMA_DEVICE_VERBS_ACK_TIMEOUT", default: "14",
           help: "Verbs: local ACK timeout exponent (1-31): each try waits 4.096 us x 2^n (14: 67 ms). A dead peer host is detected within 4.096 us x 2^n x (RETRY_COUNT + 1) (defaults: ~0.54 s), plus what the NIC adds to the timeout." },
     Var { name: "RDMA_DEVICE_VERBS_RETRY_COUNT", default: "7",
@@ -105,6 +107,8 @@ pub const VARS: &[Var] = &[
           help: "Verbs: IP type of service (DSCP << 2) of RoCE v2 traffic, e.g. 106 for DSCP 26, to put it on the network's lossless priority (-1: the kernel's default_roce_tos)." },
     Var { name: "RDMA_DEVICE_VERBS_SRQ_DEPTH", default: "4096",
           help: "Verbs: receive buffers (4 KiB each) in the shared receive queue of each device, shared by all connections for control messages and write immediates (64-65536; capped by the device's max_srq_wr)." },
+    Var { name: "RDMA_DEVICE_VERBS_MR_CACHE_BYTES", default: "1G",
+          help: "Verbs: tensor memory the sender keeps registered (pinned) after a zero-copy write, so that the next write from the same pages needs no registration; least recently used first out, also under RLIMIT_MEMLOCK pressure. Entries are dropped when the application unmaps or discards their pages (userfaultfd). 0: register per write (suffix K/M/G)." },
 ];
 
 impl Default for Config {
@@ -164,6 +168,7 @@ impl Config {
             verbs_rnr_retry: int("RDMA_DEVICE_VERBS_RNR_RETRY", &val("RDMA_DEVICE_VERBS_RNR_RETRY"), 0, 7)? as u8,
             verbs_tos: int("RDMA_DEVICE_VERBS_TOS", &val("RDMA_DEVICE_VERBS_TOS"), -1, 255)? as i32,
             verbs_srq_depth: int("RDMA_DEVICE_VERBS_SRQ_DEPTH", &val("RDMA_DEVICE_VERBS_SRQ_DEPTH"), 64, 65536)? as u32,
+            verbs_mr_cache_bytes: bytes("RDMA_DEVICE_VERBS_MR_CACHE_BYTES", &val("RDMA_DEVICE_VERBS_MR_CACHE_BYTES"), 0, 1 << 44)?,
         })
     }
 
@@ -197,6 +202,7 @@ impl Config {
                     "RDMA_DEVICE_VERBS_RNR_RETRY" => self.verbs_rnr_retry.to_string(),
                     "RDMA_DEVICE_VERBS_TOS" => self.verbs_tos.to_string(),
                     "RDMA_DEVICE_VERBS_SRQ_DEPTH" => self.verbs_srq_depth.to_string(),
+                    "RDMA_DEVICE_VERBS_MR_CACHE_BYTES" => self.verbs_mr_cache_bytes.to_string(),
                     _ => String::new(),
                 };
                 (v, s)

@@ -79,6 +79,13 @@ counters! {
         arena_bytes_total: "gauge: size of the receive arena",
         verbs_windows_bound: "verbs: arena ranges granted to one sender each through a memory window bound to its connection",
         verbs_shared_grants: "verbs: arena ranges granted through the arena's shared memory region (the device has no type-2 memory windows: verbs senders are not isolated from each other)",
+        verbs_write_registrations: "verbs: registrations (ibv_reg_mr) of tensor memory for zero-copy writes: registration-cache misses and memory the cache cannot keep",
+        verbs_mr_cache_hits: "verbs: zero-copy write segments sent through a cached registration (no registration)",
+        verbs_mr_cache_invalidations: "verbs: cached registrations dropped because the application unmapped or discarded their pages",
+        verbs_mr_cache_evictions: "verbs: cached registrations evicted (least recently used) for the cache's bound or RLIMIT_MEMLOCK",
+        verbs_staged_fallbacks: "verbs: writes large enough for zero-copy that were copied through staging buffers instead (RLIMIT_MEMLOCK would be exceeded, or registration failed)",
+        verbs_pinned_bytes: "gauge: bytes the verbs backend has pinned (registered): receive buffers, arena extents, connection buffers, cached and in-flight write registrations",
+        verbs_arena_pinned_bytes: "gauge: bytes of receive arenas registered so far (extents follow the slots placed)",
     }
 }
 

@@ -698,10 +698,13 @@ fn measure_send_strategies() {
     for len in [4096usize, 65536, 1 << 20, 8 << 20] {
         let iters = (64usize << 20).div_ceil(len).clamp(4, 200) as u32;
         let (reg, copy) = f.measure_primitives(len, iters).unwrap();
+        let (miss, hit) = f.measure_cache(len, iters * 10).unwrap_or_default();
         println!(
-            "verbs-measure: primitives {len:>8} B: ibv_reg_mr+dereg {:9.1} us, memcpy {:9.1} us",
+            "verbs-measure: primitives {len:>8} B: ibv_reg_mr+dereg {:9.1} us, memcpy {:9.1} us, registration cache: miss (watch + register) {:9.1} us, hit {:6.2} us",
             reg.as_secs_f64() * 1e6,
-            copy.as_secs_f64() * 1e6
+            copy.as_secs_f64() * 1e6,
+            miss.as_secs_f64() * 1e6,
+            hit.as_secs_f64() * 1e6
         );
     }
     for (name, thr) in [("staging", usize::MAX), ("register", 0)] {
@@ -727,6 +730,93 @@ fn measure_send_strategies() {
                 el.as_secs_f64() * 1e6 / iters as f64,
                 (len * iters) as f64 / el.as_secs_f64() / 1e6
             );
+        }
+        l.shutdown();
+    }
+}
+
+/// CPU time of a clock (`CLOCK_PROCESS_CPUTIME_ID`, `CLOCK_THREAD_CPUTIME_ID`).
+fn cpu_time(clock: libc::clockid_t) -> Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: ts is a valid out-pointer.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// Busy time of every CPU (`/proc/stat`: all but idle and iowait, in
+/// USER_HZ ticks, 10 ms): in the VM this includes the kernel's rxe work
+/// that runs in softirq context, which no process is charged for.
+fn busy_ticks() -> u64 {
+    let s = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let v: Vec<u64> = s.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    v.iter().sum::<u64>() - v.get(3).copied().unwrap_or(0) - v.get(4).copied().unwrap_or(0)
+}
+
+/// What one large tensor write costs the sending process, per write, with
+/// the same source buffers reused for every write (as TensorFlow's
+/// allocator hands a step's tensor the memory the last step freed): a
+/// 256-byte slot header and the payload, written back to back as the
+/// node does. Wall time, CPU time of the whole process (every thread: the
+/// caller, the progress thread, deregistration; the receiver lives in the
+/// same process and costs little per write) and of the calling thread
+/// alone. Under TCG emulation: only the relation between runs means
+/// anything.
+#[test]
+#[ignore = "a measurement, not a test: SOFTROCE_MEASURE=1 tests/softroce/run.sh"]
+fn measure_write_cpu() {
+    if std::env::var("RDMA_DEVICE_TEST_VERBS_MEASURE").as_deref() != Ok("1") {
+        return;
+    }
+    let modes: [(&str, VerbsOptions); 2] = [
+        ("default", VerbsOptions::default()),
+        ("staging", VerbsOptions { register_threshold: usize::MAX, ..Default::default() }),
+    ];
+    let stats = rdma_device::stats::Stats::global();
+    for (name, opts) in modes {
+        let Some(f) = fabric_with(opts) else { return };
+        const ARENA: usize = 40 << 20;
+        let arena = Arc::new(Arena::new("verbs-measure-cpu", ARENA).unwrap());
+        let rx = Rec::new(false);
+        let l = f.listen(&format!("{}:0", local_ip(&f)), arena.clone(), rx.clone()).unwrap();
+        let ep = f.connect(&l.local_addr(), b"m", Rec::new(false), Duration::from_secs(20), true).unwrap();
+        let key = grant_accepted(&l, &rx, b"m", 0, ARENA as u64);
+        for (len, reps) in [(1usize << 20, 48u32), (4 << 20, 16), (16 << 20, 6)] {
+            let hdr = SharedBuf(Arc::new(pattern(256, 3)));
+            let data = SharedBuf(Arc::new(pattern(len, 1)));
+            let segs = || -> Vec<Segment> { vec![Box::new(hdr.clone()), Box::new(data.clone())] };
+            for _ in 0..2 {
+                write_sync(&*ep, key, 0, segs(), 0).unwrap();
+            }
+            let counters = |s: &rdma_device::stats::Stats| {
+                ["verbs_write_registrations", "verbs_mr_cache_hits"].map(|n| s.get(n).unwrap_or(0))
+            };
+            let c0 = counters(stats);
+            let (w0, p0, b0) = (Instant::now(), cpu_time(libc::CLOCK_PROCESS_CPUTIME_ID), busy_ticks());
+            let mut caller = Duration::ZERO;
+            for i in 0..reps {
+                let (tx, done) = std::sync::mpsc::channel();
+                let t0 = cpu_time(libc::CLOCK_THREAD_CPUTIME_ID);
+                ep.write_imm(0, key, segs(), i, Box::new(move |r| tx.send(r).unwrap()));
+                caller += cpu_time(libc::CLOCK_THREAD_CPUTIME_ID) - t0;
+                done.recv_timeout(Duration::from_secs(60)).expect("write completion").unwrap();
+            }
+            let (wall, proc_cpu) = (w0.elapsed(), cpu_time(libc::CLOCK_PROCESS_CPUTIME_ID) - p0);
+            let all_cpu = Duration::from_millis((busy_ticks() - b0) * 10);
+            let c1 = counters(stats);
+            let per = |d: Duration| d.as_secs_f64() * 1e6 / f64::from(reps);
+            println!(
+                "verbs-measure-cpu: {name:8} {:>3} MiB x {reps:2}: wall {:7.0} us/write, all CPUs busy {:7.0} us/write, process CPU {:7.0} us/write, caller CPU {:7.0} us/write, registrations {} cache hits {}",
+                len >> 20,
+                per(wall),
+                per(all_cpu),
+                per(proc_cpu),
+                per(caller),
+                c1[0] - c0[0],
+                c1[1] - c0[1]
+            );
+            let mut want = hdr.0.to_vec();
+            want.extend_from_slice(&data.0);
+            assert_eq!(fnv(&arena.copy_out(0, len + 256).unwrap()), fnv(&want), "bytes of the last {len}-byte write");
         }
         l.shutdown();
     }
@@ -1019,4 +1109,365 @@ fn without_memory_windows_senders_share_the_region() {
     rx.wait("imm", Duration::from_secs(10), |e| e.iter().any(|x| matches!(x, Ev::Imm(_, 1))).then_some(()));
     assert_eq!(arena.copy_out(4096, 4096).unwrap(), data);
     l.shutdown();
+}
+
+// ---- Registration: the sender's cache, the receiver's lazy arena ---------
+
+fn stat(name: &str) -> u64 {
+    rdma_device::stats::Stats::global().get(name).unwrap_or_else(|| panic!("no counter {name}"))
+}
+
+/// Private anonymous memory of our own, mapped where we say (tests of
+/// what happens when an application unmaps and maps again).
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain memory; the tests coordinate access (one write at a time).
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// `len` bytes at `at` (anywhere when null), filled with `pattern(len, seed)`.
+    fn new(at: *mut u8, len: usize, seed: u8) -> Mapping {
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | if at.is_null() { 0 } else { libc::MAP_FIXED_NOREPLACE };
+        // SAFETY: a fresh anonymous mapping; MAP_FIXED_NOREPLACE never
+        // replaces an existing one.
+        let p = unsafe { libc::mmap(at.cast(), len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0) };
+        assert_ne!(p, libc::MAP_FAILED, "mmap at {at:?}: {}", std::io::Error::last_os_error());
+        assert!(at.is_null() || p == at.cast(), "mapped at {p:?}, not {at:?}");
+        let m = Mapping { ptr: p.cast(), len };
+        m.fill(seed);
+        m
+    }
+
+    fn fill(&self, seed: u8) {
+        let v = pattern(self.len, seed);
+        // SAFETY: our mapping of len bytes.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), self.ptr, self.len) };
+    }
+
+    /// A write segment of all of it (valid while the mapping is).
+    fn seg(&self) -> Segment {
+        Box::new(RawSeg(self.ptr as usize, self.len))
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: our mapping.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// A segment over memory the test keeps alive until the write completes.
+struct RawSeg(usize, usize);
+
+impl AsRef<[u8]> for RawSeg {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the test keeps the memory mapped until the write's
+        // completion (write_sync waits for it).
+        unsafe { std::slice::from_raw_parts(self.0 as *const u8, self.1) }
+    }
+}
+
+/// Write a 256-byte header and `m` at `off` as the node does; whether the
+/// receiver got `m`'s bytes as `fill(seed)` left them (the header is
+/// checked here).
+fn write_checked(ep: &dyn Endpoint, key: u32, arena: &Arena, off: u64, m: &Mapping, seed: u8) -> bool {
+    let hdr = SharedBuf(Arc::new(pattern(256, seed ^ 0x55)));
+    write_sync(ep, key, off, vec![Box::new(hdr.clone()), m.seg()], u32::from(seed)).unwrap();
+    let got = arena.copy_out(off as usize, 256 + m.len).unwrap();
+    assert_eq!(&got[..256], &hdr.0[..], "header");
+    got[256..] == pattern(m.len, seed)[..]
+}
+
+/// Writes of the same buffer reuse one registration: the registration
+/// counter stays flat after the first, the cache counts hits, and each
+/// write carries the buffer's bytes of the moment (it is rewritten in
+/// place between writes, as a tensor reused by the allocator is).
+#[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
+fn cached_registration_is_reused() {
+    let Some(f) = fabric() else { return };
+    let (l, ep, _rx, _tx, arena, key) = pair(&f, 16 << 20);
+    let m = Mapping::new(std::ptr::null_mut(), 4 << 20, 1);
+    let (r0, h0) = (stat("verbs_write_registrations"), stat("verbs_mr_cache_hits"));
+    for i in 0..8u8 {
+        m.fill(i);
+        assert!(write_checked(&*ep, key, &arena, 4096, &m, i), "write {i} carried other bytes");
+    }
+    let (regs, hits) = (stat("verbs_write_registrations") - r0, stat("verbs_mr_cache_hits") - h0);
+    println!("mr-cache: 8 writes of one 4 MiB buffer: {regs} registration(s), {hits} cache hits; cache {:?}", f.mr_cache_usage());
+    assert_eq!(regs, 1, "one registration for eight writes of the same buffer");
+    assert_eq!(hits, 7);
+    l.shutdown();
+}
+
+/// The cache keeps within its bound: with room for one 4 MiB buffer, a
+/// second buffer evicts the first (idle) one; writing the first again
+/// registers it again. Every write carries the right bytes.
+#[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
+fn cache_stays_within_its_bound() {
+    let Some(f) = fabric_with(VerbsOptions { mr_cache_bytes: 6 << 20, ..Default::default() }) else { return };
+    let (l, ep, _rx, _tx, arena, key) = pair(&f, 16 << 20);
+    let (a, b) = (Mapping::new(std::ptr::null_mut(), 4 << 20, 1), Mapping::new(std::ptr::null_mut(), 4 << 20, 2));
+    let (r0, e0) = (stat("verbs_write_registrations"), stat("verbs_mr_cache_evictions"));
+    for (m, seed) in [(&a, 1), (&a, 1), (&b, 2), (&b, 2), (&a, 1)] {
+        assert!(write_checked(&*ep, key, &arena, 0, m, seed));
+        let (n, bytes) = f.mr_cache_usage().iter().fold((0, 0), |(n, b), (x, y)| (n + x, b + y));
+        assert!(n <= 1 && bytes <= 6 << 20, "cache holds {n} entries, {bytes} bytes");
+    }
+    let (regs, evicted) = (stat("verbs_write_registrations") - r0, stat("verbs_mr_cache_evictions") - e0);
+    println!("mr-cache: bound 6 MiB, buffers A A B B A: {regs} registrations, {evicted} evictions");
+    assert_eq!((regs, evicted), (3, 2));
+    l.shutdown();
+}
+
+/// A buffer freed and mapped again at the same address (munmap + mmap),
+/// or whose pages were discarded (madvise DONTNEED), holds new pages: the
+/// cache must not send the old ones. With the watch off (a test-only
+/// switch) the same sequence does send stale bytes: the hazard is real.
+#[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
+fn reused_address_sends_the_new_pages() {
+    for trust in [false, true] {
+        let Some(f) = fabric_with(VerbsOptions { mr_cache_trust_mappings: trust, ..Default::default() }) else { return };
+        let (l, ep, _rx, _tx, arena, key) = pair(&f, 16 << 20);
+        let len = 4 << 20;
+        let (r0, i0) = (stat("verbs_write_registrations"), stat("verbs_mr_cache_invalidations"));
+        let m = Mapping::new(std::ptr::null_mut(), len, 1);
+        assert!(write_checked(&*ep, key, &arena, 0, &m, 1));
+        let at = m.ptr;
+        drop(m);
+        // Freed, then the same address mapped again: other pages.
+        let m = Mapping::new(at, len, 2);
+        let fresh_map = write_checked(&*ep, key, &arena, 0, &m, 2);
+        // Pages discarded (the allocator trimming): other pages on touch.
+        // SAFETY: our mapping.
+        assert_eq!(unsafe { libc::madvise(m.ptr.cast(), len, libc::MADV_DONTNEED) }, 0);
+        m.fill(3);
+        let fresh_discard = write_checked(&*ep, key, &arena, 0, &m, 3);
+        let (regs, inval) = (stat("verbs_write_registrations") - r0, stat("verbs_mr_cache_invalidations") - i0);
+        println!(
+            "mr-cache: {}: after munmap+mmap at the same address the receiver got {} bytes, after madvise(DONTNEED) {} bytes; {regs} registrations, {inval} invalidations",
+            if trust { "watch OFF (test switch)" } else { "watched" },
+            if fresh_map { "the new" } else { "STALE" },
+            if fresh_discard { "the new" } else { "STALE" },
+        );
+        if trust {
+            assert!(!fresh_map && !fresh_discard, "without the watch a cached region should send the old pages");
+        } else {
+            assert!(fresh_map, "stale bytes after the buffer was unmapped and mapped again");
+            assert!(fresh_discard, "stale bytes after the buffer's pages were discarded");
+            assert_eq!(regs, 3, "each change of the mapping costs one new registration");
+            assert!(inval >= 2, "{inval} invalidations");
+            // Many times over, each change of the mapping right before
+            // the write, as a busy allocator would.
+            let mut m = m;
+            for i in 0..16u8 {
+                let seed = 10 + i;
+                if i % 2 == 0 {
+                    drop(m);
+                    m = Mapping::new(at, len, seed);
+                } else {
+                    // SAFETY: our mapping.
+                    assert_eq!(unsafe { libc::madvise(m.ptr.cast(), len, libc::MADV_DONTNEED) }, 0);
+                    m.fill(seed);
+                }
+                assert!(write_checked(&*ep, key, &arena, 0, &m, seed), "stale bytes after change {i}");
+                assert!(write_checked(&*ep, key, &arena, 0, &m, seed), "a second write from the same pages {i}");
+            }
+        }
+        l.shutdown();
+    }
+}
+
+/// `VmPin` of /proc/self/status, in bytes (what the kernel counts pinned).
+fn vm_pinned() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmPin:").map(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())))
+        .flatten()
+        .unwrap_or(0)
+        * 1024
+}
+
+/// The receiver pins the arena chunk by chunk as slots are placed, not
+/// the whole arena at listen or at first connect: three slots in a
+/// 512 MiB arena (one across two chunks) pin four 4 MiB chunks.
+#[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
+fn receiver_pins_what_slots_use() {
+    const MB: u64 = 1 << 20;
+    // Staged writes: the sender pins nothing per write, so VmPin shows the
+    // receiver's pinning alone.
+    let Some(f) = fabric_with(VerbsOptions { arena_chunk: 4 * MB, register_threshold: usize::MAX, ..Default::default() }) else { return };
+    let arena_len = 512 * MB;
+    let (a0, v0) = (stat("verbs_arena_pinned_bytes"), vm_pinned());
+    let arena = Arc::new(Arena::new("verbs-lazy", arena_len as usize).unwrap());
+    let rx = Rec::new(false);
+    let l = f.listen(&format!("{}:0", local_ip(&f)), arena.clone(), rx.clone()).unwrap();
+    let ep = f.connect(&l.local_addr(), b"lazy", Rec::new(false), Duration::from_secs(20), true).unwrap();
+    let c = accepted(&rx, b"lazy");
+    let at_connect = stat("verbs_arena_pinned_bytes") - a0;
+    assert_eq!(at_connect, 0, "nothing of the arena pinned before a slot is placed");
+    let v1 = vm_pinned();
+    let mut steps = Vec::new();
+    for (k, (off, len)) in [(0, MB), (100 * MB, 2 * MB), (298 * MB, 6 * MB)].into_iter().enumerate() {
+        let key = l.grant(c, off, len).unwrap().unwrap();
+        let data = pattern(len as usize, k as u8);
+        write_sync(&*ep, key, off, vec![Box::new(data.clone())], k as u32).unwrap();
+        assert_eq!(arena.copy_out(off as usize, len as usize).unwrap(), data, "slot {k}");
+        steps.push(stat("verbs_arena_pinned_bytes") - a0);
+    }
+    let (vm_setup, vm_slots) = (v1.saturating_sub(v0), vm_pinned().saturating_sub(v1));
+    println!(
+        "lazy-arena: {} MiB arena, 4 MiB chunks: arena bytes pinned after connect 0, after each of 3 slots {:?} MiB; \
+         the kernel's VmPin grew by {} MiB for listen+connect (receive queue, connection buffers) and by {} MiB for the slots",
+        arena_len / MB,
+        steps.iter().map(|b| b / MB).collect::<Vec<_>>(),
+        vm_setup / MB,
+        vm_slots / MB
+    );
+    assert_eq!(steps, vec![4 * MB, 8 * MB, 16 * MB], "one chunk per slot, two for the slot across a chunk boundary");
+    assert!(vm_setup < 32 * MB, "listen + connect pinned {vm_setup} bytes with a {arena_len}-byte arena");
+    assert_eq!(vm_slots, 16 * MB, "three slots pinned {vm_slots} bytes");
+    drop(ep);
+    l.shutdown();
+}
+
+/// A grant made on the progress thread (here, from `on_accept`, as the
+/// node may) never registers there: the new chunk is registered on the
+/// setup thread while the window's bind, and everything the connection
+/// sends after it (here the handshake reply carrying the key), waits.
+/// The sender can write as soon as it has the key.
+#[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
+fn grant_on_the_progress_thread_registers_on_the_setup_thread() {
+    struct GrantOnAccept {
+        l: Mutex<Option<Arc<dyn Listener>>>,
+        off: u64,
+        thread: Mutex<Option<String>>,
+        rec: Arc<Rec>,
+    }
+    impl FabricEvents for GrantOnAccept {
+        fn on_accept(&self, c: ConnId, h: &[u8]) -> Result<Vec<u8>> {
+            *self.thread.lock() = std::thread::current().name().map(str::to_string);
+            let l = self.l.lock().clone().ok_or_else(|| Error::Internal("no listener yet".into()))?;
+            let key = l.grant(c, self.off, 1 << 20)?.ok_or_else(|| Error::Internal("unknown connection".into()))?;
+            let _ = h;
+            Ok(key.to_le_bytes().to_vec())
+        }
+        fn on_write_imm(&self, c: ConnId, imm: u32) {
+            self.rec.on_write_imm(c, imm)
+        }
+        fn on_message(&self, _c: ConnId, _m: &[u8]) {}
+        fn on_disconnect(&self, _c: ConnId, _w: Error) {}
+    }
+    let Some(f) = fabric() else { return };
+    let arena = Arc::new(Arena::new("verbs-async-grant", 256 << 20).unwrap());
+    let ev = Arc::new(GrantOnAccept { l: Mutex::new(None), off: 200 << 20, thread: Mutex::new(None), rec: Rec::new(false) });
+    let l = f.listen(&format!("{}:0", local_ip(&f)), arena.clone(), ev.clone()).unwrap();
+    *ev.l.lock() = Some(l.clone());
+    let a0 = stat("verbs_arena_pinned_bytes");
+    let ep = f.connect(&l.local_addr(), b"x", Rec::new(false), Duration::from_secs(30), true).unwrap();
+    let key = u32::from_le_bytes(ep.peer_hello()[..4].try_into().unwrap());
+    let data = pattern(1 << 20, 7);
+    write_sync(&*ep, key, 200 << 20, vec![Box::new(data.clone())], 1).expect("a write right after the key arrived");
+    ev.rec.wait("imm", Duration::from_secs(30), |e| e.iter().any(|x| matches!(x, Ev::Imm(_, 1))).then_some(()));
+    assert_eq!(arena.copy_out(200 << 20, 1 << 20).unwrap(), data);
+    let pinned = stat("verbs_arena_pinned_bytes") - a0;
+    println!("async-grant: granted on {:?}; arena bytes pinned {} MiB of 256", ev.thread.lock(), pinned >> 20);
+    assert_eq!(ev.thread.lock().as_deref(), Some("rdev-verbs"), "on_accept ran on the progress thread");
+    assert_eq!(pinned, 64 << 20, "one default chunk");
+    l.shutdown();
+}
+
+/// RLIMIT_MEMLOCK of the memlock child.
+const MEMLOCK_CHILD_LIMIT: u64 = 24 << 20;
+
+/// Child role: without CAP_IPC_LOCK and with RLIMIT_MEMLOCK at 24 MiB,
+/// zero-copy writes register while the limit allows (evicting the cache's
+/// idle entries), and a write that cannot be pinned goes through the
+/// staging buffers with the right bytes, logged and counted.
+#[test]
+#[ignore = "a child process role of memlock_fallback_goes_through_staging, run by it"]
+fn child_memlock() {
+    if std::env::var("RDMA_DEVICE_TEST_CHILD").as_deref() != Ok("memlock") {
+        return;
+    }
+    const MB: usize = 1 << 20;
+    const LIMIT: u64 = MEMLOCK_CHILD_LIMIT;
+    assert_eq!(rdma_device::fabric::verbs::device::memlock_limit(), Some(LIMIT));
+    let f = fabric_with(VerbsOptions { srq_depth: 64, arena_chunk: 4 << 20, ..Default::default() }).expect("viable under the limit");
+    let (l, ep, _rx, _tx, arena, key) = pair(&f, 16 * MB);
+    let base = stat("verbs_pinned_bytes");
+    println!("memlock-child: limit {LIMIT}, pinned after setup {base} (VmPin {})", vm_pinned());
+    let (r0, s0, e0) = (stat("verbs_write_registrations"), stat("verbs_staged_fallbacks"), stat("verbs_mr_cache_evictions"));
+    let a = Mapping::new(std::ptr::null_mut(), 4 * MB, 1);
+    let b = Mapping::new(std::ptr::null_mut(), 4 * MB, 2);
+    let c = Mapping::new(std::ptr::null_mut(), 8 * MB, 3);
+    assert!(write_checked(&*ep, key, &arena, 0, &a, 1), "A");
+    assert!(write_checked(&*ep, key, &arena, 0, &b, 2), "B (A's idle registration evicted if the limit needs it)");
+    assert!(write_checked(&*ep, key, &arena, 0, &c, 3), "C through staging");
+    let regs = stat("verbs_write_registrations") - r0;
+    let staged = stat("verbs_staged_fallbacks") - s0;
+    let evicted = stat("verbs_mr_cache_evictions") - e0;
+    let pinned = stat("verbs_pinned_bytes");
+    println!(
+        "memlock-child: ok registrations {regs} staged {staged} evicted {evicted} pinned {pinned} (limit {LIMIT}) VmPin {}",
+        vm_pinned()
+    );
+    assert!(pinned <= LIMIT);
+    assert_eq!((regs, staged), (2, 1), "A and B registered, C staged");
+    assert!(evicted >= 1, "A's idle registration made room for B");
+    l.shutdown();
+}
+
+#[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
+fn memlock_fallback_goes_through_staging() {
+    if fabric().is_none() {
+        return;
+    }
+    // The child runs without CAP_IPC_LOCK (root in the VM has it, and then
+    // the limit would not bind: dropped from the bounding set, so exec
+    // does not give it back) and with the limit lowered.
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", "child_memlock", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("RDMA_DEVICE_TEST_CHILD", "memlock")
+        .stdout(Stdio::piped());
+    // SAFETY: only async-signal-safe syscalls between fork and exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            const CAP_IPC_LOCK: libc::c_ulong = 14;
+            if libc::prctl(libc::PR_CAPBSET_DROP, CAP_IPC_LOCK, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let rl = libc::rlimit { rlim_cur: MEMLOCK_CHILD_LIMIT, rlim_max: MEMLOCK_CHILD_LIMIT };
+            if libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    let lines = BufReader::new(child.stdout.take().unwrap());
+    let (tx, out) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in lines.lines().map_while(|l| l.ok()) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut child = ChildProc(child);
+    let line = read_until(&out, "memlock-child: ok");
+    println!("memlock-child: ok{line}");
+    let st = child.0.wait().unwrap();
+    assert!(st.success(), "child: {st}");
 }

@@ -9,6 +9,10 @@
 #   SOFTROCE_HOST_CHECKS=0 ...                  # skip the host-side checks
 #   SOFTROCE_ENV="K=V ..." ...                  # more environment for the tests
 #                                               # in the VM (suites_over_verbs.sh)
+#   SOFTROCE_RELEASE=1 ...                      # build the test binaries with --release
+#                                               # (for the measurements)
+#   SOFTROCE_FILTER="name ..." ...              # only the tests whose names contain one
+#                                               # of these (libtest filters; "" = all)
 #
 # Steps: install missing Debian packages; fetch (never install) the kernel
 # package into a cache outside the repo; build the test binaries with the
@@ -23,6 +27,9 @@ set -euo pipefail
 deadline=$((SECONDS + ${SOFTROCE_TIMEOUT:-600}))
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 tests="${SOFTROCE_TESTS:-fabric_verbs}"
+# This checkout's own files in the shared cache (two checkouts may run at
+# once): build listings, initramfs, console log.
+run="$cache/run-$(printf %s "$root" | md5sum | cut -c1-8)"
 
 # ---- 1. packages; 2. kernel (downloaded, unpacked in the cache, never installed)
 ensure_packages
@@ -32,7 +39,8 @@ ensure_kernel
 say "building test binaries ($tests) with --features verbs,verbs-device-tests"
 cargo_args=()
 for t in $tests; do cargo_args+=(--test "$t"); done
-json="$cache/build.json"
+[ "${SOFTROCE_RELEASE:-0}" = 1 ] && cargo_args+=(--release)
+json="$run.build.json"
 (cd "$root" && timeout "$(left)" cargo test --features verbs,verbs-device-tests --no-run --message-format=json "${cargo_args[@]}" >"$json")
 bins=()
 for t in $tests; do
@@ -44,8 +52,8 @@ done
 
 bench=""
 if [ "${SOFTROCE_BENCH:-0}" = 1 ]; then
-    (cd "$root" && timeout "$(left)" cargo build --features verbs --bin rdma-device-bench --message-format=json >"$cache/bench.json")
-    bench="$(grep '"reason":"compiler-artifact"' "$cache/bench.json" | grep '"name":"rdma-device-bench"' \
+    (cd "$root" && timeout "$(left)" cargo build --features verbs --bin rdma-device-bench --message-format=json >"$run.bench.json")
+    bench="$(grep '"reason":"compiler-artifact"' "$run.bench.json" | grep '"name":"rdma-device-bench"' \
         | grep -o '"executable":"[^"]*"' | sed 's/"executable":"\(.*\)"/\1/' | tail -n1)"
     [ -x "$bench" ] || { say "no rdma-device-bench executable"; exit 1; }
 fi
@@ -93,10 +101,13 @@ export RDMA_DEVICE_TEST_VERBS=1 RDMA_DEVICE_TEST_VERBS_ADDR=10.0.2.15 RUST_BACKT
 rc=0
 for t in /tests/*; do
     echo "=== SOFTROCE-RUN \$t"
-    \$t --test-threads=1 --nocapture || rc=\$?
+    \$t --test-threads=1 --nocapture ${SOFTROCE_FILTER:-} || rc=\$?
 done
 if [ -n "$measure" ]; then
-    for t in /tests/fabric_verbs*; do \$t --ignored --exact measure_send_strategies --nocapture || rc=\$?; done
+    for t in /tests/*fabric_verbs*; do
+        \$t --ignored --exact measure_send_strategies --nocapture || rc=\$?
+        \$t --ignored --exact measure_write_cpu --nocapture || rc=\$?
+    done
 fi
 if [ -x /bin/rdma-device-bench ]; then
     echo "=== SOFTROCE-BENCH"
@@ -106,12 +117,12 @@ echo "=== SOFTROCE-EXIT-CODE \$rc"
 poweroff -f
 EOF
 chmod +x "$stage/init"
-initrd="$cache/initrd.cpio.gz"
+initrd="$run.initrd.cpio.gz"
 pack_initrd "$initrd"
 say "initramfs $(du -h "$initrd" | cut -f1), kernel $kver, modules: ${mods_order[*]}"
 
 # ---- 5. boot ---------------------------------------------------------------
-log="$cache/console.log"
+log="$run.console.log"
 say "booting qemu (TCG); console log: $log"
 set +e
 timeout "$(left)" "${qemu_tcg[@]}" -m 2048 -initrd "$initrd" -append "$kargs" \
@@ -120,7 +131,7 @@ qemu_rc=${PIPESTATUS[0]}
 set -e
 rc="$(sed -n 's/^=== SOFTROCE-EXIT-CODE \([0-9]*\).*/\1/p' "$log" | tail -n1)"
 echo "---- softroce summary (device, test results) ----"
-grep -E '^(hca_id|[[:space:]]+device|[[:space:]]+rxe0|link rxe0)|hca_id:|test result:|verbs-measure:|two-process:|^multiprocess:|^=== SOFTROCE-RUN|FAILED|panicked' "$log" || true
+grep -E '^(hca_id|[[:space:]]+device|[[:space:]]+rxe0|link rxe0)|hca_id:|test result:|verbs-measure(-cpu)?:|two-process:|^multiprocess:|^=== SOFTROCE-RUN|FAILED|panicked' "$log" || true
 if [ -n "$bench" ]; then sed -n '/^=== SOFTROCE-BENCH/,/^=== SOFTROCE-EXIT-CODE/p' "$log"; fi
 if [ -z "$rc" ]; then
     say "no exit marker from the VM (qemu exit $qemu_rc): timeout or crash"

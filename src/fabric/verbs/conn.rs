@@ -11,13 +11,17 @@
 //! - staging (default below [`super::VerbsOptions::register_threshold`]):
 //!   copy into one of this connection's registered chunks, one WRITE per
 //!   chunk; chunks recycle on completion, so a write of any size pipelines
-//!   through a bounded amount of pinned memory.
-//! - registration (at or above the threshold): `ibv_reg_mr` each segment,
-//!   WRITE straight from it, deregister on completion: zero-copy, but pays
-//!   the kernel's pin + translate per write. A cache of such registrations
-//!   would be unsafe here: nothing tells us when TF frees a buffer and the
-//!   allocator maps other pages at the same address (stale translations =
-//!   silent corruption). See the module docs of `verbs` for the numbers.
+//!   through a bounded amount of pinned memory. Writes that fit the QP's
+//!   inline size go inline.
+//! - zero-copy (at or above the threshold): each large segment's
+//!   registration comes from the device's registration cache
+//!   (`mr::cache`: reused while the application keeps the pages mapped,
+//!   registered on a miss); small segments (the 256-byte slot header) are
+//!   copied into one of the connection's small registered buffers; header
+//!   and payload then go as ONE WRITE_WITH_IMM with several scatter/gather
+//!   entries (more work requests only past `MAX_WR_BYTES`). When RLIMIT_MEMLOCK
+//!   or a failed registration leaves a segment without a region, the
+//!   whole write goes through staging instead (logged, counted).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -27,7 +31,9 @@ use rdma_sys::*;
 
 use super::cm::{AcceptData, CmId};
 use super::device::{Cq, Device};
-use super::mr::{Mr, Slab};
+use super::mr::arena::ArenaReg;
+use super::mr::cache::Reg;
+use super::mr::Slab;
 use super::mw::Mw;
 use super::wr::{self, WrKind, NO_CHUNK};
 
@@ -75,36 +81,39 @@ pub(crate) enum Action {
     Kill(Error),
 }
 
+/// The registration of each segment of a zero-copy write (`None`: copied
+/// into a small buffer, or empty).
+type Regs = smallvec::SmallVec<[Option<Arc<Reg>>; 4]>;
+
 /// A write that completed (or failed): its registrations, its memory and
 /// its callback, released in that order by [`Finished::run`], never under
-/// the connection's lock; the progress thread hands the ones holding
-/// registrations to the deregistration thread (`ibv_dereg_mr` can take
-/// long for a large region).
+/// the connection's lock. A registration whose last reference goes on the
+/// progress thread is deregistered on `rdev-verbs-dereg` (`Mr`'s drop).
 pub(crate) struct Finished {
-    mrs: Vec<Option<Mr>>,
+    regs: Regs,
     op: Box<dyn FabricWrite>,
     res: Result<()>,
 }
 
 impl Finished {
-    pub(crate) fn registered(&self) -> bool {
-        self.mrs.iter().any(|m| m.is_some())
-    }
-
     fn failed(op: Box<dyn FabricWrite>, why: Error) -> Finished {
-        Finished { mrs: Vec::new(), op, res: Err(why) }
+        Finished { regs: Regs::new(), op, res: Err(why) }
     }
 
     pub(crate) fn run(self) {
-        let Finished { mrs, op, res } = self;
-        drop(mrs);
+        let Finished { regs, op, res } = self;
+        drop(regs);
         op.complete(res);
     }
 }
 
+/// Segments of at most this many bytes are copied into a small buffer in
+/// a zero-copy write instead of registered (the slot header).
+pub(crate) const SMALL_COPY: usize = 4096;
+
 struct WriteOp {
     // Field order = drop order: registrations before the memory they pin.
-    mrs: Vec<Option<Mr>>,
+    regs: Regs,
     /// The source segments and the completion.
     op: Box<dyn FabricWrite>,
     imm: u32,
@@ -114,8 +123,11 @@ struct WriteOp {
     left: usize,
     seg: usize,
     seg_off: usize,
+    /// Zero-copy (`regs`), else staged.
     register: bool,
     last_chunk: u32,
+    /// The small buffer the final work request used (or `NO_CHUNK`).
+    last_small: u32,
 }
 
 enum Op {
@@ -141,6 +153,8 @@ pub(crate) struct Sizing {
     /// The device's shared receive depth (told to the peer, informational).
     pub n_recv: u32,
     pub n_send: u32,
+    /// Small buffers for the copied segments of zero-copy writes.
+    pub n_small: u32,
     pub chunk: usize,
     pub n_chunks: u32,
     pub sq_depth: u32,
@@ -152,7 +166,8 @@ pub(crate) struct Inner {
     pub cm: Option<CmId>,
     pub dev: Option<Arc<Device>>,
     pub slab: Option<Slab>,
-    pub arena_mr: Option<Arc<Mr>>,
+    /// Receiver: the arena's registration on this connection's device.
+    pub arena: Option<Arc<ArenaReg>>,
     pub remote: Option<AcceptData>,
     pub peer_hello: Vec<u8>,
     /// Active side: the hello to send once established.
@@ -167,10 +182,13 @@ pub(crate) struct Inner {
     pub qpn: u32,
     qp: *mut ibv_qp,
     free_send: Vec<u32>,
+    free_small: Vec<u32>,
     free_chunks: Vec<u32>,
     sq_free: u32,
     /// Inline bytes the QP accepts (0: none).
     max_inline: u32,
+    /// Scatter/gather entries per send work request.
+    max_sge: u32,
     /// Unsignalled send WRs posted since the last signalled one.
     unsignalled: u32,
     /// For each signalled send WR in flight, in posting order: how many
@@ -220,7 +238,7 @@ impl Conn {
                 cm: None,
                 dev: None,
                 slab: None,
-                arena_mr: None,
+                arena: None,
                 remote: None,
                 peer_hello: Vec::new(),
                 hello: Vec::new(),
@@ -231,9 +249,11 @@ impl Conn {
                 qpn: 0,
                 qp: std::ptr::null_mut(),
                 free_send: Vec::new(),
+                free_small: Vec::new(),
                 free_chunks: Vec::new(),
                 sq_free: 0,
                 max_inline: 0,
+                max_sge: 1,
                 unsignalled: 0,
                 retire: VecDeque::new(),
                 ops: Vec::new(),
@@ -248,10 +268,18 @@ impl Conn {
         }
     }
 
-    /// Give the connection its device, buffers and QP (on `cm`; receives
-    /// come from the device's shared receive queue). Before rdma_connect /
-    /// rdma_accept. On error the id stays in `inner` for [`Conn::kill`].
-    pub fn setup(&self, inner: &mut Inner, cm: CmId, dev: Arc<Device>) -> Result<()> {
+    /// This connection's registered buffers (registers: not on the
+    /// progress thread).
+    pub fn new_slab(&self, dev: &Device) -> Result<Slab> {
+        let s = self.sizing;
+        Slab::new(&dev.pd, s.slot, 0, s.n_send + s.n_small, s.chunk, s.n_chunks)
+    }
+
+    /// Give the connection its device, buffers (from [`Conn::new_slab`])
+    /// and QP (on `cm`; receives come from the device's shared receive
+    /// queue). Before rdma_connect / rdma_accept. On error the id stays in
+    /// `inner` for [`Conn::kill`].
+    pub fn setup(&self, inner: &mut Inner, cm: CmId, dev: Arc<Device>, slab: Slab) -> Result<()> {
         let s = self.sizing;
         inner.cm = Some(cm);
         let cqe = s.sq_depth;
@@ -259,11 +287,11 @@ impl Conn {
         inner.cqe_reserved = cqe;
         inner.send_cq = Some(send_cq.clone());
         inner.dev = Some(dev.clone());
-        let slab = Slab::new(&dev.pd, s.slot, 0, s.n_send, s.chunk, s.n_chunks)?;
+        let sges = super::WRITE_SGES.min(dev.ctx.info.max_sge.max(1) as u32);
         let cap = ibv_qp_cap {
             max_send_wr: s.sq_depth,
             max_recv_wr: 0,
-            max_send_sge: 1,
+            max_send_sge: sges,
             max_recv_sge: 1,
             max_inline_data: super::INLINE_BYTES,
         };
@@ -274,7 +302,9 @@ impl Conn {
         inner.qpn = unsafe { (*inner.qp).qp_num };
         // Inline fragments are built on the stack: cap what we use.
         inner.max_inline = got.max_inline_data.min(post::INLINE_MAX as u32);
+        inner.max_sge = got.max_send_sge.clamp(1, super::WRITE_SGES);
         inner.free_send = (0..s.n_send).rev().collect();
+        inner.free_small = (s.n_send..s.n_send + s.n_small).rev().collect();
         inner.free_chunks = (0..s.n_chunks).rev().collect();
         inner.sq_free = s.sq_depth;
         inner.unsignalled = 0;
@@ -291,7 +321,9 @@ impl Conn {
         if inner.phase != Phase::Handshake {
             return Err(Error::PeerLost(format!("connection {} closed during the handshake", self.id)));
         }
-        let Some((addr, rkey)) = inner.arena_mr.as_ref().map(|m| (m.addr, m.rkey)) else {
+        // With windows the regions' keys grant nothing: 0 is sent.
+        let keys = inner.arena.as_ref().map(|a| (a.base, a.whole().and_then(|e| e.mr().map(|m| m.rkey)).unwrap_or(0)));
+        let Some((addr, rkey)) = keys else {
             return Err(Error::Internal(format!("connection {}: no arena registration to offer", self.id)));
         };
         inner.phase = Phase::Ready;
@@ -340,6 +372,16 @@ impl Conn {
         Ok(self.pump(&mut inner))
     }
 
+    /// Post what waits, if the connection is alive: after an arena extent
+    /// some queued bind waited for was registered (see `mr::arena`).
+    pub fn pump_now(&self) -> Vec<Action> {
+        let mut inner = self.inner.lock();
+        if !matches!(inner.phase, Phase::Handshake | Phase::Ready) {
+            return Vec::new();
+        }
+        self.pump(&mut inner)
+    }
+
     /// Start a write (see [`crate::fabric::Endpoint::write`]).
     pub fn write(&self, remote_off: u64, rkey: u32, imm: u32, done: Box<dyn FabricWrite>) -> Vec<Action> {
         let closed = || Error::PeerLost(format!("connection {} is closed", self.id));
@@ -360,51 +402,51 @@ impl Conn {
                 "write of {total} bytes at {remote_off} is outside the peer's arena of {arena_len} bytes"
             ))))];
         }
-        let mut register = total >= self.sizing.register_threshold || self.sizing.n_chunks == 0;
-        let mut mrs = Vec::new();
+        let mut register = total > 0 && (total >= self.sizing.register_threshold || self.sizing.n_chunks == 0);
+        let mut regs = Regs::new();
         if register {
-            // Outside the lock: pinning can take a while and must not stall
-            // this connection's completions.
+            // Outside the lock: a cache miss registers, which can take a
+            // while and must not stall this connection's completions.
             let Some(dev) = dev else {
                 return vec![Action::WriteDone(Finished::failed(done, Error::Internal("no device".into())))];
             };
-            let mut failed = None;
+            let mut miss = None;
             for b in done.segments() {
-                if b.is_empty() {
-                    mrs.push(None);
+                if b.is_empty() || (b.len() <= SMALL_COPY.min(self.sizing.slot) && self.sizing.n_small > 0) {
+                    regs.push(None);
                     continue;
                 }
-                // SAFETY: the segment is owned by this op and dropped only
-                // after the MR (Finished::run) and the completion.
-                match unsafe { Mr::register(&dev.pd, b.as_ptr(), b.len(), super::mr::ACCESS_LOCAL_READ) } {
-                    Ok(mr) => mrs.push(Some(mr)),
-                    Err(e) if self.sizing.n_chunks > 0 => {
-                        // Out of pinnable memory (memlock) or MR resources:
-                        // copy through the staging chunks instead of failing.
-                        log::warn!("verbs: conn {}: registering a {total}-byte write failed ({e}); it goes through the staging buffers", self.id);
-                        mrs.clear();
-                        register = false;
-                        break;
-                    }
-                    Err(e) => {
-                        failed = Some(e);
+                match dev.regs.get(b.as_ptr(), b.len()) {
+                    Ok(r) => regs.push(Some(r)),
+                    Err(m) => {
+                        miss = Some(m);
                         break;
                     }
                 }
             }
-            if let Some(e) = failed {
-                drop(mrs);
-                return vec![Action::WriteDone(Finished::failed(done, e))];
+            if let Some(m) = miss {
+                regs.clear();
+                if self.sizing.n_chunks == 0 {
+                    return vec![Action::WriteDone(Finished::failed(done, Error::ResourceExhausted(m.to_string())))];
+                }
+                // Out of pinnable memory (memlock) or registration
+                // resources: copy through the staging chunks instead.
+                register = false;
+                let st = crate::stats::Stats::global();
+                let n = st.c.verbs_staged_fallbacks.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                if n.is_power_of_two() {
+                    log::warn!("verbs: conn {}: a {total}-byte write goes through the staging buffers: {m} ({n} such writes so far)", self.id);
+                }
             }
         }
         let mut inner = self.inner.lock();
         if inner.phase != Phase::Ready {
             drop(inner);
-            drop(mrs);
+            drop(regs);
             return vec![Action::WriteDone(Finished::failed(done, closed()))];
         }
         let op = Op::Write(WriteOp {
-            mrs,
+            regs,
             op: done,
             imm,
             rkey,
@@ -414,6 +456,7 @@ impl Conn {
             seg_off: 0,
             register,
             last_chunk: NO_CHUNK,
+            last_small: NO_CHUNK,
         });
         let slot = alloc_op(&mut inner, op);
         inner.queue.push_back(Work::Op(slot));
@@ -466,7 +509,10 @@ impl Conn {
                 }
             }
             WrKind::Piece if gen == self.tag => {
-                if idx != NO_CHUNK {
+                if idx == NO_CHUNK {
+                } else if idx & post::SMALL != 0 {
+                    inner.free_small.push(idx & !post::SMALL);
+                } else {
                     inner.free_chunks.push(idx);
                 }
             }
@@ -483,7 +529,10 @@ impl Conn {
                             if w.last_chunk != NO_CHUNK {
                                 inner.free_chunks.push(w.last_chunk);
                             }
-                            acts.push(Action::WriteDone(Finished { mrs: w.mrs, op: w.op, res }));
+                            if w.last_small != NO_CHUNK {
+                                inner.free_small.push(w.last_small);
+                            }
+                            acts.push(Action::WriteDone(Finished { regs: w.regs, op: w.op, res }));
                         }
                     }
                 }
@@ -578,7 +627,7 @@ impl Conn {
         }
         inner.qp = std::ptr::null_mut();
         inner.slab = None;
-        inner.arena_mr = None;
+        inner.arena = None;
         if let (Some(dev), Some(cq)) = (inner.dev.take(), inner.send_cq.take()) {
             dev.release_send_cq(&cq, inner.cqe_reserved);
         }
@@ -587,7 +636,7 @@ impl Conn {
         for s in inner.ops.iter_mut() {
             match s.op.take() {
                 Some(Op::Write(w)) => {
-                    acts.push(Action::WriteDone(Finished { mrs: w.mrs, op: w.op, res: Err(why.clone()) }));
+                    acts.push(Action::WriteDone(Finished { regs: w.regs, op: w.op, res: Err(why.clone()) }));
                 }
                 None => {}
             }

@@ -15,6 +15,8 @@ use std::sync::Arc;
 
 use rdma_sys::*;
 
+use super::mr::arena::ArenaReg;
+use super::mr::cache::RegCache;
 use super::mr::Mr;
 use crate::error::{Error, Result};
 
@@ -63,6 +65,8 @@ pub struct DeviceInfo {
     pub max_qp_rd_atom: i32,
     pub max_qp_init_rd_atom: i32,
     pub max_srq_wr: i32,
+    /// Scatter/gather entries per work request.
+    pub max_sge: i32,
     /// Memory windows the device can hold (0: none).
     pub max_mw: i32,
     /// Type-2 memory windows (2A or 2B): what isolates verbs senders
@@ -175,6 +179,7 @@ pub unsafe fn query_context(ctx: *mut ibv_context) -> Result<DeviceInfo> {
         max_qp_rd_atom: attr.max_qp_rd_atom,
         max_qp_init_rd_atom: attr.max_qp_init_rd_atom,
         max_srq_wr: attr.max_srq_wr,
+        max_sge: attr.max_sge,
         max_mw: attr.max_mw,
         mw_type2: attr.max_mw > 0
             && attr.device_cap_flags
@@ -256,13 +261,18 @@ pub fn check_viable(devs: &[DeviceInfo], want_dev: Option<&str>, want_port: Opti
 }
 
 /// Whether this process may pin memory without limit (CAP_IPC_LOCK).
+/// Read once (`/proc/self/status`): the limit is asked before each new
+/// registration, and a process's capabilities do not grow.
 fn has_ipc_lock() -> bool {
-    const CAP_IPC_LOCK: u32 = 14;
-    let Ok(s) = std::fs::read_to_string("/proc/self/status") else { return false };
-    s.lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
+    static CAP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| {
+        const CAP_IPC_LOCK: u32 = 14;
+        let Ok(s) = std::fs::read_to_string("/proc/self/status") else { return false };
+        s.lines()
+            .find_map(|l| l.strip_prefix("CapEff:"))
+            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+            .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
+    })
 }
 
 /// The memlock limit in bytes (`None` = unlimited or CAP_IPC_LOCK).
@@ -572,11 +582,16 @@ pub struct Device {
     /// Every CQ (receive first), for the progress thread's polling.
     cqs: parking_lot::Mutex<Arc<Vec<Arc<Cq>>>>,
     /// Arena registrations by listener token.
-    pub arena_mrs: parking_lot::Mutex<std::collections::HashMap<u64, Arc<Mr>>>,
+    pub(crate) arenas: parking_lot::Mutex<std::collections::HashMap<u64, Arc<ArenaReg>>>,
+    /// Registrations of write sources (see `mr::cache`).
+    pub(crate) regs: Arc<RegCache>,
 }
 
 impl Device {
-    pub fn open(ctx: Arc<Context>, srq_depth: u32) -> Result<Arc<Device>> {
+    /// Open the device's shared objects (registers the shared receive
+    /// buffers: never on the progress thread). `cache` bytes of write
+    /// sources may stay registered (`trust`: tests only, see `mr::cache`).
+    pub fn open(ctx: Arc<Context>, srq_depth: u32, cache: u64, trust: bool) -> Result<Arc<Device>> {
         let pd = Pd::new(ctx.clone())?;
         let channel = CompChannel::new(ctx.clone())?;
         let srq = Srq::new(&pd, srq_depth, super::SLOT_BYTES)?;
@@ -584,13 +599,14 @@ impl Device {
         let recv_cq = Cq::new(&ctx, channel.clone(), (srq.depth + 64).min(max_cqe))?;
         Ok(Arc::new(Device {
             ctx,
-            pd,
             channel,
             srq,
             recv_cq: recv_cq.clone(),
             send_cqs: parking_lot::Mutex::new(Vec::new()),
             cqs: parking_lot::Mutex::new(Arc::new(vec![recv_cq])),
-            arena_mrs: Default::default(),
+            arenas: Default::default(),
+            regs: RegCache::new(pd.clone(), cache, trust),
+            pd,
         }))
     }
 
@@ -684,6 +700,7 @@ mod tests {
             max_qp_rd_atom: 1,
             max_qp_init_rd_atom: 1,
             max_srq_wr: 1,
+            max_sge: 1,
             ports: vec![PortInfo { num: 1, active: false, state: "DOWN".into(), mtu: 1024, link_layer: "Ethernet", gids: vec![] }],
         };
         let e = check_viable(std::slice::from_ref(&dev), Some("mlx5_0"), None).unwrap_err();

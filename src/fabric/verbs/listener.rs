@@ -1,14 +1,17 @@
 //! The receiving side: an rdma_cm listening id on the task's address, the
-//! arena registered once per device, the connections it accepted, and the
-//! memory windows that let each sender write only the ranges granted to
-//! it (`grant`; see `mw` for the design and what holds on a device
-//! without type-2 windows).
+//! arena's registration per device (in extents made as slots are placed,
+//! `mr::arena`), the connections it accepted, and the memory windows that
+//! let each sender write only the ranges granted to it (`grant`; see `mw`
+//! for the design and what holds on a device without type-2 windows).
 //!
 //! Threading: `grant` runs under the node's protocol lock on any thread
 //! (the progress thread included). It allocates or deallocates windows
-//! (short kernel calls, no pinning) and queues the bind on the
-//! connection; it never waits for a completion. Lock order: `windows`,
-//! then a connection's lock, then a window's own lock.
+//! (short kernel calls, no pinning), hands a new arena extent's
+//! registration to `rdev-verbs-setup` and queues the bind on the
+//! connection (it waits there for the extent); it never waits for a
+//! registration or a completion. Lock order: `windows`, then an arena's
+//! extent table, then a connection's lock, then a window's or an
+//! extent's own lock.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,8 +22,9 @@ use rdma_sys::*;
 
 use super::cm::{self, CmId, RawAddr};
 use super::conn::MSG_USER;
-use super::device::{self, Device};
-use super::mr::{Mr, ACCESS_REMOTE, ACCESS_WINDOWS};
+use super::device::Device;
+use super::mr::arena::ArenaReg;
+use super::mr::{ACCESS_REMOTE, ACCESS_WINDOWS};
 use super::mw::Mw;
 use super::progress::{self, Request, Shared, LISTENER_BIT};
 use crate::error::{Error, Result};
@@ -40,15 +44,18 @@ pub(crate) struct ListenerShared {
     /// The windows over the arena: start offset → (end, window). Never
     /// overlapping: a grant revokes what it overlaps first.
     pub windows: Mutex<BTreeMap<u64, (u64, Arc<Mw>)>>,
+    /// The arena's registration chunk (see `mr::arena`).
+    pub chunk: u64,
 }
 
 impl ListenerShared {
     /// The arena's registration on `dev` (made on first use; each device
-    /// has its own keys).
-    pub fn arena_mr(&self, dev: &Device) -> Result<Arc<Mr>> {
-        let mut mrs = dev.arena_mrs.lock();
-        if let Some(m) = mrs.get(&self.token) {
-            return Ok(m.clone());
+    /// has its own keys). With type-2 windows nothing is pinned here (see
+    /// `mr::arena`); without, the whole arena is registered now: never
+    /// on the progress thread.
+    pub fn arena_reg(&self, dev: &Device) -> Result<Arc<ArenaReg>> {
+        if let Some(a) = dev.arenas.lock().get(&self.token) {
+            return Ok(a.clone());
         }
         let len = self.arena.len();
         if len as u64 > dev.ctx.info.max_mr_size {
@@ -59,29 +66,38 @@ impl ListenerShared {
                 dev.ctx.info.max_mr_size
             )));
         }
-        device::memlock_check(len as u64 + (super::MIN_MEMLOCK_BYTES / 2), "the receive arena")?;
         // The arena's own pages through a mapping that is never remapped
         // (shm senders' windows are mapped over ranges of the main one;
         // see fabric/arena.rs), so a verbs peer never reaches their pages.
         let base = self.arena.registration_base()?;
-        // With type-2 windows the region itself grants no remote access
-        // (see `mw`); without, it is the one all verbs senders share.
+        // With type-2 windows the regions themselves grant no remote
+        // access (see `mw`); without, the one region all verbs senders
+        // share.
         let windows = self.windows_wanted && dev.ctx.info.mw_type2;
         if !windows {
             log::warn!(
                 "verbs: {}: {}; verbs senders share the arena's memory region, so one that ignores the protocol \
-                 can overwrite another verbs sender's slots (shm senders stay isolated)",
+                 can overwrite another verbs sender's slots (shm senders stay isolated); the arena is registered whole",
                 dev.name(),
                 if self.windows_wanted { "no type-2 memory windows on this device" } else { "memory windows are off" }
             );
         }
-        // SAFETY: that mapping lives as long as `self.arena`, which this
-        // listener holds; the MR is dropped (in close_listener and with the
-        // last connection holding it) before the listener goes.
-        let mr = unsafe { Mr::register(&dev.pd, base, len, if windows { ACCESS_WINDOWS } else { ACCESS_REMOTE })? };
-        let mr = Arc::new(mr);
-        mrs.insert(self.token, mr.clone());
-        Ok(mr)
+        // The mapping lives as long as `self.arena`, which this listener
+        // holds; the registration is dropped (in close_listener, and with
+        // the last connection and window holding it) before the listener.
+        let access = if windows { ACCESS_WINDOWS } else { ACCESS_REMOTE };
+        // Registered (without windows: pinned whole) outside the device's
+        // table lock, which `close_listener` takes on the progress thread.
+        let a = ArenaReg::new(&dev.pd, base, len as u64, windows, self.chunk, access)?;
+        // A listener closed meanwhile must not get a registration back
+        // into the table (`close_listener` takes `cm`, then clears it).
+        let open = self.cm.lock();
+        if open.is_none() {
+            return Err(Error::Aborted(format!("listener {} is closed", self.addr)));
+        }
+        let a = dev.arenas.lock().entry(self.token).or_insert(a).clone();
+        drop(open);
+        Ok(a)
     }
 }
 
@@ -125,16 +141,23 @@ pub(crate) fn listen(sh: &Arc<Shared>, local: &str, arena: Arc<Arena>, events: A
         conns: Mutex::new(HashSet::new()),
         windows_wanted: sh.opts.memory_windows,
         windows: Mutex::new(BTreeMap::new()),
+        chunk: sh.opts.arena_chunk,
     });
-    // A specific address binds to its device now: register the arena here
-    // so limits fail `listen`, not the first connection.
-    if !cmid.verbs().is_null() {
-        let dev = sh.device_for(&cmid, &format!("listener {}", lst.addr))?;
-        lst.arena_mr(&dev)?;
-    }
-    // In the table before rdma_listen: a request may arrive at once.
+    // A specific address binds to its device now: open it and prepare the
+    // arena's registration here (on the caller's thread), so limits fail
+    // `listen`, not the first connection.
+    let bound = !cmid.verbs().is_null();
     let raw_id = cmid.raw;
     *lst.cm.lock() = Some(cmid);
+    if bound {
+        let r = lst.cm.lock().as_ref().map(|id| sh.device_for(id, &format!("listener {}", lst.addr)));
+        let r = r.unwrap_or_else(|| Err(Error::Internal("no id".into()))).and_then(|dev| lst.arena_reg(&dev));
+        if let Err(e) = r {
+            drop(lst.cm.lock().take());
+            return Err(e);
+        }
+    }
+    // In the table before rdma_listen: a request may arrive at once.
     sh.listeners.lock().insert(token, lst.clone());
     // SAFETY: the id is bound and alive (held by lst.cm).
     if unsafe { rdma_listen(raw_id, super::LISTEN_BACKLOG) } != 0 {
@@ -180,17 +203,34 @@ impl Listener for VerbsListener {
         };
         // The NIC writes the registered base pages: show those there.
         self.lst.arena.show(off as usize, len as usize, None)?;
-        let (mr, dev) = {
+        let (areg, dev) = {
             let i = c.inner.lock();
-            (i.arena_mr.clone(), i.dev.clone())
+            (i.arena.clone(), i.dev.clone())
         };
-        let (Some(mr), Some(dev)) = (mr, dev) else {
+        let (Some(areg), Some(dev)) = (areg, dev) else {
             return Err(Error::PeerLost(format!("connection {conn} is closed")));
         };
         let st = crate::stats::Stats::global();
-        if !mr.windows() {
+        if !areg.windows {
+            let key = areg.whole().and_then(|e| e.mr().map(|m| m.rkey));
+            let key = key.ok_or_else(|| Error::Internal("the arena's region is not registered".into()))?;
             crate::stats::Stats::add(&st.c.verbs_shared_grants, 1);
-            return Ok(Some(mr.rkey));
+            return Ok(Some(key));
+        }
+        // The extent the window lies in; a new one is registered here, or
+        // on the progress thread by `rdev-verbs-setup` while the bind
+        // waits in the connection's queue (see `mr::arena`).
+        let (ext, new) = areg.cover(off, len)?;
+        if new {
+            let (sh, ext, pd) = (self.shared.clone(), ext.clone(), areg.pd().clone());
+            let register = move || register_extent(&sh, &ext, &pd);
+            if crate::fabric::on_event_thread() {
+                super::progress::worker::spawn(move || {
+                    let _ = register();
+                });
+            } else {
+                register()?;
+            }
         }
         let mut windows = self.lst.windows.lock();
         // Revoke whatever was granted over this range before (entries never
@@ -202,7 +242,7 @@ impl Listener for VerbsListener {
                 mw.revoke();
             }
         }
-        let mw = Mw::alloc(&dev.pd, &mr, mr.addr + off, len)?;
+        let mw = Mw::alloc(&dev.pd, &ext, areg.base + off, len)?;
         let rkey = mw.rkey;
         let acts = c.bind(mw.clone())?;
         windows.insert(off, (end, mw));
@@ -222,6 +262,24 @@ impl Listener for VerbsListener {
             self.shared.request(Request::CloseListener(self.lst.token));
         }
     }
+}
+
+/// Register arena extent `ext` and post the binds that waited for it.
+fn register_extent(sh: &Arc<Shared>, ext: &Arc<super::mr::arena::Extent>, pd: &Arc<super::device::Pd>) -> Result<()> {
+    let t = std::time::Instant::now();
+    let waiting = ext.register(pd).map_err(|e| {
+        log::warn!("verbs: registering arena bytes {}..{}: {e}", ext.start, ext.end);
+        e
+    })?;
+    log::debug!("verbs: arena bytes {}..{} registered in {:?}", ext.start, ext.end, t.elapsed());
+    for id in waiting {
+        let c = sh.conns.lock().get(&id).cloned();
+        if let Some(c) = c {
+            let acts = c.pump_now();
+            progress::run_actions(sh, &c, acts);
+        }
+    }
+    Ok(())
 }
 
 impl Drop for VerbsListener {

@@ -2,9 +2,11 @@
 //! queue pairs bootstrapped by rdma_cm on the task's "host:port".
 //!
 //! Owns: device discovery and viability, registration (the receiver's arena
-//! as one MR per device, reached by peers only through type-2 memory
-//! windows bound per granted range to the sender's QP, see `mw`; no remote
-//! read; per-connection buffer slabs), QPs and
+//! per device in chunk-aligned extents registered as slots are placed
+//! (`mr::arena`), reached by peers only through type-2 memory windows bound
+//! per granted range to the sender's QP, see `mw`; no remote read;
+//! per-connection buffer slabs; the sender's cache of write-source
+//! registrations, `mr::cache`, kept safe by `mr::watch`), QPs and
 //! their completions, and the connection handshake. Must not touch: what the
 //! bytes mean (rendezvous), handshake payload contents, anything TF.
 //! This is the only module that imports `rdma_sys`.
@@ -16,7 +18,12 @@
 //! - `cm`: rdma_cm ids, addresses, the private data of REQ/REP.
 //! - `conn`: one connection's QP, buffers, ops, ordered work queue.
 //! - `progress`: the one thread that reads CM events and polls CQs (spins
-//!   [`SPIN`], then blocks on the completion channel).
+//!   [`SPIN`], then blocks on the completion channel); it never registers
+//!   or deregisters memory: connection bring-up and arena extents go to
+//!   `rdev-verbs-setup` (`progress::worker`), deregistrations on it to
+//!   `rdev-verbs-dereg`.
+//! - `mr`: regions, the pinned-memory account (RLIMIT_MEMLOCK), buffer
+//!   slabs, the arena's lazy registration, the write-source cache.
 //! - `endpoint` / `listener`: the [`Endpoint`] / [`Listener`] faces.
 //! - `mw`: type-2 memory windows, one per granted range: what keeps one
 //!   verbs sender out of another's slots (and the fallback without them).
@@ -127,6 +134,18 @@ pub const MAX_WR_BYTES: usize = 1 << 30;
 /// it blocks on the completion channel: long enough to catch the next
 /// completion of a pipelined transfer, short enough not to burn a core.
 pub const SPIN: Duration = Duration::from_micros(50);
+/// Chunk of the receive arena registered on the first slot placed in it
+/// (see `mr::arena`): large enough that a training job's slots need a
+/// handful of registrations, small enough that a job using a few hundred
+/// MiB of a 1 GiB arena pins about that much.
+pub const ARENA_CHUNK: u64 = 64 << 20;
+/// Default bound of the write-source registration cache (`mr::cache`):
+/// the tensors a training step sends from one task fit, and it is
+/// evicted from (least recently used first) under RLIMIT_MEMLOCK pressure.
+pub const MR_CACHE_BYTES: u64 = 1 << 30;
+/// Scatter/gather entries per write work request: a write is a slot
+/// header and a payload (2), with room for a split source.
+pub const WRITE_SGES: u32 = 4;
 /// Memory the backend must be able to pin at start (a few connections'
 /// buffer slabs); below that it reports "not viable" with the fix.
 pub const MIN_MEMLOCK_BYTES: u64 = 16 << 20;
@@ -161,9 +180,19 @@ pub struct VerbsOptions {
     /// Added to the task's port for rdma_cm (iWARP shares TCP's port space
     /// with gRPC, so it needs an offset; IB/RoCE do not).
     pub cm_port_offset: u16,
-    /// Writes of at least this many bytes register their source memory per
-    /// write (zero-copy); smaller ones copy into staging chunks.
+    /// Writes of at least this many bytes go zero-copy from their source
+    /// memory, through the registration cache; smaller ones copy into
+    /// staging chunks.
     pub register_threshold: usize,
+    /// Pinned bytes of write sources the registration cache may keep
+    /// (0: register per write, no cache).
+    pub mr_cache_bytes: u64,
+    /// Chunk of the receive arena registered at once (see `mr::arena`).
+    pub arena_chunk: u64,
+    /// Tests only: cache registrations without watching the mappings
+    /// (demonstrates the stale-page hazard the watch prevents).
+    #[doc(hidden)]
+    pub mr_cache_trust_mappings: bool,
     /// Size of one staging chunk.
     pub staging_chunk: usize,
     /// Staging chunks per connection (0 = always register).
@@ -194,6 +223,9 @@ impl Default for VerbsOptions {
             gid_index: None,
             cm_port_offset: 0,
             register_threshold: 1 << 20,
+            mr_cache_bytes: MR_CACHE_BYTES,
+            arena_chunk: ARENA_CHUNK,
+            mr_cache_trust_mappings: false,
             staging_chunk: 256 << 10,
             staging_chunks: 8,
             spin: SPIN,
@@ -217,6 +249,7 @@ impl VerbsOptions {
             cm_port_offset: cfg.verbs_cm_port_offset,
             spin: Duration::from_micros(cfg.spin_us),
             register_threshold: cfg.verbs_register_bytes,
+            mr_cache_bytes: cfg.verbs_mr_cache_bytes as u64,
             ack_timeout: cfg.verbs_ack_timeout,
             retry_count: cfg.verbs_retry_count,
             rnr_retry: cfg.verbs_rnr_retry,
@@ -304,6 +337,13 @@ impl VerbsFabric {
         self.rt.get().and_then(|r| r.as_ref().ok()).map(|r| r.shared.arena_rkeys()).unwrap_or_default()
     }
 
+    /// (entries, pinned bytes) of each opened device's registration cache
+    /// (tests and diagnostics).
+    #[doc(hidden)]
+    pub fn mr_cache_usage(&self) -> Vec<(usize, u64)> {
+        self.rt.get().and_then(|r| r.as_ref().ok()).map(|r| r.shared.mr_cache_usage()).unwrap_or_default()
+    }
+
     /// What was found at start (for diagnostics and the bench).
     pub fn devices(&self) -> &[device::DeviceInfo] {
         &self.devices
@@ -331,6 +371,31 @@ impl VerbsFabric {
             std::hint::black_box(&mut dst);
         }
         Ok((reg, t.elapsed() / iters))
+    }
+
+    /// The registration cache's costs for one `len`-byte buffer on the
+    /// first device: (a miss: watch + register, a hit), the hit averaged
+    /// over `iters`. For the measurement test.
+    pub fn measure_cache(&self, len: usize, iters: u32) -> Result<(Duration, Duration)> {
+        self.viable.clone()?;
+        let ctx = device::Context::first()?;
+        let pd = device::Pd::new(ctx)?;
+        let cache = mr::cache::RegCache::new(pd, 1 << 30, false);
+        if !cache.caching() {
+            return Err(Error::NotViable("the registration cache is off here (no userfaultfd)".into()));
+        }
+        let src = vec![0x5au8; len.max(1)];
+        let t = std::time::Instant::now();
+        let first = cache.get(src.as_ptr(), src.len()).map_err(|m| Error::ResourceExhausted(m.to_string()))?;
+        let miss = t.elapsed();
+        drop(first);
+        let iters = iters.max(1);
+        let t = std::time::Instant::now();
+        for _ in 0..iters {
+            let r = cache.get(std::hint::black_box(src.as_ptr()), src.len()).map_err(|m| Error::ResourceExhausted(m.to_string()))?;
+            std::hint::black_box(&r);
+        }
+        Ok((miss, t.elapsed() / iters))
     }
 
     pub fn options(&self) -> &VerbsOptions {

@@ -1,7 +1,25 @@
-//! Memory registration: the RAII memory region, and each connection's
-//! registered buffer slab (receive buffers, message send buffers, write
-//! staging chunks) carved from one allocation and one registration.
+//! Memory registration: the RAII memory region, the account of what this
+//! process pinned (checked against RLIMIT_MEMLOCK before pinning more), and
+//! each connection's registered buffer slab (message send buffers, small
+//! write buffers, write staging chunks) carved from one allocation and one
+//! registration.
+//!
+//! - `cache`: the sender's registration cache for write sources (zero-copy
+//!   writes without a registration per write), kept honest by `watch`;
+//! - `watch`: userfaultfd events that say a registered range's pages may
+//!   no longer be the ones the process maps there;
+//! - `arena`: the receiver's arena, registered in chunks as slots are
+//!   placed in them.
+//!
+//! Deregistration unpins every page of a region and can take long for a
+//! large one: a region dropped on a backend's event thread (the progress
+//! thread) is handed to `rdev-verbs-dereg` instead (see `progress::dereg`).
 
+pub(crate) mod arena;
+pub(crate) mod cache;
+pub(crate) mod watch;
+
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use rdma_sys::*;
@@ -21,6 +39,45 @@ pub const ACCESS_REMOTE: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | ibv_
 /// access through the region itself; type-2 windows bound over granted
 /// ranges give it. Remote-write windows need local write on the region.
 pub const ACCESS_WINDOWS: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | ibv_access_flags::IBV_ACCESS_MW_BIND.0;
+
+/// Bytes pinned by every region this process has registered and not yet
+/// deregistered (whole pages, as the kernel counts them against
+/// RLIMIT_MEMLOCK; regions over the same pages count twice there too).
+static PINNED: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes this backend has pinned (see [`PINNED`]).
+pub fn pinned_bytes() -> u64 {
+    PINNED.load(Ordering::Relaxed)
+}
+
+/// Whether `len` more bytes may be pinned under RLIMIT_MEMLOCK, counting
+/// what this backend pinned already (`getrlimit` per call: a cheap
+/// syscall, asked only before a new registration). Without a limit (or
+/// with CAP_IPC_LOCK) always. Other pinning in the process (mlock) is not
+/// seen: `ibv_reg_mr` failing with ENOMEM is then the backstop.
+pub fn may_pin(len: u64) -> bool {
+    match super::device::memlock_limit() {
+        None => true,
+        Some(lim) => pinned_bytes().saturating_add(len) <= lim,
+    }
+}
+
+/// The page-aligned span `[start, end)` that holds `len` bytes at `addr`.
+pub fn page_span(addr: u64, len: usize) -> (u64, u64) {
+    let page = crate::fabric::arena::page_size() as u64;
+    let start = addr & !(page - 1);
+    let end = (addr + len as u64).div_ceil(page) * page;
+    (start, end)
+}
+
+fn account(delta: i64) {
+    let now = if delta >= 0 {
+        PINNED.fetch_add(delta as u64, Ordering::Relaxed) + delta as u64
+    } else {
+        PINNED.fetch_sub(delta.unsigned_abs(), Ordering::Relaxed) - delta.unsigned_abs()
+    };
+    crate::stats::Stats::global().c.verbs_pinned_bytes.store(now, Ordering::Relaxed);
+}
 
 /// A registered memory region. Holds its PD (and so the context) alive.
 pub struct Mr {
@@ -67,12 +124,35 @@ impl Mr {
         }
         // SAFETY: raw is a valid MR just returned.
         let (lkey, rkey) = unsafe { ((*raw).lkey, (*raw).rkey) };
+        let (s, e) = page_span(addr as u64, len);
+        account((e - s) as i64);
         Ok(Mr { raw, lkey, rkey, addr: addr as u64, len, access, _pd: pd.clone() })
     }
 
-    /// Registered for memory-window binds (the arena with windows)?
-    pub fn windows(&self) -> bool {
-        self.access & ibv_access_flags::IBV_ACCESS_MW_BIND.0 != 0
+    /// Deregister now, on this thread, whichever it is.
+    pub(crate) fn release_here(mut self) {
+        self.dereg();
+    }
+
+    fn dereg(&mut self) {
+        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
+        if raw.is_null() {
+            return;
+        }
+        // SAFETY: raw from ibv_reg_mr, deregistered once (nulled); no
+        // posted work uses it any more (owners drop regions only after
+        // their QP is destroyed or the work request completed).
+        let rc = unsafe { ibv_dereg_mr(raw) };
+        if rc != 0 {
+            log::warn!("verbs: ibv_dereg_mr failed ({rc})");
+        }
+        account(-(self.pinned() as i64));
+    }
+
+    /// The bytes this region pins (whole pages).
+    pub fn pinned(&self) -> u64 {
+        let (s, e) = page_span(self.addr, self.len);
+        e - s
     }
 
     pub(crate) fn raw(&self) -> *mut ibv_mr {
@@ -82,12 +162,27 @@ impl Mr {
 
 impl Drop for Mr {
     fn drop(&mut self) {
-        // SAFETY: raw from ibv_reg_mr; no posted work uses it any more (owners
-        // drop MRs only after their QP is destroyed or the WR completed).
-        let rc = unsafe { ibv_dereg_mr(self.raw) };
-        if rc != 0 {
-            log::warn!("verbs: ibv_dereg_mr failed ({rc})");
+        if self.raw.is_null() {
+            return;
         }
+        if crate::fabric::on_event_thread() {
+            // Not on the progress thread: unpinning may take long. The
+            // region moves to the deregistration thread as it is (the
+            // pages stay pinned and valid until then; no work request
+            // uses it any more).
+            let moved = Mr {
+                raw: std::mem::replace(&mut self.raw, std::ptr::null_mut()),
+                lkey: self.lkey,
+                rkey: self.rkey,
+                addr: self.addr,
+                len: self.len,
+                access: self.access,
+                _pd: self._pd.clone(),
+            };
+            super::progress::dereg_later(moved);
+            return;
+        }
+        self.dereg();
     }
 }
 

@@ -1,9 +1,9 @@
 //! Memory windows: what isolates verbs senders from each other.
 //!
-//! The arena is registered once per device (`listener::ListenerShared::
-//! arena_mr`). On a device with type-2 memory windows that region gets
-//! `LOCAL_WRITE | MW_BIND` and **no remote access**: its own rkey lets
-//! no peer write anything. Each range granted to a sender
+//! The arena is registered per device in chunk-aligned extents as slots
+//! are placed (`mr::arena`). On a device with type-2 memory windows those
+//! regions get `LOCAL_WRITE | MW_BIND` and **no remote access**: their
+//! rkeys let no peer write anything. Each range granted to a sender
 //! (`Listener::grant`) gets a fresh type-2 window bound over exactly that
 //! range with `REMOTE_WRITE` only, by a `BIND_MW` work request posted on
 //! the receiver's QP of that sender's connection. A type-2 window is bound
@@ -31,6 +31,9 @@
 //! Ordering, without waiting: the bind goes into the connection's ordered
 //! work queue (`conn`), so it is posted before the Publish or Grow that
 //! carries its rkey (the node sends that only after `grant` returned). A
+//! bind whose arena extent is still being registered (a grant made on the
+//! progress thread, see `mr::arena`) stays at the head of that queue, with
+//! everything behind it, until the registration is done. A
 //! send queue executes its work requests in order and a bind is a local
 //! operation completed before the next request is processed (rxe:
 //! `rxe_requester` runs `rxe_do_local_ops` when the bind reaches the head,
@@ -65,7 +68,7 @@ use parking_lot::Mutex;
 use rdma_sys::*;
 
 use super::device::Pd;
-use super::mr::Mr;
+use super::mr::arena::Extent;
 use crate::error::{Error, Result};
 
 /// Where a window is in its life.
@@ -93,10 +96,11 @@ pub(crate) struct Mw {
     raw: Mutex<Raw>,
     /// The rkey the bind gives it (what the sender writes with).
     pub rkey: u32,
-    /// Bound over `addr..addr+len` of `mr`.
+    /// Bound over `addr..addr+len` of `ext`'s region (registered before
+    /// the bind is posted: the connection's queue waits for it).
     pub addr: u64,
     pub len: u64,
-    pub mr: Arc<Mr>,
+    pub ext: Arc<Extent>,
     _pd: Arc<Pd>,
 }
 
@@ -112,8 +116,9 @@ fn inc_rkey(rkey: u32) -> u32 {
 }
 
 impl Mw {
-    /// A fresh type-2 window for `addr..addr+len` of `mr` (not bound yet).
-    pub fn alloc(pd: &Arc<Pd>, mr: &Arc<Mr>, addr: u64, len: u64) -> Result<Arc<Mw>> {
+    /// A fresh type-2 window for `addr..addr+len` of `ext` (not bound yet;
+    /// the extent may still be registering).
+    pub fn alloc(pd: &Arc<Pd>, ext: &Arc<Extent>, addr: u64, len: u64) -> Result<Arc<Mw>> {
         // SAFETY: pd is live; the provider fills errno on failure.
         let raw = unsafe { ibv_alloc_mw(pd.raw, ibv_mw_type::IBV_MW_TYPE_2) };
         let mw = match raw {
@@ -133,7 +138,7 @@ impl Mw {
             rkey,
             addr,
             len,
-            mr: mr.clone(),
+            ext: ext.clone(),
             _pd: pd.clone(),
         }))
     }
@@ -147,11 +152,12 @@ impl Mw {
         if r.state != State::Queued || r.mw.is_null() {
             return Ok(false);
         }
+        let mr = self.ext.mr().ok_or_else(|| Error::Internal("window bind before its region is registered".into()))?;
         let bind = bind_mw_t {
             mw: r.mw,
             rkey: self.rkey,
             bind_info: ibv_mw_bind_info {
-                mr: self.mr.raw(),
+                mr: mr.raw(),
                 addr: self.addr,
                 length: self.len,
                 mw_access_flags: ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,

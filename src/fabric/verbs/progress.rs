@@ -24,6 +24,12 @@ use super::{wr, VerbsOptions};
 
 mod dereg;
 mod events;
+pub(crate) mod worker;
+
+/// Deregister `mr` on the deregistration thread (see `dereg`).
+pub(crate) fn dereg_later(mr: super::mr::Mr) {
+    dereg::later(mr)
+}
 use events::on_cm_event;
 use crate::error::{Error, Result};
 use crate::fabric::ConnId;
@@ -117,9 +123,14 @@ impl Shared {
         unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
     }
 
+    /// See `VerbsFabric::mr_cache_usage`.
+    pub fn mr_cache_usage(&self) -> Vec<(usize, u64)> {
+        self.devices.lock().iter().map(|d| d.regs.usage()).collect()
+    }
+
     /// See `VerbsFabric::arena_rkeys`.
     pub fn arena_rkeys(&self) -> Vec<u32> {
-        self.devices.lock().iter().flat_map(|d| d.arena_mrs.lock().values().map(|m| m.rkey).collect::<Vec<_>>()).collect()
+        self.devices.lock().iter().flat_map(|d| d.arenas.lock().values().flat_map(|a| a.rkeys()).collect::<Vec<_>>()).collect()
     }
 
     pub fn request(&self, r: Request) {
@@ -137,6 +148,8 @@ impl Shared {
             slot: super::SLOT_BYTES,
             n_recv: o.srq_depth,
             n_send: super::SEND_BUFFERS,
+            // Small buffers for zero-copy writes' headers: senders only.
+            n_small: if role == Role::Active { super::SEND_BUFFERS } else { 0 },
             chunk: o.staging_chunk.max(4096),
             // Only senders write; a listener's connections need no staging.
             n_chunks: if role == Role::Active { o.staging_chunks } else { 0 },
@@ -146,36 +159,49 @@ impl Shared {
     }
 
     /// The device an id is bound to, opened on first use; checks overrides.
+    /// Opening registers memory: never on the progress thread.
     pub fn device_for(&self, cm: &CmId, what: &str) -> Result<Arc<Device>> {
-        let ctx = cm.verbs();
+        self.device_at(cm.verbs(), cm.port_num(), what)
+    }
+
+    /// The device of context `ctx` (an id's), opened on first use (outside
+    /// the devices' lock, which the progress thread takes every loop).
+    pub fn device_at(&self, ctx: *mut ibv_context, port: u8, what: &str) -> Result<Arc<Device>> {
         if ctx.is_null() {
             return Err(Error::NotViable(format!("{what} is not on an RDMA device")));
         }
-        let dev = {
-            let mut devs = self.devices.lock();
-            match devs.iter().find(|d| d.ctx.raw == ctx) {
-                Some(d) => d.clone(),
-                None => {
-                    // SAFETY: ctx comes from a bound rdma_cm id (librdmacm's context).
-                    let d = Device::open(unsafe { Context::for_cm(ctx) }?, self.opts.srq_depth)?;
-                    log::info!(
-                        "verbs: using {}; shared receive queue of {} x {} B; ACK timeout 2^{} x 4.096 us, retry {}, RNR retry {}{} (dead peer detected within {:?})",
-                        d.ctx.info.describe(),
-                        d.srq.depth,
-                        d.srq.slot,
-                        self.opts.ack_timeout,
-                        self.opts.retry_count,
-                        self.opts.rnr_retry,
-                        if self.opts.rnr_retry >= 7 { " (forever)" } else { "" },
-                        self.opts.dead_peer_bound()
-                    );
-                    devs.push(d.clone());
-                    self.wake();
-                    d
+        let known = self.devices.lock().iter().find(|d| d.ctx.raw == ctx).cloned();
+        let dev = match known {
+            Some(d) => d,
+            None => {
+                debug_assert!(!self.on_progress_thread(), "a device is opened on the progress thread");
+                // SAFETY: ctx comes from a bound rdma_cm id (librdmacm's
+                // context, open for the life of the process).
+                let d = Device::open(unsafe { Context::for_cm(ctx) }?, self.opts.srq_depth, self.opts.mr_cache_bytes, self.opts.mr_cache_trust_mappings)?;
+                let mut devs = self.devices.lock();
+                match devs.iter().find(|x| x.ctx.raw == ctx) {
+                    // Opened meanwhile by another thread: use that one.
+                    Some(x) => x.clone(),
+                    None => {
+                        log::info!(
+                            "verbs: using {}; shared receive queue of {} x {} B; ACK timeout 2^{} x 4.096 us, retry {}, RNR retry {}{} (dead peer detected within {:?}); registration cache {}",
+                            d.ctx.info.describe(),
+                            d.srq.depth,
+                            d.srq.slot,
+                            self.opts.ack_timeout,
+                            self.opts.retry_count,
+                            self.opts.rnr_retry,
+                            if self.opts.rnr_retry >= 7 { " (forever)" } else { "" },
+                            self.opts.dead_peer_bound(),
+                            if d.regs.caching() { format!("up to {} bytes", self.opts.mr_cache_bytes) } else { "off".into() }
+                        );
+                        devs.push(d.clone());
+                        self.wake();
+                        d
+                    }
                 }
             }
         };
-        let port = cm.port_num();
         let info = &dev.ctx.info;
         if let Some(want) = &self.opts.device {
             if *want != info.name {
@@ -226,13 +252,9 @@ impl Shared {
 pub(crate) fn run_actions(sh: &Arc<Shared>, c: &Arc<Conn>, acts: Vec<Action>) {
     for a in acts {
         match a {
-            Action::WriteDone(f) => {
-                if f.registered() && sh.on_progress_thread() {
-                    dereg::later(f);
-                } else {
-                    f.run();
-                }
-            }
+            // Inline on any thread: a registration the write held that
+            // is dropped here goes to rdev-verbs-dereg on its own (`Mr`).
+            Action::WriteDone(f) => f.run(),
             Action::Imm(imm) => c.events.on_write_imm(c.id, imm),
             Action::Message(m) => c.events.on_message(c.id, &m),
             Action::Disconnect(e) => c.events.on_disconnect(c.id, e),
@@ -307,7 +329,7 @@ fn close_listener(sh: &Arc<Shared>, token: u64) {
         }
     }
     for d in sh.devices.lock().iter() {
-        d.arena_mrs.lock().remove(&token);
+        d.arenas.lock().remove(&token);
     }
 }
 

@@ -15,10 +15,13 @@ use crate::fabric::verbs::SIGNAL_EVERY;
 pub(crate) const INLINE_MAX: usize = 1024;
 /// `index` of a [`WrKind::Send`] that used no send buffer (inline).
 pub(crate) const NO_BUF: u32 = u32::MAX;
+/// Marks a [`WrKind::Piece`]'s `index` as a small buffer, not a chunk.
+pub(crate) const SMALL: u32 = 1 << 31;
 
 use rdma_sys::*;
 
 use super::{Action, Conn, Inner, Op, Work, FLAG_MORE, HDR};
+use crate::fabric::verbs::mr::arena::Ready;
 use crate::error::{Error, Result};
 use crate::fabric::verbs::wr::{self, WrKind, NO_CHUNK};
 
@@ -38,12 +41,16 @@ impl Conn {
                         Err(e) => Err(e),
                     }
                 }
-                Work::Bind(mw) => match inner.sq_free {
-                    0 => {
+                // A window over an arena extent still registering waits
+                // (and all behind it: its Publish); revoked ones are skipped.
+                Work::Bind(mw) if mw.is_dead() => Ok(()),
+                Work::Bind(mw) => match mw.ext.ready_or_wait(self.id) {
+                    Ready::Yes if inner.sq_free > 0 => self.post_bind(inner, mw),
+                    Ready::Yes | Ready::Wait => {
                         inner.queue.push_front(Work::Bind(mw));
                         break;
                     }
-                    _ => self.post_bind(inner, mw),
+                    Ready::Failed(e) => Err(e.context("registering the receive arena for a granted slot")),
                 },
                 Work::Op(slot) => match self.post_op(inner, slot) {
                     Ok(true) => Ok(()),
@@ -81,9 +88,9 @@ impl Conn {
                 let mut tmp = [0u8; INLINE_MAX];
                 tmp[..HDR].copy_from_slice(&hdr);
                 tmp[HDR..HDR + n].copy_from_slice(&data[sent..sent + n]);
-                let sge = ibv_sge { addr: tmp.as_ptr() as u64, length: (HDR + n) as u32, lkey: 0 };
+                let mut sge = [ibv_sge { addr: tmp.as_ptr() as u64, length: (HDR + n) as u32, lkey: 0 }];
                 let id = wr::encode(WrKind::Send, self.tag, NO_BUF);
-                post_send(inner, id, ibv_wr_opcode::IBV_WR_SEND, Some(sge), None, 0, Flags { signal: false, inline: true })?;
+                post_send(inner, id, ibv_wr_opcode::IBV_WR_SEND, &mut sge, None, 0, Flags { signal: false, inline: true })?;
             } else {
                 let Some(buf) = inner.free_send.pop() else { return Ok(Some(sent)) };
                 let slab = inner.slab.as_ref().ok_or_else(|| Error::Internal("no buffers".into()))?;
@@ -94,10 +101,10 @@ impl Conn {
                     std::ptr::copy_nonoverlapping(hdr.as_ptr(), p, HDR);
                     std::ptr::copy_nonoverlapping(data.as_ptr().add(sent), p.add(HDR), n);
                 }
-                let sge = ibv_sge { addr: p as u64, length: (HDR + n) as u32, lkey: slab.mr.lkey };
+                let mut sge = [ibv_sge { addr: p as u64, length: (HDR + n) as u32, lkey: slab.mr.lkey }];
                 let id = wr::encode(WrKind::Send, self.tag, buf);
                 // Signalled: its completion gives the buffer back.
-                post_send(inner, id, ibv_wr_opcode::IBV_WR_SEND, Some(sge), None, 0, Flags { signal: true, inline: false })?;
+                post_send(inner, id, ibv_wr_opcode::IBV_WR_SEND, &mut sge, None, 0, Flags { signal: true, inline: false })?;
             }
             sent += n;
             started = true;
@@ -121,6 +128,9 @@ impl Conn {
 
     /// Post what fits of op `slot`; `true` once it is fully posted.
     fn post_op(&self, inner: &mut Inner, slot: u32) -> Result<bool> {
+        if matches!(&inner.ops[slot as usize].op, Some(Op::Write(w)) if w.register) {
+            return self.post_gather(inner, slot);
+        }
         let gen = inner.ops[slot as usize].gen;
         let chunk_size = self.sizing.chunk;
         let tag = self.tag;
@@ -176,7 +186,10 @@ impl Conn {
                             }
                         }
                         sge = Some(ibv_sge { addr: tmp.as_ptr() as u64, length: piece as u32, lkey: 0 });
-                    } else if let (Some(c), Some(p)) = (staging_chunk, chunk_ptr) {
+                    } else {
+                        let (Some(c), Some(p)) = (staging_chunk, chunk_ptr) else {
+                            return Err(Error::Internal("staged write piece without a chunk".into()));
+                        };
                         piece = w.left.min(chunk_size);
                         let mut copied = 0;
                         while copied < piece {
@@ -195,14 +208,6 @@ impl Conn {
                         }
                         sge = Some(ibv_sge { addr: p as u64, length: piece as u32, lkey: slab_lkey });
                         let _ = c;
-                    } else {
-                        let b = segs[w.seg];
-                        let mr = w.mrs[w.seg].as_ref().ok_or_else(|| Error::Internal("segment not registered".into()))?;
-                        piece = (b.len() - w.seg_off).min(crate::fabric::verbs::MAX_WR_BYTES);
-                        // SAFETY: offset inside the registered segment.
-                        let addr = unsafe { b.as_ptr().add(w.seg_off) } as u64;
-                        sge = Some(ibv_sge { addr, length: piece as u32, lkey: mr.lkey });
-                        w.seg_off += piece;
                     }
                     let remote = rbase + w.remote_off;
                     w.remote_off += piece as u64;
@@ -218,10 +223,108 @@ impl Conn {
                 }
             };
             // The last WR's completion runs `done`; a piece's gives its
-            // staging chunk back; other pieces (registered memory) need
-            // no completion of their own.
+            // staging chunk back.
             let flags = Flags { signal: last || staging_chunk.is_some(), inline };
-            post_send(inner, wr_id, opcode, sge, Some((remote, rkey)), imm, flags)?;
+            let mut sges: smallvec::SmallVec<[ibv_sge; 1]> = sge.into_iter().collect();
+            post_send(inner, wr_id, opcode, &mut sges, Some((remote, rkey)), imm, flags)?;
+            if last {
+                return Ok(true);
+            }
+        }
+    }
+
+    /// Post what fits of zero-copy write `slot`: each work request gathers
+    /// up to `max_sge` pieces, registered segments in place and small ones
+    /// copied into one small buffer (a slot header and its payload: one
+    /// WRITE_WITH_IMM). `true` once it is fully posted.
+    fn post_gather(&self, inner: &mut Inner, slot: u32) -> Result<bool> {
+        let gen = inner.ops[slot as usize].gen;
+        let rbase = inner.remote.map(|r| r.arena_addr).unwrap_or(0);
+        let max_sge = (inner.max_sge as usize).clamp(1, crate::fabric::verbs::WRITE_SGES as usize);
+        let small_size = self.sizing.slot;
+        loop {
+            if inner.sq_free == 0 {
+                return Ok(false);
+            }
+            let Some(Op::Write(w)) = inner.ops[slot as usize].op.as_ref() else { return Ok(true) };
+            // A small buffer if any copied segment is left (given back
+            // below when this request takes none).
+            let needs_small = {
+                let segs = w.op.segments();
+                (w.seg..segs.len()).any(|i| w.regs.get(i).is_some_and(|r| r.is_none()) && segs[i].len() > if i == w.seg { w.seg_off } else { 0 })
+            };
+            let small = if needs_small {
+                match inner.free_small.pop() {
+                    Some(b) => Some(b),
+                    None => return Ok(false),
+                }
+            } else {
+                None
+            };
+            let slab = inner.slab.as_ref().ok_or_else(|| Error::Internal("no buffers".into()))?;
+            let (small_ptr, slab_lkey) = (small.map(|b| slab.send_buf(b)), slab.mr.lkey);
+            let Some(Op::Write(w)) = inner.ops[slot as usize].op.as_mut() else { return Ok(true) };
+            let mut sges: smallvec::SmallVec<[ibv_sge; 4]> = smallvec::SmallVec::new();
+            let (mut bytes, mut used) = (0usize, 0usize);
+            let segs = w.op.segments();
+            while w.seg < segs.len() && sges.len() < max_sge && bytes < crate::fabric::verbs::MAX_WR_BYTES {
+                let b = segs[w.seg];
+                if w.seg_off >= b.len() {
+                    w.seg += 1;
+                    w.seg_off = 0;
+                    continue;
+                }
+                match w.regs.get(w.seg).and_then(|r| r.as_ref()) {
+                    Some(r) => {
+                        let take = (b.len() - w.seg_off).min(crate::fabric::verbs::MAX_WR_BYTES - bytes);
+                        // SAFETY: an offset inside the segment, which `r`'s
+                        // region covers.
+                        let addr = unsafe { b.as_ptr().add(w.seg_off) } as u64;
+                        sges.push(ibv_sge { addr, length: take as u32, lkey: r.mr.lkey });
+                        w.seg_off += take;
+                        bytes += take;
+                    }
+                    None => {
+                        let n = b.len() - w.seg_off;
+                        let Some(p) = small_ptr else { return Err(Error::Internal("copied segment without a small buffer".into())) };
+                        if used + n > small_size {
+                            break;
+                        }
+                        // SAFETY: the small buffer is ours (popped from the
+                        // free list) and holds `small_size` >= used + n bytes.
+                        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr().add(w.seg_off), p.add(used), n) };
+                        sges.push(ibv_sge { addr: p as u64 + used as u64, length: n as u32, lkey: slab_lkey });
+                        w.seg_off += n;
+                        used += n;
+                        bytes += n;
+                    }
+                }
+            }
+            drop(segs);
+            let small = match small {
+                Some(b) if used == 0 => {
+                    inner.free_small.push(b);
+                    None
+                }
+                s => s,
+            };
+            let Some(Op::Write(w)) = inner.ops[slot as usize].op.as_mut() else { return Ok(true) };
+            let remote = rbase + w.remote_off;
+            w.remote_off += bytes as u64;
+            w.left -= bytes;
+            let (rkey, imm, last) = (w.rkey, w.imm, w.left == 0);
+            let small_idx = small.unwrap_or(NO_CHUNK);
+            let (wr_id, opcode) = if last {
+                w.last_small = small_idx;
+                (wr::encode(WrKind::WriteLast, gen, slot), ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM)
+            } else {
+                let idx = small.map(|b| b | SMALL).unwrap_or(NO_CHUNK);
+                (wr::encode(WrKind::Piece, self.tag, idx), ibv_wr_opcode::IBV_WR_RDMA_WRITE)
+            };
+            // The last request's completion runs `done`; a piece's gives
+            // its small buffer back; other pieces need no completion.
+            let flags = Flags { signal: last || small.is_some(), inline: false };
+            post_send(inner, wr_id, opcode, &mut sges, Some((remote, rkey)), if last { imm } else { 0 }, flags)?;
             if last {
                 return Ok(true);
             }
@@ -239,11 +342,10 @@ pub(super) struct Flags {
     pub inline: bool,
 }
 
-pub(super) fn post_send(inner: &mut Inner, wr_id: u64, opcode: ibv_wr_opcode::Type, sge: Option<ibv_sge>, rdma: Option<(u64, u32)>, imm: u32, flags: Flags) -> Result<()> {
+pub(super) fn post_send(inner: &mut Inner, wr_id: u64, opcode: ibv_wr_opcode::Type, sges: &mut [ibv_sge], rdma: Option<(u64, u32)>, imm: u32, flags: Flags) -> Result<()> {
     if inner.qp.is_null() {
         return Err(Error::PeerLost("queue pair is gone".into()));
     }
-    let mut sge = sge;
     // SAFETY: ibv_send_wr is POD; zero is a valid empty request.
     let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
     wr.wr_id = wr_id;
@@ -255,9 +357,9 @@ pub(super) fn post_send(inner: &mut Inner, wr_id: u64, opcode: ibv_wr_opcode::Ty
     if flags.inline {
         wr.send_flags |= ibv_send_flags::IBV_SEND_INLINE.0;
     }
-    if let Some(s) = sge.as_mut() {
-        wr.sg_list = s;
-        wr.num_sge = 1;
+    if !sges.is_empty() {
+        wr.sg_list = sges.as_mut_ptr();
+        wr.num_sge = sges.len() as i32;
     }
     if let Some((addr, rkey)) = rdma {
         wr.wr.rdma = rdma_t { remote_addr: addr, rkey };

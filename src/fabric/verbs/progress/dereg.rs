@@ -1,27 +1,30 @@
-//! The deregistration thread (`rdev-verbs-dereg`): writes sent from
-//! registered user memory finish here when their completion arrives on the
-//! progress thread, because `ibv_dereg_mr` unpins every page of the region
-//! and can take long for a large one. One thread for the process, fed by an
-//! unbounded queue (handing over never blocks); it unpins, drops the
-//! write's memory and then runs its callback, in completion order.
+//! The deregistration thread (`rdev-verbs-dereg`): a memory region dropped
+//! on a backend's event thread (the progress thread: a write's last
+//! reference to an uncached or evicted registration, a connection's
+//! buffers at teardown, a chunk of a closed listener's arena) is
+//! deregistered here, because `ibv_dereg_mr` unpins every page of the
+//! region and can take long for a large one. One thread for the process,
+//! fed by an unbounded queue (handing over never blocks); the regions stay
+//! pinned, and so valid, until then, and no work request uses them any
+//! more.
 
 use std::sync::mpsc::{channel, Sender};
 use std::sync::OnceLock;
 
 use parking_lot::Mutex;
 
-use super::super::conn::Finished;
+use crate::fabric::verbs::mr::Mr;
 
-static QUEUE: OnceLock<Option<Mutex<Sender<Finished>>>> = OnceLock::new();
+static QUEUE: OnceLock<Option<Mutex<Sender<Mr>>>> = OnceLock::new();
 
-/// Finish `f` on the deregistration thread (here if it cannot start).
-pub(crate) fn later(f: Finished) {
+/// Deregister `mr` on the deregistration thread (here if it cannot start).
+pub(crate) fn later(mr: Mr) {
     let q = QUEUE.get_or_init(|| {
-        let (tx, rx) = channel::<Finished>();
+        let (tx, rx) = channel::<Mr>();
         let spawned = std::thread::Builder::new().name("rdev-verbs-dereg".into()).spawn(move || {
-            while let Ok(f) = rx.recv() {
-                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f.run())).is_err() {
-                    log::error!("verbs: a write's completion panicked on rdev-verbs-dereg; the thread goes on");
+            while let Ok(mr) = rx.recv() {
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(mr))).is_err() {
+                    log::error!("verbs: a deregistration panicked on rdev-verbs-dereg; the thread goes on");
                 }
             }
         });
@@ -34,10 +37,10 @@ pub(crate) fn later(f: Finished) {
         }
     });
     let left = match q {
-        Some(tx) => tx.lock().send(f).err().map(|e| e.0),
-        None => Some(f),
+        Some(tx) => tx.lock().send(mr).err().map(|e| e.0),
+        None => Some(mr),
     };
-    if let Some(f) = left {
-        f.run();
+    if let Some(mr) = left {
+        mr.release_here();
     }
 }

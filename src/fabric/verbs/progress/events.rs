@@ -1,6 +1,14 @@
 //! rdma_cm events: connection bring-up on both sides (address and route
 //! resolution, QP creation, connect/accept with the private data, the
 //! handshake's first message) and the CM's ways of saying "gone".
+//!
+//! The steps that register memory (opening a device: its shared receive
+//! buffers; a connection's buffers; without memory windows, the arena)
+//! run on `rdev-verbs-setup`, not here: ROUTE_RESOLVED and CONNECT_REQUEST
+//! hand the rest of the bring-up over (`active_connect`, `passive_accept`).
+//! The connection is in the table meanwhile, so a kill finds it; the setup
+//! job registers outside the connection's lock, then re-checks under it
+//! that the connection is still being set up before it touches the QP.
 
 use std::sync::Arc;
 
@@ -35,7 +43,15 @@ pub(super) fn on_cm_event(sh: &Arc<Shared>, ev: cm::Event) {
                 _ => Ok(()),
             }
         }
-        RDMA_CM_EVENT_ROUTE_RESOLVED => active_connect(sh, &c),
+        RDMA_CM_EVENT_ROUTE_RESOLVED => {
+            let (sh, c) = (sh.clone(), c.clone());
+            super::worker::spawn(move || {
+                if let Err(e) = active_connect(&sh, &c) {
+                    sh.request(super::Request::Kill(c.id, e));
+                }
+            });
+            Ok(())
+        }
         RDMA_CM_EVENT_ESTABLISHED => established(sh, &c, &ev),
         RDMA_CM_EVENT_DISCONNECTED => Err(Error::PeerLost(format!("peer of connection {} disconnected", c.id))),
         RDMA_CM_EVENT_REJECTED => Err(rejected(&ev)),
@@ -87,14 +103,34 @@ fn conn_param(sh: &Shared, dev: &Device, private: &[u8], peer_rr: Option<(u8, u8
     }
 }
 
+/// The active side's bring-up after route resolution (on the setup
+/// thread): device, buffers, QP, `rdma_connect`.
 fn active_connect(sh: &Arc<Shared>, c: &Arc<Conn>) -> Result<()> {
-    let mut inner = c.inner.lock();
-    let Some(cm) = inner.cm.take() else { return Ok(()) };
     let what = format!("connection {}", c.id);
-    let dev = sh.device_for(&cm, &what)?;
-    let gid = sh.check_gid(&dev, &cm, &what)?;
+    let (ctx, port) = {
+        let inner = c.inner.lock();
+        match &inner.cm {
+            Some(cm) if inner.phase == Phase::Connecting => (cm.verbs(), cm.port_num()),
+            _ => return Ok(()),
+        }
+    };
+    // Registration, outside the connection's lock.
+    let dev = sh.device_at(ctx, port, &what)?;
+    let slab = c.new_slab(&dev)?;
+    let mut inner = c.inner.lock();
+    if inner.phase != Phase::Connecting {
+        return Ok(());
+    }
+    let Some(cm) = inner.cm.take() else { return Ok(()) };
+    let gid = match sh.check_gid(&dev, &cm, &what) {
+        Ok(g) => g,
+        Err(e) => {
+            inner.cm = Some(cm);
+            return Err(e);
+        }
+    };
     log::debug!("verbs: conn {} via {gid}", c.id);
-    c.setup(&mut inner, cm, dev.clone())?;
+    c.setup(&mut inner, cm, dev.clone(), slab)?;
     sh.register_qp(&dev, inner.qpn, c);
     let port_mtu = mtu_of(&dev, &inner);
     let pd = ConnectData { mtu: port_mtu, recv_depth: c.sizing.n_recv, slot: c.sizing.slot as u32 }.encode();
@@ -102,7 +138,8 @@ fn active_connect(sh: &Arc<Shared>, c: &Arc<Conn>) -> Result<()> {
     let cm = inner.cm.as_ref().ok_or_else(|| Error::Internal("no id".into()))?;
     cm.set_u8_option(cm::RDMA_OPTION_ID_ACK_TIMEOUT, sh.opts.ack_timeout, "ACK timeout")?;
     let raw = cm.raw;
-    // SAFETY: the id and its QP are alive; p and pd outlive the call.
+    // SAFETY: the id and its QP are alive (under the connection's lock); p
+    // and pd outlive the call.
     if unsafe { rdma_connect(raw, &mut p) } != 0 {
         return Err(Error::last_os("rdma_connect"));
     }
@@ -175,58 +212,78 @@ fn on_connect_request(sh: &Arc<Shared>, ev: cm::Event) {
         return;
     };
     let c = Arc::new(Conn::new(id, Role::Passive, lst.events.clone(), lst.token, sh.sizing(Role::Passive)));
-    let raw = cmid.raw;
-    // The id moves into the conn first, so every failure below leaves it
-    // there for `kill` to destroy after `reject` used it.
+    // The id moves into the conn, and the conn into the tables, first:
+    // every failure (and a listener closing meanwhile) then leaves it to
+    // `kill`, which destroys it after `reject` used it.
     c.inner.lock().cm = Some(cmid);
-    let r = (|| -> Result<()> {
-        let peer = ConnectData::decode(&ev.private)?;
-        let what = format!("listener {}", lst.addr);
-        let mut inner = c.inner.lock();
-        let (dev, gid) = {
-            let cmid = inner.cm.as_ref().ok_or_else(|| Error::Internal("no id".into()))?;
-            let dev = sh.device_for(cmid, &what)?;
-            let gid = sh.check_gid(&dev, cmid, &what)?;
-            (dev, gid)
-        };
-        let mr = lst.arena_mr(&dev)?;
-        let cmid = inner.cm.take().ok_or_else(|| Error::Internal("no id".into()))?;
-        c.setup(&mut inner, cmid, dev.clone())?;
-        inner.arena_mr = Some(mr.clone());
-        sh.register_qp(&dev, inner.qpn, &c);
-        sh.conns.lock().insert(id, c.clone());
-        lst.conns.lock().insert(id);
-        let ours = mtu_of(&dev, &inner);
-        log::debug!("verbs: conn {id} accepted on {gid}, MTU ours {ours} peer's {}", peer.mtu);
-        // The arena's address and key go out only with the answer to the
-        // sender's hello, once the node accepted it (`Conn::accept_ok`):
-        // a peer that is refused never learns where or how to write.
-        let acc = AcceptData {
-            arena_addr: 0,
-            arena_rkey: 0,
-            arena_len: mr.len as u64,
-            mtu: ours,
-            recv_depth: c.sizing.n_recv,
-            slot: c.sizing.slot as u32,
+    sh.conns.lock().insert(id, c.clone());
+    lst.conns.lock().insert(id);
+    let (sh, rr) = (sh.clone(), (ev.responder_resources, ev.initiator_depth));
+    let private = ev.private.clone();
+    super::worker::spawn(move || {
+        if let Err(e) = passive_accept(&sh, &c, &lst, &private, rr) {
+            log::warn!("verbs: refusing a connection at {}: {e}", lst.addr);
+            if let Some(cm) = c.inner.lock().cm.as_ref() {
+                reject(cm.raw, &e);
+            }
+            sh.request(super::Request::Kill(c.id, e));
         }
-        .encode();
-        let mut p = conn_param(sh, &dev, &acc, Some((ev.responder_resources, ev.initiator_depth)));
-        if let Some(cm) = inner.cm.as_ref() {
-            cm.set_u8_option(cm::RDMA_OPTION_ID_ACK_TIMEOUT, sh.opts.ack_timeout, "ACK timeout")?;
+    });
+}
+
+/// The passive side's bring-up (on the setup thread): device, the arena's
+/// registration, buffers, QP, `rdma_accept`.
+fn passive_accept(sh: &Arc<Shared>, c: &Arc<Conn>, lst: &Arc<crate::fabric::verbs::listener::ListenerShared>, private: &[u8], peer_rr: (u8, u8)) -> Result<()> {
+    let peer = ConnectData::decode(private)?;
+    let what = format!("listener {}", lst.addr);
+    let (ctx, port) = {
+        let inner = c.inner.lock();
+        match &inner.cm {
+            Some(cm) if inner.phase == Phase::Connecting => (cm.verbs(), cm.port_num()),
+            _ => return Ok(()),
         }
-        // The sender's hello may arrive before our ESTABLISHED event.
-        inner.phase = Phase::Handshake;
-        // SAFETY: the id and its QP are alive; p/acc outlive the call.
-        if unsafe { rdma_accept(raw, &mut p) } != 0 {
-            return Err(Error::last_os("rdma_accept"));
-        }
-        Ok(())
-    })();
-    if let Err(e) = r {
-        log::warn!("verbs: refusing a connection at {}: {e}", lst.addr);
-        reject(raw, &e);
-        // The id (and QP, if made) is owned by the conn now, or was dropped
-        // with `cmid`; kill cleans up whichever applies.
-        kill(sh, &c, e);
+    };
+    // Registration, outside the connection's lock.
+    let dev = sh.device_at(ctx, port, &what)?;
+    let areg = lst.arena_reg(&dev)?;
+    let slab = c.new_slab(&dev)?;
+    let mut inner = c.inner.lock();
+    if inner.phase != Phase::Connecting {
+        return Ok(());
     }
+    let gid = {
+        let cmid = inner.cm.as_ref().ok_or_else(|| Error::Internal("no id".into()))?;
+        sh.check_gid(&dev, cmid, &what)?
+    };
+    let cmid = inner.cm.take().ok_or_else(|| Error::Internal("no id".into()))?;
+    let raw = cmid.raw;
+    c.setup(&mut inner, cmid, dev.clone(), slab)?;
+    inner.arena = Some(areg.clone());
+    sh.register_qp(&dev, inner.qpn, c);
+    let ours = mtu_of(&dev, &inner);
+    log::debug!("verbs: conn {} accepted on {gid}, MTU ours {ours} peer's {}", c.id, peer.mtu);
+    // The arena's address and key go out only with the answer to the
+    // sender's hello, once the node accepted it (`Conn::accept_ok`):
+    // a peer that is refused never learns where or how to write.
+    let acc = AcceptData {
+        arena_addr: 0,
+        arena_rkey: 0,
+        arena_len: areg.len,
+        mtu: ours,
+        recv_depth: c.sizing.n_recv,
+        slot: c.sizing.slot as u32,
+    }
+    .encode();
+    let mut p = conn_param(sh, &dev, &acc, Some(peer_rr));
+    if let Some(cm) = inner.cm.as_ref() {
+        cm.set_u8_option(cm::RDMA_OPTION_ID_ACK_TIMEOUT, sh.opts.ack_timeout, "ACK timeout")?;
+    }
+    // The sender's hello may arrive before our ESTABLISHED event.
+    inner.phase = Phase::Handshake;
+    // SAFETY: the id and its QP are alive (under the connection's lock);
+    // p/acc outlive the call.
+    if unsafe { rdma_accept(raw, &mut p) } != 0 {
+        return Err(Error::last_os("rdma_accept"));
+    }
+    Ok(())
 }

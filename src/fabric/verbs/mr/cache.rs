@@ -1,0 +1,377 @@
+//! The sender's registration cache: zero-copy writes from arbitrary
+//! (application) memory without a registration per write.
+//!
+//! A large write's segments are written straight from the application's
+//! memory, which must be registered. Registering per write costs a kernel
+//! pin + translation + unpin per write (see the README's numbers); the
+//! cache keeps a write source's region after the write and hands it to the
+//! next write from the same pages, as TensorFlow's allocator hands a
+//! step's tensor the memory the last step freed.
+//!
+//! **What makes reuse safe.** A region pins the pages that were mapped at
+//! registration; they stay valid for the NIC whatever the application
+//! does, but after the range is unmapped and mapped again, or its pages
+//! discarded, the same addresses show *other* pages and the cached region
+//! would send stale bytes. So an entry is cached only while the kernel
+//! reports every such change of its range: each cached range is watched
+//! through userfaultfd (`watch`), and every lookup first applies the
+//! changes reported since the last one (dropping the entries they touch)
+//! under the cache's lock. A call that unmaps or discards a watched range
+//! returns only after the watch thread read its event, and a lookup never
+//! trusts the cache while that thread holds events it has not published
+//! (`Watch::busy`), so a lookup that follows such a call cannot find the
+//! old entry. An entry registered while its range changed (between the
+//! watch and the registration) is not cached (`insert`'s check). Ranges
+//! that cannot be watched (shared memory, file mappings, no userfaultfd
+//! in this process) are registered per write, uncached, as before.
+//! Deliberately *not* used: time-bounded caching (no bound is safe), a
+//! content check (as costly as the copy it avoids), /proc/self/maps per
+//! write (slow, and it cannot see a discard), hooking munmap/free (not
+//! possible from a library loaded into TensorFlow without LD_PRELOAD).
+//!
+//! **Bounds.** At most [`super::super::VerbsOptions::mr_cache_bytes`]
+//! pinned bytes and [`MAX_ENTRIES`] entries; to stay within them the least
+//! recently used entries that no write holds are evicted (deregistered
+//! once the last write holding them completes, and unwatched), and when
+//! writes in flight hold everything a new registration serves its own
+//! write only (uncached). Before
+//! pinning anything new, RLIMIT_MEMLOCK is checked against what the
+//! backend pinned (`mr::may_pin`), evicting idle entries to make room;
+//! when that is not enough, or the registration fails, [`Miss`] says so
+//! and the write goes through the staging buffers instead (logged,
+//! counted in `verbs_staged_fallbacks`).
+//!
+//! Threading: `get` runs on the writer's thread (never the progress
+//! thread: the node hands writes to its own threads); the lock is held
+//! for lookups, event application and eviction, never across a
+//! registration. `rdev-verbs-inval` applies the watch's events as they
+//! come, so the pages of memory the application freed are unpinned at
+//! once rather than at the next lookup. An entry dropped on the progress
+//! thread is deregistered on `rdev-verbs-dereg` (`Mr`'s drop).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::watch::{Since, Watch};
+use super::{page_span, Mr, ACCESS_LOCAL_READ};
+use crate::error::Error;
+use crate::fabric::verbs::device::Pd;
+use crate::stats::Stats;
+
+/// Most entries kept (each watched range may split a mapping in three:
+/// this bounds what the cache adds to the process's map count).
+pub const MAX_ENTRIES: usize = 1024;
+
+/// A registration a write holds: cached (shared with later writes) or its
+/// own (uncached).
+pub(crate) struct Reg {
+    pub mr: Mr,
+    /// Lookup tick of the last use (LRU).
+    last: AtomicU64,
+}
+
+/// Why a segment got no registration: the write goes through staging.
+#[derive(Debug)]
+pub(crate) enum Miss {
+    /// RLIMIT_MEMLOCK would be exceeded even after evicting idle entries.
+    Memlock(u64),
+    /// `ibv_reg_mr` failed.
+    Failed(Error),
+}
+
+impl std::fmt::Display for Miss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Miss::Memlock(n) => write!(
+                f,
+                "pinning {n} more bytes would exceed RLIMIT_MEMLOCK ({} bytes; {} pinned by this backend); \
+                 raise it (`ulimit -l unlimited`, `* - memlock unlimited` in /etc/security/limits.conf)",
+                crate::fabric::verbs::device::memlock_limit().unwrap_or(u64::MAX),
+                super::pinned_bytes()
+            ),
+            Miss::Failed(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+struct State {
+    /// Cached entries by their page-aligned `(start, end)`.
+    map: BTreeMap<(u64, u64), Arc<Reg>>,
+    bytes: u64,
+    /// Watch events applied up to here.
+    seen: u64,
+    tick: u64,
+    /// Entries just removed: dropped (maybe deregistered) after the lock
+    /// is released.
+    dead: Vec<Arc<Reg>>,
+}
+
+/// One protection domain's cache.
+pub(crate) struct RegCache {
+    pd: Arc<Pd>,
+    cap: u64,
+    watch: Option<&'static Watch>,
+    /// Tests only: cache without watching (shows the stale-page hazard).
+    trust: bool,
+    state: Mutex<State>,
+}
+
+/// Every cache with a watch, for `rdev-verbs-inval`.
+static CACHES: Mutex<Vec<std::sync::Weak<RegCache>>> = Mutex::new(Vec::new());
+
+/// Start (once) the thread that applies the watch's events to every cache
+/// as they come (see the module docs).
+fn start_inval(w: &'static Watch) {
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    STARTED.call_once(|| {
+        let r = std::thread::Builder::new().name("rdev-verbs-inval".into()).spawn(move || loop {
+            w.wait();
+            let live: Vec<Arc<RegCache>> = {
+                let mut c = CACHES.lock();
+                c.retain(|x| x.strong_count() > 0);
+                c.iter().filter_map(|x| x.upgrade()).collect()
+            };
+            for cache in live {
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cache.apply())).is_err() {
+                    log::error!("verbs: applying unmap events panicked on rdev-verbs-inval; the thread goes on");
+                }
+            }
+        });
+        if let Err(e) = r {
+            log::warn!("verbs: cannot start rdev-verbs-inval ({e}): unmapped registrations are released at the next write");
+        }
+    });
+}
+
+impl RegCache {
+    /// A cache of at most `cap` bytes (0: no caching, a registration per
+    /// write). `trust_mappings` (tests only) caches without the watch.
+    pub fn new(pd: Arc<Pd>, cap: u64, trust_mappings: bool) -> Arc<RegCache> {
+        let watch = if cap == 0 || trust_mappings {
+            None
+        } else {
+            match Watch::get() {
+                Ok(w) => Some(w),
+                Err(why) => {
+                    static ONCE: std::sync::Once = std::sync::Once::new();
+                    ONCE.call_once(|| {
+                        log::warn!("verbs: registration cache off: {why}; large writes register their memory per write")
+                    });
+                    None
+                }
+            }
+        };
+        let seen = watch.map(|w| w.head()).unwrap_or(0);
+        let c = Arc::new(RegCache {
+            pd,
+            cap,
+            watch,
+            trust: trust_mappings && cap > 0,
+            state: Mutex::new(State { map: BTreeMap::new(), bytes: 0, seen, tick: 0, dead: Vec::new() }),
+        });
+        if let Some(w) = watch {
+            CACHES.lock().push(Arc::downgrade(&c));
+            start_inval(w);
+        }
+        c
+    }
+
+    /// Apply the watch's events now (`rdev-verbs-inval`).
+    fn apply(&self) {
+        let mut s = self.state.lock();
+        self.usable(&mut s);
+        let dead = std::mem::take(&mut s.dead);
+        drop(s);
+        drop(dead);
+    }
+
+    /// Whether ranges are cached at all.
+    pub fn caching(&self) -> bool {
+        self.watch.is_some() || self.trust
+    }
+
+    /// A registration covering `len` bytes at `addr` for a write: a cached
+    /// one, or a new one (cached when its range can be watched).
+    pub fn get(&self, addr: *const u8, len: usize) -> Result<Arc<Reg>, Miss> {
+        let (start, end) = page_span(addr as u64, len);
+        let st = Stats::global();
+        if self.caching() {
+            let mut s = self.state.lock();
+            let hit = if self.usable(&mut s) { lookup(&s.map, start, end) } else { None };
+            if let Some(r) = &hit {
+                s.tick += 1;
+                r.last.store(s.tick, Ordering::Relaxed);
+            }
+            let dead = std::mem::take(&mut s.dead);
+            drop(s);
+            drop(dead);
+            if let Some(r) = hit {
+                Stats::add(&st.c.verbs_mr_cache_hits, 1);
+                return Ok(r);
+            }
+        }
+        // A miss: watch first, then register, so that any change of the
+        // range after the pages were pinned is reported.
+        let from = self.watch.map(|w| w.head()).unwrap_or(0);
+        let watched = match self.watch {
+            Some(w) => w.watch(start, end).is_ok(),
+            None => self.trust,
+        };
+        let n = end - start;
+        if !super::may_pin(n) && !self.make_room(n) {
+            return Err(Miss::Memlock(n));
+        }
+        // SAFETY: the region covers the writer's pages; it is used only by
+        // writes whose source lies in it while the mapping is unchanged
+        // (cached entries are dropped on any reported change), and its
+        // pages stay pinned, so valid, until it is deregistered.
+        let mr = unsafe { Mr::register(&self.pd, start as *const u8, n as usize, ACCESS_LOCAL_READ) }.map_err(Miss::Failed)?;
+        Stats::add(&st.c.verbs_write_registrations, 1);
+        let r = Arc::new(Reg { mr, last: AtomicU64::new(0) });
+        if watched {
+            self.insert(&r, start, end, from);
+        }
+        Ok(r)
+    }
+
+    /// Apply the watch's news; `false` while it cannot be trusted.
+    fn usable(&self, s: &mut State) -> bool {
+        let Some(w) = self.watch else { return self.trust };
+        if w.busy() {
+            return false;
+        }
+        let mut gone = Vec::new();
+        let r = w.since(s.seen, |a, b| gone.push((a, b)));
+        let dropped = match r {
+            Since::Upto(h) => {
+                s.seen = h;
+                let mut n = 0;
+                for (a, b) in gone {
+                    n += drop_overlapping(s, a, b);
+                }
+                n
+            }
+            Since::Lost(h) => {
+                s.seen = h;
+                let n = s.map.len();
+                let all = std::mem::take(&mut s.map);
+                s.dead.extend(all.into_values());
+                s.bytes = 0;
+                n
+            }
+        };
+        if dropped > 0 {
+            Stats::add(&Stats::global().c.verbs_mr_cache_invalidations, dropped as u64);
+        }
+        !w.busy()
+    }
+
+    /// Cache `r` over `[start, end)`, registered after the watch position
+    /// `from`: not if the range changed since (or may have: the reader is
+    /// busy), then evict down to the bounds.
+    fn insert(&self, r: &Arc<Reg>, start: u64, end: u64, from: u64) {
+        let mut s = self.state.lock();
+        self.insert_locked(&mut s, r, start, end, from);
+        let dead = std::mem::take(&mut s.dead);
+        drop(s);
+        drop(dead);
+    }
+
+    fn insert_locked(&self, s: &mut State, r: &Arc<Reg>, start: u64, end: u64, from: u64) {
+        if !self.usable(s) {
+            return;
+        }
+        if let Some(w) = self.watch {
+            let mut changed = false;
+            if let Since::Lost(_) = w.since(from, |a, b| changed |= a < end && b > start) {
+                changed = true;
+            }
+            if changed {
+                return;
+            }
+        }
+        // Room within the bounds, evicting idle entries; when writes in
+        // flight hold everything, this registration serves its write only.
+        let n = r.mr.pinned();
+        if n > self.cap {
+            return;
+        }
+        while s.bytes + n > self.cap || s.map.len() >= MAX_ENTRIES {
+            if !self.evict_one(s) {
+                return;
+            }
+        }
+        s.tick += 1;
+        r.last.store(s.tick, Ordering::Relaxed);
+        if let Some(old) = s.map.insert((start, end), r.clone()) {
+            s.bytes -= old.mr.pinned();
+            s.dead.push(old);
+        }
+        s.bytes += n;
+    }
+
+    /// Evict idle entries until `n` more bytes may be pinned; `false` if
+    /// that is not possible.
+    fn make_room(&self, n: u64) -> bool {
+        let mut s = self.state.lock();
+        while !super::may_pin(n) {
+            if !self.evict_one(&mut s) {
+                return false;
+            }
+            // Deregistered now (nothing else holds it), so the count drops.
+            s.dead.clear();
+        }
+        true
+    }
+
+    /// Evict the least recently used entry no write holds; `false` if none.
+    /// Its deregistration happens when the last reference goes (here).
+    fn evict_one(&self, s: &mut State) -> bool {
+        let victim = s
+            .map
+            .iter()
+            .filter(|(_, r)| Arc::strong_count(r) == 1)
+            .min_by_key(|(_, r)| r.last.load(Ordering::Relaxed))
+            .map(|(k, _)| *k);
+        let Some((a, b)) = victim else { return false };
+        if let Some(r) = s.map.remove(&(a, b)) {
+            s.bytes -= r.mr.pinned();
+            s.dead.push(r);
+        }
+        Stats::add(&Stats::global().c.verbs_mr_cache_evictions, 1);
+        // Stop watching what no other entry covers.
+        if let Some(w) = self.watch {
+            if !s.map.keys().any(|(x, y)| *x < b && *y > a) {
+                w.unwatch(a, b);
+            }
+        }
+        true
+    }
+
+    /// (entries, pinned bytes) cached now.
+    pub fn usage(&self) -> (usize, u64) {
+        let s = self.state.lock();
+        (s.map.len(), s.bytes)
+    }
+}
+
+/// The entry covering `[start, end)`, if any: the exact range first, then
+/// the nearest entries starting at or before `start`.
+fn lookup(map: &BTreeMap<(u64, u64), Arc<Reg>>, start: u64, end: u64) -> Option<Arc<Reg>> {
+    map.range(..=(start, u64::MAX)).rev().take(8).find(|((_, e), _)| *e >= end).map(|(_, r)| r.clone())
+}
+
+/// Drop every entry overlapping `[a, b)`; how many.
+fn drop_overlapping(s: &mut State, a: u64, b: u64) -> usize {
+    let hit: Vec<(u64, u64)> = s.map.range(..(b, 0)).filter(|((x, y), _)| *x < b && *y > a).map(|(k, _)| *k).collect();
+    for k in &hit {
+        if let Some(r) = s.map.remove(k) {
+            s.bytes -= r.mr.pinned();
+            s.dead.push(r);
+        }
+    }
+    hit.len()
+}
