@@ -58,7 +58,10 @@
 //!
 //! Timeouts: the ACK timeout and retry count bound how long a QP resends
 //! to a dead host ([`VerbsOptions::dead_peer_bound`]: 4.096 us x
-//! 2^ack_timeout x (retry_count + 1), ~0.54 s by default).
+//! 2^ack_timeout x (retry_count + 1), ~0.47 s by default). The retry
+//! count defaults to 6, not the maximum 7: Soft-RoCE (rdma_rxe) treats 7
+//! as "retry forever" (as the RNR retry count does), so a QP to a vanished
+//! host never failed there (found by tests/softroce/two_hosts.sh).
 //!
 //! Failure: a DISCONNECTED event (peer closed or died: its kernel sends the
 //! DREQ when the process exits), a CM error or any failed completion tears
@@ -230,7 +233,8 @@ impl Default for VerbsOptions {
             staging_chunks: 8,
             spin: SPIN,
             ack_timeout: 14,
-            retry_count: 7,
+            // Not 7: Soft-RoCE (rdma_rxe) retries forever at 7, like RNR.
+            retry_count: 6,
             rnr_retry: 6,
             tos: None,
             srq_depth: SRQ_DEPTH,
@@ -513,8 +517,8 @@ mod tests {
 
     #[test]
     fn dead_peer_bound_follows_the_formula() {
-        // 4.096 us x 2^14 x 8 = 536.870912 ms (the documented ~0.54 s).
-        assert_eq!(VerbsOptions::default().dead_peer_bound(), Duration::from_nanos(536_870_912));
+        // 4.096 us x 2^14 x 7 = 469.762048 ms (the documented ~0.47 s).
+        assert_eq!(VerbsOptions::default().dead_peer_bound(), Duration::from_nanos(469_762_048));
         let o = VerbsOptions { ack_timeout: 10, retry_count: 0, ..Default::default() };
         assert_eq!(o.dead_peer_bound(), Duration::from_nanos(4096 * 1024));
         const { assert!(SIGNAL_EVERY < SQ_DEPTH) };
@@ -524,7 +528,7 @@ mod tests {
     fn options_follow_the_config() {
         let mut cfg = crate::config::Config::default();
         let o = VerbsOptions::from_config(&cfg);
-        assert_eq!((o.ack_timeout, o.retry_count, o.rnr_retry, o.tos, o.srq_depth), (14, 7, 6, None, SRQ_DEPTH));
+        assert_eq!((o.ack_timeout, o.retry_count, o.rnr_retry, o.tos, o.srq_depth), (14, 6, 6, None, SRQ_DEPTH));
         cfg.verbs_tos = 106;
         cfg.verbs_rnr_retry = 7;
         let o = VerbsOptions::from_config(&cfg);
