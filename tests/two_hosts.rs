@@ -17,7 +17,10 @@
 //!                            gone). a2's writes must fail within
 //!                            DETECT_BOUND; it reports how long after its
 //!                            last completed write, against the bound the
-//!                            verbs settings document.
+//!                            verbs settings document. A receive a2 posted
+//!                            from B must then fail too, within
+//!                            DETECT_BOUND (the keepalive probes B's idle
+//!                            connection to us).
 //! Each life prints `two-hosts-<role><life>: ...` lines the host script
 //! gathers from both consoles.
 
@@ -113,6 +116,7 @@ impl Side {
             Ok(()) => panic!("{tag}: step {step} succeeded although the peer was SIGKILLed"),
             Err(e) => {
                 let dt = t0.elapsed();
+                // (dt includes the 2 s the peer waits before its SIGKILL, see `die`.)
                 say(tag, &format!("peer SIGKILLed: waiters failed after {} ms: {e}", dt.as_millis()));
                 assert!(dt < DETECT_BOUND, "{tag}: the failure took {dt:?} (bound {DETECT_BOUND:?})");
             }
@@ -123,6 +127,10 @@ impl Side {
     /// fails (the host script kills B's VM once we say we stream).
     fn stream_until_vanished(&mut self, tag: &str, from: u64, documented: Duration) {
         let (meta, data) = Side::data(self.me, 1);
+        // A receive B will never satisfy: once the writes fail, only the
+        // keepalive probes on our other connection with B (B's writes to
+        // us, idle now) can fail it.
+        let never = recv_async(&self.node, &self.peer_task, "never", from);
         let start = Instant::now();
         let mut last_ok = Instant::now();
         let mut step = from;
@@ -155,6 +163,12 @@ impl Side {
                     ));
                     assert!(step > from + 20, "{tag}: a write failed before B was killed: {e}");
                     assert!(dt < DETECT_BOUND, "{tag}: detecting the vanished host took {dt:?} (bound {DETECT_BOUND:?})");
+                    let t0 = Instant::now();
+                    match never.recv_timeout(DETECT_BOUND) {
+                        Ok(Err(e)) => say(tag, &format!("host B vanished: the waiting receive failed {} ms after the writes: {e}", t0.elapsed().as_millis())),
+                        Ok(Ok(_)) => panic!("{tag}: a tensor B never sent arrived"),
+                        Err(_) => panic!("{tag}: the receive waiting on the vanished host did not fail within {DETECT_BOUND:?}\n{}", self.node.describe()),
+                    }
                     return;
                 }
             }
@@ -174,6 +188,10 @@ impl Side {
     }
 
     fn die(&self, tag: &str) -> ! {
+        // As a TensorFlow server outlives its step: the peer's last send
+        // may still be completing (its write landed here, but the peer
+        // learns so only after our disconnect could reach it first).
+        std::thread::sleep(Duration::from_secs(2));
         say(tag, &format!("SIGKILL self after {} tensors, {} bytes", self.tensors, self.bytes));
         // SAFETY: signals our own process; nothing runs after it.
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };

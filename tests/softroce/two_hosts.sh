@@ -122,11 +122,13 @@ kill_b="$(strip "$log_a" | sed -n 's/^two-hosts-a2: peer SIGKILLed: waiters fail
 reach_a="$(strip "$log_b" | grep -c '^two-hosts-b1: steps 32\.\.' || true)"
 reach_b="$(strip "$log_a" | grep -c '^two-hosts-a2: steps 63\.\.' || true)"
 vanish="$(strip "$log_a" | sed -n 's/^two-hosts-a2: host B vanished: writes failed \([0-9]*\) ms after the last completed one (documented bound \([0-9]*\) ms).*/\1 ms (documented bound \2 ms)/p')"
+vanish_recv="$(strip "$log_a" | sed -n 's/^two-hosts-a2: host B vanished: the waiting receive failed \([0-9]*\) ms after the writes.*/\1/p')"
 ok=FAILED
-if [ "$rc_a" = 0 ] && [ "$b_ok" = yes ] && [ -n "$kill_a" ] && [ -n "$kill_b" ] && [ -n "$vanish" ]; then ok=ok; fi
+if [ "$rc_a" = 0 ] && [ "$b_ok" = yes ] && [ -n "$kill_a" ] && [ -n "$kill_b" ] && [ -n "$vanish" ] && [ -n "$vanish_recv" ]; then ok=ok; fi
 echo "two-hosts: $ok tensors_exchanged=$((tensors / 2)) bytes=$((bytes / 2)) over verbs rxe0 10.0.3.1 <-> rxe0 10.0.3.2;" \
-    "SIGKILL A: B's waiters failed in ${kill_a:-?} ms, restarted A reached=$([ "$reach_a" = 1 ] && echo yes || echo no);" \
-    "SIGKILL B: A's waiters failed in ${kill_b:-?} ms, restarted B reached=$([ "$reach_b" = 1 ] && echo yes || echo no);" \
-    "host B vanished (VM killed): A's writes failed ${vanish:-?} after its last completed write" \
+    "SIGKILL A (2 s after its last step): B's waiters failed in ${kill_a:-?} ms, restarted A reached=$([ "$reach_a" = 1 ] && echo yes || echo no);" \
+    "SIGKILL B (2 s after its last step): A's waiters failed in ${kill_b:-?} ms, restarted B reached=$([ "$reach_b" = 1 ] && echo yes || echo no);" \
+    "host B vanished (VM killed): A's writes failed ${vanish:-?} after its last completed write," \
+    "A's waiting receive ${vanish_recv:-?} ms after that" \
     "($((SECONDS - start)) s under TCG)"
 [ "$ok" = ok ]
