@@ -20,6 +20,11 @@ impl<T, F: FnOnce(T) + Send> Complete<T> for F {
     }
 }
 
+/// How many free boxes of one type the transport's recyclers keep: more
+/// than the tensors in flight at once in any job measured, and a bound on
+/// the memory they hold.
+pub const KEPT: usize = 4096;
+
 /// A free list of boxes of one type. `boxed` reuses a box when one is
 /// free; `recycle` keeps a box (up to `cap`) for the next `boxed`. Objects
 /// recycle themselves once their contents are moved out, so a kept box

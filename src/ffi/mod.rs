@@ -28,7 +28,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use crate::completion::{Complete, Recycler};
+use crate::completion::{Complete, Recycler, KEPT};
 use crate::config::Config;
 use crate::error::Error;
 use crate::fabric::TransportKind;
@@ -114,8 +114,7 @@ pub struct rdev_buffer {
 }
 
 // Per-tensor objects of the C ABI, reused rather than allocated anew for
-// every tensor (see `completion`): at most this many of each are kept.
-const KEPT: usize = 4096;
+// every tensor (see `completion`).
 static BUFFERS: Recycler<rdev_buffer> = Recycler::new(KEPT);
 static PAYLOADS: Recycler<RawPayload> = Recycler::new(KEPT);
 static SEND_DONES: Recycler<SendCb> = Recycler::new(KEPT);

@@ -493,7 +493,7 @@ struct ToLease {
     done: Option<LeaseDone>,
 }
 
-static TO_LEASE: crate::completion::Recycler<ToLease> = crate::completion::Recycler::new(4096);
+static TO_LEASE: crate::completion::Recycler<ToLease> = crate::completion::Recycler::new(crate::completion::KEPT);
 
 impl crate::completion::Complete<Result<crate::rendezvous::Received>> for ToLease {
     fn complete(mut self: Box<Self>, res: Result<crate::rendezvous::Received>) {

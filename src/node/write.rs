@@ -30,7 +30,7 @@ pub(super) struct TensorWrite {
     link: ConnId,
 }
 
-static WRITES: Recycler<TensorWrite> = Recycler::new(4096);
+static WRITES: Recycler<TensorWrite> = Recycler::new(crate::completion::KEPT);
 
 impl TensorWrite {
     pub(super) fn new(header: [u8; HEADER_BYTES], payload: Box<dyn Payload>, then: Then, node: Weak<Inner>, link: ConnId) -> Box<TensorWrite> {

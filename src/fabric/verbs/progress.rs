@@ -370,6 +370,12 @@ fn run(sh: &Arc<Shared>) {
         }
         if cm_due || cm_at.elapsed() >= CM_CHECK_EVERY {
             if cm_due || fd_readable(sh.channel.fd()) {
+                // Completions first: a write the peer acknowledged before it
+                // disconnected completes as it did, not as "peer lost".
+                let devs: Vec<Arc<Device>> = sh.devices.lock().clone();
+                for d in &devs {
+                    poll_device(sh, d, &mut wcs);
+                }
                 while let Some(ev) = cm::next_event(&sh.channel) {
                     on_cm_event(sh, ev);
                 }

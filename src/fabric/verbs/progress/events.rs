@@ -103,17 +103,21 @@ fn conn_param(sh: &Shared, dev: &Device, private: &[u8], peer_rr: Option<(u8, u8
     }
 }
 
+/// The device context and port of a connection still being brought up
+/// (`None` once it is not: closed meanwhile, nothing left to do).
+fn connecting_port(c: &Conn) -> Option<(*mut ibv_context, u8)> {
+    let inner = c.inner.lock();
+    match &inner.cm {
+        Some(cm) if inner.phase == Phase::Connecting => Some((cm.verbs(), cm.port_num())),
+        _ => None,
+    }
+}
+
 /// The active side's bring-up after route resolution (on the setup
 /// thread): device, buffers, QP, `rdma_connect`.
 fn active_connect(sh: &Arc<Shared>, c: &Arc<Conn>) -> Result<()> {
     let what = format!("connection {}", c.id);
-    let (ctx, port) = {
-        let inner = c.inner.lock();
-        match &inner.cm {
-            Some(cm) if inner.phase == Phase::Connecting => (cm.verbs(), cm.port_num()),
-            _ => return Ok(()),
-        }
-    };
+    let Some((ctx, port)) = connecting_port(c) else { return Ok(()) };
     // Registration, outside the connection's lock.
     let dev = sh.device_at(ctx, port, &what)?;
     let slab = c.new_slab(&dev)?;
@@ -236,13 +240,7 @@ fn on_connect_request(sh: &Arc<Shared>, ev: cm::Event) {
 fn passive_accept(sh: &Arc<Shared>, c: &Arc<Conn>, lst: &Arc<crate::fabric::verbs::listener::ListenerShared>, private: &[u8], peer_rr: (u8, u8)) -> Result<()> {
     let peer = ConnectData::decode(private)?;
     let what = format!("listener {}", lst.addr);
-    let (ctx, port) = {
-        let inner = c.inner.lock();
-        match &inner.cm {
-            Some(cm) if inner.phase == Phase::Connecting => (cm.verbs(), cm.port_num()),
-            _ => return Ok(()),
-        }
-    };
+    let Some((ctx, port)) = connecting_port(c) else { return Ok(()) };
     // Registration, outside the connection's lock.
     let dev = sh.device_at(ctx, port, &what)?;
     let areg = lst.arena_reg(&dev)?;
