@@ -1227,6 +1227,36 @@ fn cache_stays_within_its_bound() {
     l.shutdown();
 }
 
+/// Issue 18, N2: two caches (two fabrics, as two devices would have) hold
+/// one buffer; one of them evicts it, then the buffer is unmapped and
+/// mapped again at the same address. The other cache must still have
+/// been told, and send the new pages (the eviction used to unwatch the
+/// range for the whole process).
+#[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
+fn an_eviction_in_one_cache_leaves_the_others_watching() {
+    let Some(f1) = fabric_with(VerbsOptions { mr_cache_bytes: 6 << 20, ..Default::default() }) else { return };
+    let Some(f2) = fabric() else { return };
+    let (l1, ep1, _rx1, _tx1, arena1, key1) = pair(&f1, 16 << 20);
+    let (l2, ep2, _rx2, _tx2, arena2, key2) = pair(&f2, 16 << 20);
+    let len = 4 << 20;
+    let a = Mapping::new(std::ptr::null_mut(), len, 1);
+    assert!(write_checked(&*ep1, key1, &arena1, 0, &a, 1));
+    assert!(write_checked(&*ep2, key2, &arena2, 0, &a, 1));
+    let e0 = stat("verbs_mr_cache_evictions");
+    let b = Mapping::new(std::ptr::null_mut(), len, 2);
+    assert!(write_checked(&*ep1, key1, &arena1, 0, &b, 2));
+    assert_eq!(stat("verbs_mr_cache_evictions") - e0, 1, "the first cache evicted the buffer");
+    let at = a.ptr;
+    drop(a);
+    let a = Mapping::new(at, len, 3);
+    let fresh = write_checked(&*ep2, key2, &arena2, 0, &a, 3);
+    println!("mr-cache: after an eviction in another cache and munmap+mmap, the receiver got {} bytes", if fresh { "the new" } else { "STALE" });
+    assert!(fresh, "stale bytes: the other cache's eviction unwatched the range");
+    l1.shutdown();
+    l2.shutdown();
+}
+
 /// A buffer freed and mapped again at the same address (munmap + mmap),
 /// or whose pages were discarded (madvise DONTNEED), holds new pages: the
 /// cache must not send the old ones. With the watch off (a test-only

@@ -20,6 +20,7 @@
 #include "tensorflow/core/distributed_runtime/rpc_collective_executor_mgr.h"
 #include "tensorflow/core/distributed_runtime/worker_env.h"
 #include "tensorflow/core/framework/cancellation.h"
+#include "tensorflow/core/nccl/collective_communicator.h"
 #include "tensorflow/core/platform/logging.h"
 #include "tensorflow/core/protobuf/config.pb.h"
 #include "tensorflow/core/util/device_name_utils.h"
@@ -565,10 +566,11 @@ class RdmaCollectiveExecutorMgr : public tf::RpcCollectiveExecutorMgr {
   RdmaCollectiveExecutorMgr(const tf::ConfigProto& config, const tf::DeviceMgr* dev_mgr,
                             std::unique_ptr<tf::DeviceResolverDistributed> dev_resolver,
                             std::unique_ptr<tf::CollectiveParamResolverDistributed> param_resolver,
+                            std::unique_ptr<tf::NcclCommunicatorInterface> nccl_communicator,
                             tf::WorkerCacheInterface* worker_cache, const std::string& task_name,
                             std::shared_ptr<Transport> transport)
       : RpcCollectiveExecutorMgr(config, dev_mgr, std::move(dev_resolver),
-                                 std::move(param_resolver), /*nccl_communicator=*/nullptr,
+                                 std::move(param_resolver), std::move(nccl_communicator),
                                  worker_cache, task_name),
         transport_(std::move(transport)),
         generations_(std::make_shared<Generations>()) {}
@@ -600,14 +602,18 @@ tf::CollectiveExecutorMgrInterface* NewCollectiveExecutorMgr(
     LOG(ERROR) << "rdma_device: no local device to name this task; collectives unavailable";
     return nullptr;  // GrpcServer::Init fails with "did not return CollectiveExecutorMgr"
   }
-  // As CreateProdRpcCollectiveExecutorMgr (no NCCL: CPU).
+  // As GrpcServer::Init + CreateProdRpcCollectiveExecutorMgr: the same NCCL
+  // communicator TF would use (null on a CPU-only build, or with
+  // device_count {GPU: 0}), handed to the param resolver (which picks NCCL
+  // for GPU collectives only when it has one) and owned by the manager.
+  // Passing null here made a CUDA build's NcclReducer dereference it.
+  std::unique_ptr<tf::NcclCommunicatorInterface> nccl = tf::MaybeCreateNcclCommunicator(config);
   auto dev_resolver = std::make_unique<tf::DeviceResolverDistributed>(env->device_mgr);
   auto param_resolver = std::make_unique<tf::CollectiveParamResolverDistributed>(
-      config, env->device_mgr, dev_resolver.get(), /*nccl_communicator=*/nullptr, worker_cache,
-      task_name);
+      config, env->device_mgr, dev_resolver.get(), nccl.get(), worker_cache, task_name);
   return new RdmaCollectiveExecutorMgr(config, env->device_mgr, std::move(dev_resolver),
-                                       std::move(param_resolver), worker_cache, task_name,
-                                       std::move(transport));
+                                       std::move(param_resolver), std::move(nccl), worker_cache,
+                                       task_name, std::move(transport));
 }
 
 }  // namespace rdma_device

@@ -60,6 +60,9 @@ impl Inner {
     pub(super) fn send_chunk(&self, link: ConnId, stream: u32, offset: u64, payload: Box<dyn Payload>) {
         let msg = rendezvous::Msg::StreamData { stream, offset, bytes: payload.bytes().to_vec() };
         drop(payload);
+        // The payload is read no more: the stream's done may run now.
+        let acts = self.locked(|r| r.chunk_sent(link, stream));
+        self.exec(acts);
         if let Err(e) = self.send_msg(link, &msg) {
             let why = Error::PeerLost(format!("{}: stream data on connection {link} not sent: {}", self.task, e.message()));
             self.fail_link(link, why);

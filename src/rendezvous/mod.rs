@@ -168,6 +168,9 @@ pub struct Rendezvous {
     params: Params,
     alloc: alloc::ArenaAlloc,
     tx: HashMap<LinkId, tx::TxLink>,
+    /// Streams that failed while chunks still read their payload (see
+    /// [`stream`]): their `done` waits for the last one.
+    tx_ending: stream::Ending,
     rx: HashMap<LinkId, rx::RxLink>,
     /// Matching table: (key, step) → a waiting receive or an arrival.
     table: HashMap<(Arc<str>, u64), Entry>,
@@ -264,6 +267,7 @@ impl Rendezvous {
             params,
             alloc: alloc::ArenaAlloc::new(arena_bytes),
             tx: HashMap::new(),
+            tx_ending: HashMap::new(),
             rx: HashMap::new(),
             table: HashMap::new(),
             names: Names::default(),
@@ -308,6 +312,9 @@ impl Rendezvous {
         let mut o = String::new();
         for (l, t) in &self.tx {
             let _ = writeln!(o, "tx link {l} → {}: {}", t.peer, t.describe());
+        }
+        for ((l, id), s) in &self.tx_ending {
+            let _ = writeln!(o, "tx link {l}: stream {id} ended ({:?}), waiting for its chunk writes: {}", s.failed, s.describe());
         }
         for (l, r) in &self.rx {
             let _ = writeln!(o, "rx link {l} ← {}: {}", r.peer, r.describe());
@@ -413,7 +420,7 @@ impl Rendezvous {
         let mut peer = None;
         if let Some(t) = self.tx.remove(&link) {
             peer = Some(t.peer.clone());
-            acts.extend(t.fail_all(&why));
+            acts.extend(t.fail_all(link, &why, &mut self.tx_ending));
         }
         self.ready_links.remove(&link);
         if let Some(r) = self.rx.remove(&link) {
@@ -475,7 +482,7 @@ impl Rendezvous {
         if self.tx.values().any(|t| !t.idle()) {
             let why = why();
             for (link, t) in self.tx.iter_mut() {
-                acts.extend(t.fail_step(*link, step, &why));
+                acts.extend(t.fail_step(*link, step, &why, &mut self.tx_ending));
             }
         }
         acts.extend(self.rx_discard_streams(step));
@@ -536,7 +543,7 @@ impl Rendezvous {
         let why = Error::Aborted(format!("{peer} aborted step {step}: {reason}"));
         let mut acts = self.fail_waiters(|p, s| p == peer && s == step, &why);
         if let Some(t) = self.tx.get_mut(&link) {
-            acts.extend(t.fail_step(link, step, &why));
+            acts.extend(t.fail_step(link, step, &why, &mut self.tx_ending));
         }
         let k = (self.names.intern(&peer), step);
         if self.peer_aborts.insert(k.clone(), why.message().to_string()).is_none() {
@@ -553,8 +560,8 @@ impl Rendezvous {
     /// Abort everything (server shutdown): every waiter and queued send.
     pub fn abort_all(&mut self, why: Error) -> Actions {
         let mut acts = self.fail_waiters(|_, _| true, &why);
-        for t in self.tx.values_mut() {
-            acts.extend(t.fail_pending(&why));
+        for (link, t) in self.tx.iter_mut() {
+            acts.extend(t.fail_pending(*link, &why, &mut self.tx_ending));
         }
         acts
     }

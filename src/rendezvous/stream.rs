@@ -26,7 +26,15 @@
 //!   the verbs backend's per-work-request limit (1 GiB).
 //! - The sender never copies the payload: every chunk write references a
 //!   range of one shared `Arc` of it ([`PayloadRange`]); `done` runs once,
-//!   when the last chunk's write completed, or at the first failure.
+//!   when the last chunk's write completed.
+//! - Completions follow the buffer, not the error: the caller's tensor may
+//!   be freed as soon as `done` runs, so `done` never runs while an action
+//!   still reads it. Each stream counts its `reading` actions (a
+//!   `WriteChunk` until [`Rendezvous::chunk_written`], a `SendChunk` until
+//!   [`Rendezvous::chunk_sent`]); a stream that fails (cancelled by either
+//!   side, its step aborted, its link lost) with chunks still reading
+//!   becomes a tombstone in `Rendezvous::tx_ending`, which outlives its
+//!   link, and its `done` runs with the error when the last one is back.
 //! - The receiver copies each chunk from its slot into the destination
 //!   (`Action::CopyChunk`, on the node's worker threads, never under the
 //!   lock or on a progress thread), then credits the slot. That is the one
@@ -158,7 +166,52 @@ pub(super) struct TxStream {
     sent: u64,
     /// Chunk writes not completed, or messages not acknowledged.
     inflight: u32,
+    /// Actions that still read `payload` (see the module docs): `done`
+    /// waits for them.
+    reading: u32,
+    /// A tombstone's outcome (the stream failed; `done` runs with it when
+    /// `reading` is 0).
+    pub(super) failed: Option<Error>,
     done: Option<SendDone>,
+}
+
+/// Streams that failed while actions still read their payload, by (link,
+/// stream): kept, past their link's end, until the last one is back.
+pub(super) type Ending = HashMap<(LinkId, u32), TxStream>;
+
+impl TxStream {
+    /// The stream ended with `result`: its `done` now if nothing reads its
+    /// payload any more, else it waits in `ending` as a tombstone.
+    fn settle(mut self, link: LinkId, result: Result<()>, ending: &mut Ending) -> Option<Action> {
+        if self.reading == 0 {
+            return self.done.take().map(|done| Action::SendDone { done, result });
+        }
+        self.failed = Some(result.err().unwrap_or_else(|| Error::Internal("stream settled while still reading".into())));
+        ending.insert((link, self.id), self);
+        None
+    }
+
+    pub(super) fn describe(&self) -> String {
+        format!(" [stream {} {} step {} {:?} {}/{} in flight {} reading {}]", self.id, self.key, self.step, self.mode, self.sent, self.total, self.inflight, self.reading)
+    }
+
+    /// Sent whole, and nothing outstanding or reading.
+    fn finished(&self) -> bool {
+        self.sent == self.total && self.inflight == 0 && self.reading == 0
+    }
+}
+
+/// One action that read a tombstone's payload is back: its `done`, if that
+/// was the last.
+fn tombstone_back(ending: &mut Ending, link: LinkId, stream: u32) -> Option<Actions> {
+    let s = ending.get_mut(&(link, stream))?;
+    s.reading = s.reading.saturating_sub(1);
+    if s.reading > 0 {
+        return Some(Actions::new());
+    }
+    let mut s = ending.remove(&(link, stream))?;
+    let why = s.failed.take().unwrap_or_else(|| Error::Internal("stream tombstone without an error".into()));
+    Some(s.done.take().map(|done| smallvec![Action::SendDone { done, result: Err(why) }]).unwrap_or_default())
 }
 
 /// A sender link's streams under way.
@@ -194,22 +247,33 @@ impl TxStreams {
             return smallvec![begin, Action::SendDone { done: p.done, result: Ok(()) }];
         }
         let payload: Arc<dyn Payload> = Arc::from(p.payload);
-        self.list.push_back(TxStream { id, key: key.to_string(), step: p.step, payload, total, mode: TxMode::Waiting, sent: 0, inflight: 0, done: Some(p.done) });
+        self.list.push_back(TxStream {
+            id,
+            key: key.to_string(),
+            step: p.step,
+            payload,
+            total,
+            mode: TxMode::Waiting,
+            sent: 0,
+            inflight: 0,
+            reading: 0,
+            failed: None,
+            done: Some(p.done),
+        });
         smallvec![begin]
     }
 
-    /// Fail the streams matching `pred`; with `tell`, say so to the receiver.
-    pub(super) fn fail(&mut self, tell: Option<LinkId>, pred: impl Fn(&TxStream) -> bool, why: &Error) -> Actions {
+    /// Fail the streams of `link` matching `pred`; with `tell`, say so to
+    /// the receiver. Those with chunks still reading wait in `ending`.
+    pub(super) fn fail(&mut self, link: LinkId, tell: bool, pred: impl Fn(&TxStream) -> bool, why: &Error, ending: &mut Ending) -> Actions {
         let mut acts = Actions::new();
         let (gone, keep): (VecDeque<TxStream>, VecDeque<TxStream>) = self.list.drain(..).partition(|s| pred(s));
         self.list = keep;
-        for mut s in gone {
-            if let Some(link) = tell {
+        for s in gone {
+            if tell {
                 acts.push(Action::Send { link, msg: Msg::StreamCancel { stream: s.id } });
             }
-            if let Some(done) = s.done.take() {
-                acts.push(Action::SendDone { done, result: Err(why.clone()) });
-            }
+            acts.extend(s.settle(link, Err(why.clone()), ending));
         }
         acts
     }
@@ -220,7 +284,7 @@ impl TxStreams {
     }
 
     pub(super) fn describe(&self) -> String {
-        self.list.iter().map(|s| format!(" [stream {} {} step {} {:?} {}/{} in flight {}]", s.id, s.key, s.step, s.mode, s.sent, s.total, s.inflight)).collect()
+        self.list.iter().map(TxStream::describe).collect()
     }
 }
 
@@ -281,6 +345,7 @@ impl Rendezvous {
                 *free = false;
                 s.sent += len;
                 s.inflight += 1;
+                s.reading += 1;
                 self.tally.stream_chunks += 1;
                 streams.push_back(s);
             }
@@ -292,34 +357,55 @@ impl Rendezvous {
                 acts.push(Action::SendChunk { link, stream: s.id, offset: s.sent, payload });
                 s.sent += len;
                 s.inflight += 1;
+                s.reading += 1;
                 self.tally.stream_messages += 1;
             }
         }
         acts
     }
 
-    /// A chunk write of `stream` on `link` completed with `res`.
+    /// A chunk write of `stream` on `link` completed with `res` (it reads
+    /// the payload no more).
     pub fn chunk_written(&mut self, link: LinkId, stream: u32, res: crate::error::Result<()>) -> Actions {
+        if let Some(acts) = tombstone_back(&mut self.tx_ending, link, stream) {
+            return acts;
+        }
         let Some(t) = self.tx.get_mut(&link) else { return Actions::new() };
         let Some(i) = t.streams.list.iter().position(|s| s.id == stream) else { return Actions::new() };
         let s = &mut t.streams.list[i];
         s.inflight = s.inflight.saturating_sub(1);
+        s.reading = s.reading.saturating_sub(1);
         match res {
             Err(e) => {
                 let mut acts = smallvec![Action::Send { link, msg: Msg::StreamCancel { stream } }];
-                if let Some(mut s) = t.streams.list.remove(i) {
-                    if let Some(done) = s.done.take() {
-                        acts.push(Action::SendDone { done, result: Err(e) });
-                    }
+                if let Some(s) = t.streams.list.remove(i) {
+                    acts.extend(s.settle(link, Err(e), &mut self.tx_ending));
                 }
                 acts
             }
-            Ok(()) if s.sent == s.total && s.inflight == 0 => {
+            Ok(()) if s.finished() => {
                 let done = t.streams.list.remove(i).and_then(|mut s| s.done.take());
                 done.map(|done| smallvec![Action::SendDone { done, result: Ok(()) }]).unwrap_or_default()
             }
             Ok(()) => Actions::new(),
         }
+    }
+
+    /// A `SendChunk` of `stream` on `link` was carried out (its bytes were
+    /// copied into a message, sent or not): it reads the payload no more.
+    pub fn chunk_sent(&mut self, link: LinkId, stream: u32) -> Actions {
+        if let Some(acts) = tombstone_back(&mut self.tx_ending, link, stream) {
+            return acts;
+        }
+        let Some(t) = self.tx.get_mut(&link) else { return Actions::new() };
+        let Some(i) = t.streams.list.iter().position(|s| s.id == stream) else { return Actions::new() };
+        let s = &mut t.streams.list[i];
+        s.reading = s.reading.saturating_sub(1);
+        if !s.finished() {
+            return Actions::new();
+        }
+        let done = t.streams.list.remove(i).and_then(|mut s| s.done.take());
+        done.map(|done| smallvec![Action::SendDone { done, result: Ok(()) }]).unwrap_or_default()
     }
 
     pub(super) fn tx_stream_ready(&mut self, link: LinkId, stream: u32, outcome: u32, error: String) -> Result<Actions> {
@@ -338,9 +424,9 @@ impl Rendezvous {
                 s.mode = TxMode::Messages;
             }
             STREAM_REFUSED => {
-                let mut s = t.streams.take(stream).expect("found above");
+                let s = t.streams.take(stream).expect("found above");
                 let why = Error::ResourceExhausted(format!("{} refused {} in step {} ({} bytes): {error}", t.peer, s.key, s.step, s.total));
-                return Ok(s.done.take().map(|done| smallvec![Action::SendDone { done, result: Err(why) }]).unwrap_or_default());
+                return Ok(s.settle(link, Err(why), &mut self.tx_ending).into_iter().collect());
             }
             o => return Err(Error::Protocol(format!("StreamReady with unknown outcome {o}"))),
         }
@@ -355,7 +441,7 @@ impl Rendezvous {
             return Err(Error::Protocol(format!("StreamAck for stream {stream}, which has no message unacknowledged")));
         }
         s.inflight -= 1;
-        if s.sent == s.total && s.inflight == 0 {
+        if s.finished() {
             let done = t.streams.list.remove(i).and_then(|mut s| s.done.take());
             return Ok(done.map(|done| smallvec![Action::SendDone { done, result: Ok(()) }]).unwrap_or_default());
         }
@@ -366,9 +452,9 @@ impl Rendezvous {
     pub(super) fn tx_stream_cancel(&mut self, link: LinkId, stream: u32) -> Actions {
         let Some(t) = self.tx.get_mut(&link) else { return Actions::new() };
         let peer = t.peer.clone();
-        let Some(mut s) = t.streams.take(stream) else { return Actions::new() };
+        let Some(s) = t.streams.take(stream) else { return Actions::new() };
         let why = Error::Aborted(format!("{peer} discarded {} in step {} (its step ended)", s.key, s.step));
-        s.done.take().map(|done| smallvec![Action::SendDone { done, result: Err(why) }]).unwrap_or_default()
+        s.settle(link, Err(why), &mut self.tx_ending).into_iter().collect()
     }
 
     pub(super) fn rx_stream_begin(&mut self, link: LinkId, stream: u32, key: String, step: u64, meta: TensorMeta, total: u64) -> Result<Actions> {

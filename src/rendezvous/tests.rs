@@ -38,6 +38,9 @@ struct Sim {
     max_msgs_pending: usize,
     /// Largest stream buffer the receiver may allocate.
     alloc_limit: u64,
+    /// Chunk writes posted and held (not completed) by the test: (stream,
+    /// the write's payload, still readable). None: writes complete at once.
+    held: Option<Vec<(u32, Box<dyn Payload>)>>,
     rng: u64,
     got: Got,
     sent_ok: Arc<Mutex<u64>>,
@@ -63,6 +66,7 @@ impl Sim {
             msgs_pending: 0,
             max_msgs_pending: 0,
             alloc_limit: 1 << 30,
+            held: None,
             rng: seed | 1,
             got: Arc::new(Mutex::new(Vec::new())),
             sent_ok: Arc::new(Mutex::new(0)),
@@ -100,6 +104,10 @@ impl Sim {
                     let b = payload.bytes();
                     m[o + header.len()..o + header.len() + b.len()].copy_from_slice(b);
                     drop(m);
+                    if let Some(held) = &mut self.held {
+                        held.push((stream, payload));
+                        continue;
+                    }
                     self.imms.push_back(imm);
                     self.chunks_pending += 1;
                     self.max_chunks_pending = self.max_chunks_pending.max(self.chunks_pending);
@@ -110,6 +118,9 @@ impl Sim {
                     self.msgs_pending += 1;
                     self.max_msgs_pending = self.max_msgs_pending.max(self.msgs_pending);
                     self.to_rx.push_back(Msg::StreamData { stream, offset, bytes: payload.bytes().to_vec() });
+                    drop(payload);
+                    let more = self.tx.chunk_sent(LINK, stream);
+                    self.run_tx(more);
                 }
                 Action::Send { msg, .. } => self.to_rx.push_back(msg),
                 Action::SendDone { done, result } => done.complete(result),
@@ -681,4 +692,41 @@ fn links_with_work_waiting_on_their_peer_are_probed() {
     assert!(l.is_empty());
     // A probe is no event for the protocol.
     assert!(r.on_message(2, &Msg::Ping.encode()).is_empty());
+}
+
+/// A stream that ends early (the receiver discards it, the sender aborts
+/// its step, the link is lost, a chunk write fails) completes its send
+/// only when no chunk write reads the caller's tensor any more, and
+/// exactly once (issue 18, N1: the tensor may be freed at `done`).
+#[test]
+fn a_failed_stream_completes_only_after_its_last_chunk_write() {
+    let arena = 8u64 << 20;
+    let chunk = stream_chunk_bytes(arena).unwrap() as usize;
+    for how in 0..4 {
+        let mut s = Sim::new(arena as usize, 2, 3 + how);
+        s.held = Some(Vec::new());
+        s.recv("big", 1);
+        let len = 3 * arena as usize; // no slot holds it: streamed
+        let res = send_any(&mut s, "big", 1, TensorMeta { dtype: 1, flags: 0, dims: vec![len as i64].into() }, pattern(1, len));
+        s.settle();
+        let held = s.held.take().unwrap();
+        assert!(held.len() >= 2, "{how}: chunks in flight: {}", held.len());
+        let acts = match how {
+            0 => s.tx.on_message(LINK, &Msg::StreamCancel { stream: held[0].0 }.encode()),
+            1 => s.tx.abort_step(1, Error::Aborted("test".into()), true),
+            2 => s.tx.on_link_lost(LINK, Error::PeerLost("test".into())),
+            _ => s.tx.chunk_written(LINK, held[0].0, Err(Error::PeerLost("write failed".into()))),
+        };
+        s.run_tx(acts.into_iter().filter(|a| !matches!(a, Action::Send { .. })).collect());
+        // A chunk write failing is itself back.
+        let back = if how == 3 { 1 } else { 0 };
+        for (i, (stream, payload)) in held.iter().enumerate().skip(back) {
+            assert!(res.lock().unwrap().is_none(), "{how}: done ran with {} chunk write(s) still reading the tensor", held.len() - i);
+            assert_eq!(payload.bytes().len(), chunk, "{how}: the range is still readable");
+            let acts = s.tx.chunk_written(LINK, *stream, if i % 2 == 0 { Ok(()) } else { Err(Error::PeerLost("late".into())) });
+            s.run_tx(acts.into_iter().filter(|a| !matches!(a, Action::Send { .. })).collect());
+        }
+        assert!(matches!(*res.lock().unwrap(), Some(Err(_))), "{how}: done after the last chunk, with the error");
+        assert!(s.tx.tx_ending.is_empty(), "{how}: the tombstone is gone");
+    }
 }

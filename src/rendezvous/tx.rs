@@ -6,6 +6,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use super::stream::{TxStreams, STREAM_KEY};
+use super::stream::Ending;
 use super::{smallvec, Actions, Action, LinkId, Payload, Rendezvous, SendDone};
 use crate::constants::{HEADER_BYTES, MAX_DIMS};
 use crate::error::{Error, Result};
@@ -91,11 +92,9 @@ impl TxLink {
         acts
     }
 
-    pub(super) fn fail_all(self, why: &Error) -> Actions {
+    pub(super) fn fail_all(self, link: LinkId, why: &Error, ending: &mut Ending) -> Actions {
         let mut s = self;
-        let mut acts = s.drain_pending(|_| true, why);
-        acts.extend(s.streams.fail(None, |_| true, why));
-        acts
+        s.fail_pending(link, why, ending)
     }
 
     /// Nothing queued, requested or streaming: ending a step has nothing
@@ -109,15 +108,15 @@ impl TxLink {
         self.outstanding
     }
 
-    pub(super) fn fail_pending(&mut self, why: &Error) -> Actions {
+    pub(super) fn fail_pending(&mut self, link: LinkId, why: &Error, ending: &mut Ending) -> Actions {
         let mut acts = self.drain_pending(|_| true, why);
-        acts.extend(self.streams.fail(None, |_| true, why));
+        acts.extend(self.streams.fail(link, false, |_| true, why, ending));
         acts
     }
 
     /// Fail the step's queued sends and its streams under way (the
     /// receiver is told, so it frees the stream's buffer).
-    pub(super) fn fail_step(&mut self, link: LinkId, step: u64, why: &Error) -> Actions {
+    pub(super) fn fail_step(&mut self, link: LinkId, step: u64, why: &Error, ending: &mut Ending) -> Actions {
         let mut acts = Actions::new();
         if self.requests > 0 {
             for e in self.edges.values_mut() {
@@ -129,7 +128,7 @@ impl TxLink {
         if self.queued > 0 {
             acts.extend(self.drain_pending(|p| p.step == step, why));
         }
-        acts.extend(self.streams.fail(Some(link), |s| s.step == step, why));
+        acts.extend(self.streams.fail(link, true, |s| s.step == step, why, ending));
         acts
     }
 }

@@ -5,16 +5,21 @@
 //! receives, sends, step ends, aborts and lost links, in any order; and
 //! streamed tensors: stream messages, chunk headers, chunk writes and
 //! copies completing in any order, stream buffers that cannot be allocated.
-//! Nothing may panic, the arena accounting must stay within the arena, and
+//! Nothing may panic, the arena accounting must stay within the arena,
 //! every copy the protocol asks for must lie inside the arena and its
-//! destination buffer.
+//! destination buffer, and no write or message reads a sent tensor after
+//! its send completed (the caller may free it then: chunk writes complete
+//! late, after cancels, aborts and lost links, and read their bytes when
+//! they do).
 #![no_main]
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use rdma_device::constants::HEADER_BYTES;
 use rdma_device::error::Error;
-use rdma_device::rendezvous::{stream_chunk_bytes, STREAM_KEY, Action, Actions, ChunkAt, ChunkSrc, Data, Msg, Params, Rendezvous, SlotDesc, SlotHeader, SlotMemory, TensorMeta};
+use rdma_device::rendezvous::{stream_chunk_bytes, Payload, STREAM_KEY, Action, Actions, ChunkAt, ChunkSrc, Data, Msg, Params, Rendezvous, SlotDesc, SlotHeader, SlotMemory, TensorMeta};
 
 /// Large enough for stream slots (1/8 of it, in 4 chunks of 128 KiB).
 const ARENA: usize = 4 << 20;
@@ -116,7 +121,22 @@ struct World {
 
 enum Write {
     Tensor(rdma_device::rendezvous::SendDone),
-    Chunk(u32),
+    /// A chunk write of a stream: it reads its bytes when it completes.
+    Chunk(u32, Box<dyn Payload>),
+}
+
+/// A sent tensor whose send's completion "frees" it: reading it after that
+/// is the use-after-free the protocol must never cause.
+struct Live {
+    bytes: Vec<u8>,
+    freed: Arc<AtomicBool>,
+}
+
+impl Payload for Live {
+    fn bytes(&self) -> &[u8] {
+        assert!(!self.freed.load(Ordering::SeqCst), "a sent tensor was read after its send completed");
+        &self.bytes
+    }
 }
 
 /// Largest stream buffer the harness allocates (bigger ones "fail").
@@ -150,9 +170,13 @@ impl World {
                 Action::Write { done, .. } => self.writes.push_back(Write::Tensor(done)),
                 Action::WriteChunk { stream, payload, .. } => {
                     assert!(!payload.bytes().is_empty(), "empty chunk write");
-                    self.writes.push_back(Write::Chunk(stream));
+                    self.writes.push_back(Write::Chunk(stream, payload));
                 }
-                Action::SendChunk { payload, .. } => assert!(!payload.bytes().is_empty(), "empty stream message"),
+                Action::SendChunk { link, stream, payload, .. } => {
+                    assert!(!payload.bytes().is_empty(), "empty stream message");
+                    drop(payload);
+                    q.extend(self.r.chunk_sent(link, stream));
+                }
                 Action::StreamAlloc { link, stream, total } => {
                     let buf = (total <= ALLOC_LIMIT).then(|| vec![0u8; total as usize]);
                     q.extend(self.r.stream_alloc_done(link, stream, buf));
@@ -248,8 +272,15 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
             },
             7 => match (i.key(), i.u64(), i.bytes(8192)) {
                 (Some(k), Some(step), Some(b)) => {
-                    let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![b.len() as i64].into() };
-                    w.r.send(TX, &k, step % 8, meta, Box::new(b.to_vec()), Box::new(|_| {}))
+                    // Sometimes larger than the receiver's arena: streamed.
+                    let mut bytes = b.to_vec();
+                    if op & 0x40 != 0 && !bytes.is_empty() {
+                        bytes = bytes.repeat((ARENA + 4096) / bytes.len() + 1);
+                    }
+                    let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![bytes.len() as i64].into() };
+                    let freed = Arc::new(AtomicBool::new(false));
+                    let f2 = freed.clone();
+                    w.r.send(TX, &k, step % 8, meta, Box::new(Live { bytes, freed }), Box::new(move |_| f2.store(true, Ordering::SeqCst)))
                 }
                 _ => break,
             },
@@ -258,7 +289,10 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
                     done.complete(Ok(()));
                     w.r.write_done(TX)
                 }
-                Some(Write::Chunk(stream)) => {
+                Some(Write::Chunk(stream, payload)) => {
+                    // The write reads its bytes until it completes.
+                    assert!(!payload.bytes().is_empty());
+                    drop(payload);
                     let res = if op & 0x40 != 0 { Err(Error::PeerLost("fuzz".into())) } else { Ok(()) };
                     w.r.chunk_written(TX, stream, res)
                 }
@@ -301,6 +335,21 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     }
     while let Some((l, s, g)) = w.held.pop_front() {
         let a = w.r.release(l, s, g);
+        w.run(a);
+    }
+    // Chunk writes still out complete (each reading its bytes first).
+    while let Some(wr) = w.writes.pop_front() {
+        let a = match wr {
+            Write::Tensor(done) => {
+                done.complete(Ok(()));
+                w.r.write_done(TX)
+            }
+            Write::Chunk(stream, payload) => {
+                assert!(!payload.bytes().is_empty());
+                drop(payload);
+                w.r.chunk_written(TX, stream, Ok(()))
+            }
+        };
         w.run(a);
     }
     assert!(w.r.arena_in_use() <= ARENA as u64);

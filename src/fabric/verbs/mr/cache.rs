@@ -32,7 +32,7 @@
 //! **Bounds.** At most [`super::super::VerbsOptions::mr_cache_bytes`]
 //! pinned bytes and [`MAX_ENTRIES`] entries; to stay within them the least
 //! recently used entries that no write holds are evicted (deregistered
-//! once the last write holding them completes, and unwatched), and when
+//! once the last write holding them completes), and when
 //! writes in flight hold everything a new registration serves its own
 //! write only (uncached). Before
 //! pinning anything new, RLIMIT_MEMLOCK is checked against what the
@@ -55,7 +55,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::watch::{Since, Watch};
+use super::watch::{Since, Watch, Watched};
 use super::{page_span, Mr, ACCESS_LOCAL_READ};
 use crate::error::Error;
 use crate::fabric::verbs::device::Pd;
@@ -97,16 +97,23 @@ impl std::fmt::Display for Miss {
     }
 }
 
+/// A cached registration and its hold on the watch: its range is watched
+/// while the entry is cached (and until it is dropped, outside the lock).
+struct Entry {
+    reg: Arc<Reg>,
+    _watched: Option<Watched>,
+}
+
 struct State {
     /// Cached entries by their page-aligned `(start, end)`.
-    map: BTreeMap<(u64, u64), Arc<Reg>>,
+    map: BTreeMap<(u64, u64), Entry>,
     bytes: u64,
     /// Watch events applied up to here.
     seen: u64,
     tick: u64,
-    /// Entries just removed: dropped (maybe deregistered) after the lock
-    /// is released.
-    dead: Vec<Arc<Reg>>,
+    /// Entries just removed: dropped (maybe deregistered and unwatched)
+    /// after the lock is released.
+    dead: Vec<Entry>,
 }
 
 /// One protection domain's cache.
@@ -214,12 +221,11 @@ impl RegCache {
             }
         }
         // A miss: watch first, then register, so that any change of the
-        // range after the pages were pinned is reported.
+        // range after the pages were pinned is reported. The miss holds its
+        // watch until the entry is cached (which then holds it) or not.
         let from = self.watch.map(|w| w.head()).unwrap_or(0);
-        let watched = match self.watch {
-            Some(w) => w.watch(start, end).is_ok(),
-            None => self.trust,
-        };
+        let watched = self.watch.and_then(|w| w.watch(start, end).ok());
+        let cacheable = watched.is_some() || (self.watch.is_none() && self.trust);
         let n = end - start;
         if !super::may_pin(n) && !self.make_room(n) {
             return Err(Miss::Memlock(n));
@@ -231,8 +237,8 @@ impl RegCache {
         let mr = unsafe { Mr::register(&self.pd, start as *const u8, n as usize, ACCESS_LOCAL_READ) }.map_err(Miss::Failed)?;
         Stats::add(&st.c.verbs_write_registrations, 1);
         let r = Arc::new(Reg { mr, last: AtomicU64::new(0) });
-        if watched {
-            self.insert(&r, start, end, from);
+        if cacheable {
+            self.insert(&r, start, end, from, watched);
         }
         Ok(r)
     }
@@ -272,15 +278,15 @@ impl RegCache {
     /// Cache `r` over `[start, end)`, registered after the watch position
     /// `from`: not if the range changed since (or may have: the reader is
     /// busy), then evict down to the bounds.
-    fn insert(&self, r: &Arc<Reg>, start: u64, end: u64, from: u64) {
+    fn insert(&self, r: &Arc<Reg>, start: u64, end: u64, from: u64, watched: Option<Watched>) {
         let mut s = self.state.lock();
-        self.insert_locked(&mut s, r, start, end, from);
+        self.insert_locked(&mut s, r, start, end, from, watched);
         let dead = std::mem::take(&mut s.dead);
         drop(s);
         drop(dead);
     }
 
-    fn insert_locked(&self, s: &mut State, r: &Arc<Reg>, start: u64, end: u64, from: u64) {
+    fn insert_locked(&self, s: &mut State, r: &Arc<Reg>, start: u64, end: u64, from: u64, watched: Option<Watched>) {
         if !self.usable(s) {
             return;
         }
@@ -306,8 +312,8 @@ impl RegCache {
         }
         s.tick += 1;
         r.last.store(s.tick, Ordering::Relaxed);
-        if let Some(old) = s.map.insert((start, end), r.clone()) {
-            s.bytes -= old.mr.pinned();
+        if let Some(old) = s.map.insert((start, end), Entry { reg: r.clone(), _watched: watched }) {
+            s.bytes -= old.reg.mr.pinned();
             s.dead.push(old);
         }
         s.bytes += n;
@@ -328,26 +334,22 @@ impl RegCache {
     }
 
     /// Evict the least recently used entry no write holds; `false` if none.
-    /// Its deregistration happens when the last reference goes (here).
+    /// Its deregistration happens when the last reference goes (here), and
+    /// its range is unwatched where no other holder (of any cache, or a
+    /// miss in flight) covers it (`Watched`'s drop).
     fn evict_one(&self, s: &mut State) -> bool {
         let victim = s
             .map
             .iter()
-            .filter(|(_, r)| Arc::strong_count(r) == 1)
-            .min_by_key(|(_, r)| r.last.load(Ordering::Relaxed))
+            .filter(|(_, e)| Arc::strong_count(&e.reg) == 1)
+            .min_by_key(|(_, e)| e.reg.last.load(Ordering::Relaxed))
             .map(|(k, _)| *k);
-        let Some((a, b)) = victim else { return false };
-        if let Some(r) = s.map.remove(&(a, b)) {
-            s.bytes -= r.mr.pinned();
-            s.dead.push(r);
+        let Some(k) = victim else { return false };
+        if let Some(e) = s.map.remove(&k) {
+            s.bytes -= e.reg.mr.pinned();
+            s.dead.push(e);
         }
         Stats::add(&Stats::global().c.verbs_mr_cache_evictions, 1);
-        // Stop watching what no other entry covers.
-        if let Some(w) = self.watch {
-            if !s.map.keys().any(|(x, y)| *x < b && *y > a) {
-                w.unwatch(a, b);
-            }
-        }
         true
     }
 
@@ -360,17 +362,17 @@ impl RegCache {
 
 /// The entry covering `[start, end)`, if any: the exact range first, then
 /// the nearest entries starting at or before `start`.
-fn lookup(map: &BTreeMap<(u64, u64), Arc<Reg>>, start: u64, end: u64) -> Option<Arc<Reg>> {
-    map.range(..=(start, u64::MAX)).rev().take(8).find(|((_, e), _)| *e >= end).map(|(_, r)| r.clone())
+fn lookup(map: &BTreeMap<(u64, u64), Entry>, start: u64, end: u64) -> Option<Arc<Reg>> {
+    map.range(..=(start, u64::MAX)).rev().take(8).find(|((_, e), _)| *e >= end).map(|(_, e)| e.reg.clone())
 }
 
 /// Drop every entry overlapping `[a, b)`; how many.
 fn drop_overlapping(s: &mut State, a: u64, b: u64) -> usize {
     let hit: Vec<(u64, u64)> = s.map.range(..(b, 0)).filter(|((x, y), _)| *x < b && *y > a).map(|(k, _)| *k).collect();
     for k in &hit {
-        if let Some(r) = s.map.remove(k) {
-            s.bytes -= r.mr.pinned();
-            s.dead.push(r);
+        if let Some(e) = s.map.remove(k) {
+            s.bytes -= e.reg.mr.pinned();
+            s.dead.push(e);
         }
     }
     hit.len()

@@ -48,8 +48,19 @@
 //!
 //! Costs: a `UFFDIO_REGISTER` (which may split a VMA) per new cache entry,
 //! nothing per hit; an application's `munmap`/`madvise` of a watched range
-//! waits for one wake-up of the reader thread. Unwatched again when the
-//! cache evicts the range (`UFFDIO_UNREGISTER`).
+//! waits for one wake-up of the reader thread.
+//!
+//! Holders: the watch is process-wide, and several holders may watch
+//! overlapping ranges at once (the caches of several devices, a newer
+//! entry over an older one's pages, a miss between its watch and its
+//! insertion). Each holds a [`Watched`]; a page is unwatched
+//! (`UFFDIO_UNREGISTER`) only when the last holder whose range covers it
+//! lets go. The holders' ranges are one multiset under one lock, taken
+//! with the registration and unregistration ioctls, so a release never
+//! unwatches what a concurrent `watch` just covered. (Unwatching a range
+//! when only its own cache had no other entry over it lost the watch of
+//! every other holder: their later unmap went unseen, and the cache sent
+//! old pages.)
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
@@ -139,6 +150,23 @@ pub(crate) struct Watch {
     busy: AtomicU64,
     /// The reader failed: nothing may be cached or trusted any more.
     dead: std::sync::atomic::AtomicBool,
+    /// The ranges of every live [`Watched`], one entry per holder (see the
+    /// module docs). Never taken by the reader thread.
+    holders: parking_lot::Mutex<Vec<(u64, u64)>>,
+}
+
+/// One holder's watch of `[start, end)`: the range stays watched at least
+/// until this is dropped (see the module docs).
+pub(crate) struct Watched {
+    w: &'static Watch,
+    start: u64,
+    end: u64,
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        self.w.release(self.start, self.end);
+    }
 }
 
 /// What [`Watch::since`] found.
@@ -195,6 +223,7 @@ impl Watch {
             head: AtomicU64::new(0),
             busy: AtomicU64::new(0),
             dead: std::sync::atomic::AtomicBool::new(false),
+            holders: parking_lot::Mutex::new(Vec::new()),
         }));
         std::thread::Builder::new()
             .name("rdev-verbs-watch".into())
@@ -327,29 +356,47 @@ impl Watch {
     }
 
     /// Report unmapping, discarding or moving of `[start, end)` (page
-    /// aligned) from now on. `Err`: the kernel will not (see the module
-    /// docs), so a registration there must not be cached.
-    pub fn watch(&self, start: u64, end: u64) -> std::io::Result<()> {
+    /// aligned) from now on, until the returned holder is dropped. `Err`:
+    /// the kernel will not (see the module docs), so a registration there
+    /// must not be cached.
+    pub fn watch(&'static self, start: u64, end: u64) -> std::io::Result<Watched> {
         if self.dead.load(Ordering::SeqCst) {
             return Err(std::io::Error::other("the watch thread failed"));
         }
         if !self.private_anonymous(start) || !self.private_anonymous(end - 1) {
             return Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "not private anonymous memory"));
         }
+        let mut holders = self.holders.lock();
+        holders.try_reserve(1).map_err(|_| std::io::Error::from(std::io::ErrorKind::OutOfMemory))?;
         let mut r = UffdioRegister { range: UffdioRange { start, len: end - start }, mode: UFFDIO_REGISTER_MODE_WP, ioctls: 0 };
         // SAFETY: a valid uffdio_register; the kernel checks the range.
         if unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_REGISTER, &mut r) } != 0 {
             return Err(std::io::Error::last_os_error());
         }
-        Ok(())
+        holders.push((start, end));
+        Ok(Watched { w: self, start, end })
     }
 
-    /// Stop watching `[start, end)` (it may be gone already: ignored).
-    pub fn unwatch(&self, start: u64, end: u64) {
-        let mut r = UffdioRange { start, len: end - start };
-        // SAFETY: a valid uffdio_range; errors (range gone) are harmless.
-        unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_UNREGISTER, &mut r) };
+    /// A holder of `[start, end)` lets go: unwatch the parts of it no other
+    /// holder covers (they may be gone already: ignored).
+    fn release(&self, start: u64, end: u64) {
+        let mut holders = self.holders.lock();
+        if let Some(i) = holders.iter().position(|r| *r == (start, end)) {
+            holders.swap_remove(i);
+        }
+        let mut cover: Vec<(u64, u64)> = holders.iter().filter(|(a, b)| *a < end && *b > start).map(|(a, b)| ((*a).max(start), (*b).min(end))).collect();
+        cover.sort_unstable();
+        let mut at = start;
+        for (a, b) in cover.into_iter().chain(std::iter::once((end, end))) {
+            if a > at {
+                let mut r = UffdioRange { start: at, len: a - at };
+                // SAFETY: a valid uffdio_range; errors (range gone) are harmless.
+                unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_UNREGISTER, &mut r) };
+            }
+            at = at.max(b);
+        }
     }
+
 
     /// Whether the page at `addr` is present private anonymous memory
     /// (`/proc/self/pagemap`: bit 63 present, bit 61 "file page or shared
@@ -409,7 +456,7 @@ mod tests {
         let len = 16 * page;
         let mut from = w.head();
         let p = anon(len) as u64;
-        w.watch(p, p + len as u64).expect("watch private anonymous memory");
+        let _held = w.watch(p, p + len as u64).expect("watch private anonymous memory");
         // SAFETY: our mapping; a write must not fault into the watch.
         unsafe { std::ptr::write_bytes(p as *mut u8, 2, len) };
         assert!(events(w, &mut from).is_empty());
@@ -435,5 +482,43 @@ mod tests {
         assert!(w.watch(s as u64, s as u64 + len as u64).is_err());
         // SAFETY: ours.
         unsafe { libc::munmap(s, len) };
+    }
+
+    /// Issue 18, N2: several holders over one range (two devices' caches,
+    /// a newer entry over an older one's pages). When one lets go, what
+    /// the others cover stays watched; only pages no holder covers are
+    /// unwatched.
+    #[test]
+    fn a_range_stays_watched_while_any_holder_covers_it() {
+        let w = match Watch::get() {
+            Ok(w) => w,
+            Err(e) => {
+                eprintln!("SKIPPED: no userfaultfd here ({e})");
+                return;
+            }
+        };
+        let page = crate::fabric::arena::page_size() as u64;
+        let p = anon(8 * page as usize) as u64;
+        let mut from = w.head();
+        let whole = w.watch(p, p + 8 * page).unwrap(); // cache of device A
+        let same = w.watch(p, p + 8 * page).unwrap(); // cache of device B
+        let inner = w.watch(p + 2 * page, p + 4 * page).unwrap(); // a newer entry
+        let discard = |at: u64| {
+            // SAFETY: discarding a page of our own mapping.
+            assert_eq!(unsafe { libc::madvise(at as *mut _, page as usize, libc::MADV_DONTNEED) }, 0);
+        };
+        drop(whole); // A evicts its entry: B still watches all of it
+        discard(p + 7 * page);
+        assert!(events(w, &mut from).contains(&(p + 7 * page, p + 8 * page)), "B lost its watch when A let go");
+        drop(same); // only the inner entry is left
+        discard(p + 3 * page);
+        assert!(events(w, &mut from).contains(&(p + 3 * page, p + 4 * page)), "the inner entry lost its watch");
+        discard(p + 6 * page);
+        assert!(!events(w, &mut from).iter().any(|(a, b)| *a < p + 7 * page && *b > p + 6 * page), "a page no holder covers is still watched");
+        drop(inner);
+        discard(p + 3 * page);
+        assert!(events(w, &mut from).iter().all(|(a, b)| *b <= p || *a >= p + 8 * page), "still watched after every holder let go");
+        // SAFETY: ours.
+        unsafe { libc::munmap(p as *mut _, 8 * page as usize) };
     }
 }
