@@ -98,6 +98,14 @@ typedef void (*rdev_recv_done_cb)(void *userdata,
                                   size_t msg_len,
                                   struct rdev_buffer *buf);
 
+// Records one span into TensorFlow's profiler on the calling thread:
+// `name` (`name_len` bytes, TraceMe's `name#k=v,...#` form, valid during
+// the call), start and end in `rdev_trace_now`'s clock.
+typedef void (*rdev_trace_sink_cb)(const char *name,
+                                   size_t name_len,
+                                   int64_t start_ns,
+                                   int64_t end_ns);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -289,6 +297,49 @@ size_t rdev_last_error(char *buf, size_t cap);
 
 // The library version, NUL-terminated, static.
 const char *rdev_version(void);
+
+// Record every transfer's spans into this process's buffer (`on`), or
+// stop. Recording is process-wide; `RDMA_DEVICE_TRACE=1` turns it on when
+// a context is created.
+void rdev_trace_enable(bool on);
+
+// Whether a span recorded now would go anywhere (this process's buffer
+// or TensorFlow's profiler): the shim skips its clock reads otherwise.
+bool rdev_trace_active(void);
+
+// Now, in the trace's clock (CLOCK_REALTIME, ns: TensorFlow's profiler's).
+int64_t rdev_trace_now(void);
+
+// Record a span the caller measured: `name` (`name_len` bytes) from
+// `start_ns` to `end_ns` (`rdev_trace_now`), for step `step`, moving
+// `bytes`, about `key` (may be NULL). Dropped when nothing records.
+enum rdev_status rdev_trace_span(const char *name,
+                                 size_t name_len,
+                                 int64_t start_ns,
+                                 int64_t end_ns,
+                                 uint64_t step_id,
+                                 uint64_t bytes,
+                                 const char *key,
+                                 size_t key_len);
+
+// Take (and clear) every span recorded so far, as a JSON array of Chrome
+// trace events of this process, named `process` in the viewer.
+// `*out_json` gets a NUL-terminated string to free with
+// `rdev_string_free`, `*out_len` its length.
+enum rdev_status rdev_trace_take_json(const char *process,
+                                      size_t process_len,
+                                      char **out_json,
+                                      size_t *out_len);
+
+// Free a string this library returned (NULL: nothing).
+void rdev_string_free(char *s);
+
+// Called by the shim once: TensorFlow profiler's trace level (an
+// `std::atomic<int>` that lives as long as the process) and a sink that
+// records one span into TensorFlow's profiler on the calling thread (any
+// thread, progress threads included: it must not block). While the level
+// is >= 1 every span also goes there.
+enum rdev_status rdev_trace_attach_tf(const int32_t *level, rdev_trace_sink_cb sink);
 
 #ifdef __cplusplus
 }  // extern "C"

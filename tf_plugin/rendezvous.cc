@@ -11,6 +11,7 @@
 #include "tensorflow/core/platform/logging.h"
 #include "pool.h"
 #include "transport.h"
+#include "trace.h"
 
 namespace rdma_device {
 
@@ -116,9 +117,11 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     }
     TF_RETURN_IF_ERROR(abort_status());
     VLOG(2) << "push step " << step_id_ << " " << parsed.FullKey() << (is_dead ? " (dead)" : "");
+    const int64_t traced = TraceStart();
     if (!is_dead && !OnHost(parsed.src, args)) return StageAndPush(parsed, args, peer, val);
     bool refused = false;
     absl::Status s = Push(peer, std::string(parsed.FullKey()), val, is_dead, &refused, &args);
+    TraceEnd("tf:Send", traced, step_id_, is_dead ? 0 : val.TotalBytes(), parsed.FullKey());
     if (refused) {
       // The receiver does not take pushes from us (plain gRPC, or it routes
       // us over gRPC): leave the tensor for its pull (it counts the
@@ -203,11 +206,14 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     // has run, whatever the caller holds.
     this->Ref();
     VLOG(2) << "recv step " << step_id_ << " " << parsed.FullKey();
+    const int64_t traced = TraceStart();
     absl::Status s = transport_->Recv(
         peer, parsed.FullKey(), step_id_,
-        [this, call, peer, parsed, recv_args, done](const absl::Status& status,
-                                                    const tf::Tensor& tensor, bool is_dead) {
+        [this, call, peer, parsed, recv_args, done, traced](
+            const absl::Status& status, const tf::Tensor& tensor, bool is_dead) {
           VLOG(2) << "recv done step " << step_id_ << " " << parsed.FullKey() << ": " << status;
+          TraceEnd("tf:RecvFromRemote", traced, step_id_, is_dead ? 0 : tensor.TotalBytes(),
+                   parsed.FullKey());
           DeregisterCall(call, recv_args);
           // The call's own abort status (cancellation, step abort) wins over
           // both a completion that raced with it and the transport's echo of

@@ -17,6 +17,7 @@
 #include "tensorflow/c/c_api.h"
 #include "tensorflow/core/distributed_runtime/rpc/grpc_server_lib.h"
 #include "tensorflow/core/distributed_runtime/server_lib.h"
+#include "trace.h"
 
 #ifndef RDMA_DEVICE_TF_BUILT_VERSION
 #error "RDMA_DEVICE_TF_BUILT_VERSION must be defined by the build"
@@ -155,6 +156,7 @@ struct Registrar {
       LOG(ERROR) << VersionError();
     }
     tf::ServerFactory::Register(kProtocol, new RdmaServerFactory());
+    AttachProfiler();
   }
 };
 const Registrar registrar;

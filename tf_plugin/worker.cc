@@ -14,6 +14,7 @@
 #include "tensorflow/core/platform/logging.h"
 #include "tensorflow/core/platform/mutex.h"
 #include "transport.h"
+#include "trace.h"
 
 namespace rdma_device {
 
@@ -113,6 +114,33 @@ void RdmaWorker::RegisterGraphAsync(const tf::RegisterGraphRequest* request,
             << kRegisterPlacementWaitMs << " ms; the graph's first step places what is left";
   }
   finish(nullptr);
+}
+
+void RdmaWorker::RunGraphAsync(tf::CallOptions* opts, tf::RunGraphRequestWrapper* request,
+                               tf::MutableRunGraphResponseWrapper* response,
+                               tf::StatusCallback done) {
+  const int64_t start = TraceStart();
+  if (start == 0) {
+    GrpcWorker::RunGraphAsync(opts, request, response, std::move(done));
+    return;
+  }
+  const uint64_t step = static_cast<uint64_t>(request->step_id());
+  GrpcWorker::RunGraphAsync(opts, request, response,
+                            [start, step, done = std::move(done)](const absl::Status& s) {
+                              TraceEnd("RunGraph", start, step);
+                              done(s);
+                            });
+}
+
+void RdmaWorker::CleanupGraphAsync(const tf::CleanupGraphRequest* request,
+                                   tf::CleanupGraphResponse* response, tf::StatusCallback done) {
+  const int64_t start = TraceStart();
+  const uint64_t step = static_cast<uint64_t>(request->step_id());
+  GrpcWorker::CleanupGraphAsync(request, response,
+                                [start, step, done = std::move(done)](const absl::Status& s) {
+                                  TraceEnd("CleanupGraph", start, step);
+                                  done(s);
+                                });
 }
 
 }  // namespace rdma_device

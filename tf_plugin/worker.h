@@ -24,6 +24,15 @@ class RdmaWorker : public tensorflow::GrpcWorker {
                           tensorflow::RegisterGraphResponse* response,
                           tensorflow::StatusCallback done) override;
 
+  // As GrpcWorker's, with a span per call in the transport's timeline (the
+  // per-step worker RPCs: where a step's time goes).
+  void RunGraphAsync(tensorflow::CallOptions* opts, tensorflow::RunGraphRequestWrapper* request,
+                     tensorflow::MutableRunGraphResponseWrapper* response,
+                     tensorflow::StatusCallback done) override;
+  void CleanupGraphAsync(const tensorflow::CleanupGraphRequest* request,
+                         tensorflow::CleanupGraphResponse* response,
+                         tensorflow::StatusCallback done) override;
+
  private:
   const std::shared_ptr<Transport> transport_;
 };

@@ -10,9 +10,12 @@ server (workers, PS, chief, eager client)::
                                   protocol="grpc+rdma_device")
 
 :func:`stats` and :func:`config` report what the transport did and which
-settings are in effect (``RDMA_DEVICE_*`` environment variables).
+settings are in effect (``RDMA_DEVICE_*`` environment variables);
+:func:`trace_enable` and :func:`trace_take` record where each transfer's
+time goes (``python -m rdma_device.bench trace`` writes a Chrome trace).
 """
 
-from rdma_device._loader import PROTOCOL, config, lib_dir, load, reset_stats, stats
+from rdma_device._loader import (PROTOCOL, config, lib_dir, load, reset_stats, stats, trace_enable,
+                                 trace_take)
 
-__all__ = ["PROTOCOL", "config", "lib_dir", "load", "reset_stats", "stats"]
+__all__ = ["PROTOCOL", "config", "lib_dir", "load", "reset_stats", "stats", "trace_enable", "trace_take"]

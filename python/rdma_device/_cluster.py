@@ -3,8 +3,9 @@ loopback ports, for benchmarks and demos.
 
 Each task process creates its server (loading the plugin first when the
 protocol needs it), prints ``READY`` and then answers commands on stdin:
-``stats`` prints the transport's counters as one JSON line; end of input
-stops the task.
+``stats`` prints the transport's counters as one JSON line, ``trace_on`` /
+``trace_off`` / ``trace_take`` record and return the transport's timeline
+(Chrome trace events); end of input stops the task.
 """
 
 import json
@@ -37,6 +38,25 @@ for line in sys.stdin:
             import rdma_device
             rdma_device.reset_stats()
         print("{}", flush=True)
+    elif cmd in ("trace_on", "trace_off"):
+        if protocol != "grpc":
+            import rdma_device
+            rdma_device.trace_enable(cmd == "trace_on")
+            if cmd == "trace_on":
+                rdma_device.trace_take()  # start from an empty buffer
+        print("{}", flush=True)
+    elif cmd.startswith("profile_start "):
+        tf.profiler.experimental.start(cmd.split(" ", 1)[1] + f"/{job}-{index}")
+        print("{}", flush=True)
+    elif cmd == "profile_stop":
+        tf.profiler.experimental.stop()
+        print("{}", flush=True)
+    elif cmd == "trace_take":
+        events = []
+        if protocol != "grpc":
+            import rdma_device
+            events = rdma_device.trace_take(f"/job:{job}/task:{index}")
+        print(json.dumps(events), flush=True)
 os._exit(0)
 """
 
@@ -164,6 +184,15 @@ class LocalCluster:
 
     def reset_stats(self):
         self._ask("reset")
+
+    def trace(self, on):
+        """Start (True, each task from an empty buffer) or stop recording the
+        transport's timeline in every task."""
+        self._ask("trace_on" if on else "trace_off")
+
+    def trace_take(self):
+        """Every task's recorded spans as one list of Chrome trace events."""
+        return [e for events in self._ask("trace_take").values() for e in events]
 
     def close(self):
         stop_tasks(self.procs.values(), getattr(self, "_logs", []))

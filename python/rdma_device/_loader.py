@@ -149,3 +149,39 @@ def reset_stats():
 def config():
     """Effective settings (RDMA_DEVICE_* variables) with defaults and help."""
     return _json_call("rdev_config_json")
+
+
+def trace_enable(on=True):
+    """Start (or, with ``on=False``, stop) recording every transfer's
+    timeline in this process: the transport's spans (send, write, arrive,
+    deliver, release, ...) and the shim's (tf:Send, tf:RecvFromRemote,
+    RunGraph, CleanupGraph). ``RDMA_DEVICE_TRACE=1`` starts it with the
+    server. Spans also reach TensorFlow's profiler while it records."""
+    fn = _core_lib().rdev_trace_enable
+    fn.argtypes = [ctypes.c_bool]
+    fn.restype = None
+    fn(bool(on))
+
+
+def trace_take(process="rdma_device"):
+    """The spans recorded since the last call, removed from the buffer, as a
+    list of Chrome trace events (``traceEvents`` entries, timestamps in µs
+    of CLOCK_REALTIME, so several processes' lists merge into one trace),
+    this process named ``process``."""
+    lib = _core_lib()
+    fn = lib.rdev_trace_take_json
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p),
+                   ctypes.POINTER(ctypes.c_size_t)]
+    fn.restype = ctypes.c_int
+    free = lib.rdev_string_free
+    free.argtypes = [ctypes.c_void_p]
+    free.restype = None
+    name = process.encode("utf-8")
+    out, out_len = ctypes.c_void_p(), ctypes.c_size_t(0)
+    rc = fn(name, len(name), ctypes.byref(out), ctypes.byref(out_len))
+    if rc != _RDEV_OK:
+        raise RuntimeError(f"rdma_device: trace_take failed ({_status_str(rc)}): {_last_error()}")
+    try:
+        return json.loads(ctypes.string_at(out, out_len.value).decode("utf-8"))
+    finally:
+        free(out)

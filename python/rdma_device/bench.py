@@ -5,6 +5,7 @@
     python -m rdma_device.bench suite    [--quick] [--out DIR] [--json]
     python -m rdma_device.bench soak     [--steps 1000] [--json]   (see rdma_device.soak)
     python -m rdma_device.bench allreduce [--sizes 1M,4M,16M,64M] [--workers 2,3] [--json]
+    python -m rdma_device.bench trace    [--out t.json] [--sizes 4K,1M,16M] [--tensorboard DIR]
 
 ``suite``: six workloads (AlexNet- and ResNet-class CNNs, an LSTM language
 model, a Transformer encoder, wide & deep with sparse embedding lookups, a
@@ -33,6 +34,10 @@ stock TensorFlow: the same strategy and algorithm whose chunks travel as
 RecvBuf RPCs. Algorithm bandwidth = size / median time of one all-reduce
 (the slowest worker's); the ratio is gRPC time / rdma_device time; CPU is
 the CPU time of the cluster's worker processes per all-reduce.
+
+``trace``: where a 2-task step's time goes, recorded span by span in both
+tasks (see rdma_device._trace); writes a Chrome trace and prints the
+median timeline of a step per size.
 
 ``train``: a short parameter-server training run (variables on a PS task,
 gradient steps on a worker) under both protocols, interleaved; prints
@@ -338,11 +343,23 @@ def main(argv=None):
     a.add_argument("--block", type=int, default=4, help="counted all-reduces per block")
     a.add_argument("--json", action="store_true", help="one JSON object per size and worker count")
     a.add_argument("--no-strict", dest="strict", action="store_false")
-    from rdma_device import soak
+    from rdma_device import _trace, soak
     run_soak = soak.add_parser(sub)
+    _trace.add_parser(sub)
     args = ap.parse_args(argv)
     {"transfer": transfer, "train": train, "suite": suite, "soak": run_soak,
-     "allreduce": allreduce}[args.cmd](args)
+     "allreduce": allreduce, "trace": trace}[args.cmd](args)
+
+
+def trace(args):
+    from rdma_device import _trace
+
+    results = _trace.run(args)
+    if args.json:
+        for r in results:
+            print(json.dumps(r))
+    else:
+        _trace.print_results(results, args.out, args.plot)
 
 
 def suite(args):

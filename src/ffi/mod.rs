@@ -23,6 +23,7 @@ pub mod buffer;
 mod collective;
 mod introspect;
 mod status;
+mod trace;
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void};

@@ -74,9 +74,11 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if let (Data::Slot { link, slot, gen, .. }, Some(n)) = (&self.data, self.node.upgrade()) {
+        if let (Data::Slot { link, slot, gen, len, .. }, Some(n)) = (&self.data, self.node.upgrade()) {
+            let t = crate::trace::start();
             let acts = n.locked(|r| r.release(*link, *slot, *gen));
             n.exec(acts);
+            crate::trace::end("release", t, 0, *len, None);
         }
     }
 }

@@ -60,6 +60,7 @@ use crate::error::{Error, Result};
 use crate::fabric::{self, Arena, ConnId, Endpoint, Fabric, FabricEvents, Listener, TransportKind};
 use crate::rendezvous::{self, Action, Actions, Data, Hello, Params, Payload, Received, Rendezvous, TensorMeta};
 use crate::stats::Stats;
+use crate::trace;
 
 pub use lease::Lease;
 pub use peers::PeerChoice;
@@ -119,6 +120,9 @@ impl Node {
     /// Start the transport for task `task` serving at `addr` ("host:port").
     pub fn new(cfg: Config, task: &str, addr: &str) -> Result<Node> {
         init_logging(&cfg);
+        if cfg.trace {
+            trace::set_enabled(true);
+        }
         let arena = Arc::new(Arena::new("rdma_device-arena", cfg.arena_bytes)?);
         let fabrics = fabric::build_all(&cfg);
         let incarnation = random_u64();
@@ -212,7 +216,11 @@ impl Node {
     /// made, e.g. it routes us over gRPC) `done` is dropped uncalled, so the
     /// caller can send the tensor another way.
     pub fn send(&self, peer: &str, key: &str, step: u64, meta: TensorMeta, payload: Box<dyn Payload>, done: rendezvous::SendDone) -> Result<()> {
-        self.inner.send(peer, key, step, meta, payload, done)
+        let t = trace::start();
+        let bytes = payload.bytes().len() as u64;
+        let r = self.inner.send(peer, key, step, meta, payload, done);
+        trace::end("send", t, step, bytes, Some(key));
+        r
     }
 
     /// Sender side, ahead of the first step (static shapes): have `peer`
@@ -237,7 +245,9 @@ impl Node {
 
     /// Receive `(key, step)` from `peer`. `done` runs exactly once.
     pub fn recv(&self, peer: &str, key: &str, step: u64, done: LeaseDone) {
-        self.inner.recv(peer, key, step, done)
+        let t = trace::start();
+        self.inner.recv(peer, key, step, done);
+        trace::end("recv", t, step, 0, Some(key));
     }
 
     pub fn step_done(&self, step: u64) {
@@ -363,11 +373,13 @@ impl FabricEvents for Events {
 
     fn on_write_imm(&self, conn: ConnId, imm: u32) {
         let Some(n) = self.node.upgrade() else { return };
+        let t = trace::start();
         let res = crate::error::catch_panic("handling a write", || {
             let mem = ArenaMem(&n.arena);
             let acts = n.locked(|r| r.on_write_imm(conn, imm, &mem));
             n.exec(acts);
         });
+        trace::end("arrive", t, 0, 0, None);
         if let Err(e) = res {
             n.fail_link(conn, e);
         }
@@ -566,8 +578,10 @@ impl Inner {
                     } else {
                         payload
                     };
+                    let (t, step, bytes) = (trace::start(), header.step, header.len);
                     let op = write::TensorWrite::new(header.encode(), payload, write::Then::Send(done), self.me.clone(), link);
                     ep.write(offset, key, imm, op);
+                    trace::end("write", t, step, bytes, None);
                 }
                 Action::WriteChunk { link, stream, offset, key, header, payload, imm } => self.write_chunk(link, stream, offset, key, header, payload, imm),
                 Action::SendChunk { link, stream, offset, payload } => self.send_chunk(link, stream, offset, payload),
@@ -584,7 +598,14 @@ impl Inner {
                 }
                 Action::Close { link, why } => self.fail_link(link, why),
                 Action::SendDone { done, result } => done.complete(result),
-                Action::Deliver { done, result } => done.complete(result),
+                Action::Deliver { done, result } => {
+                    let (t, bytes) = (trace::start(), result.as_ref().map_or(0, |r| match &r.data {
+                        Data::Slot { len, .. } => *len,
+                        Data::Owned(v) => v.len() as u64,
+                    }));
+                    done.complete(result);
+                    trace::end("deliver", t, 0, bytes, None);
+                }
                 Action::Release { link, slot, gen } => {
                     let acts = self.locked(|r| r.release(link, slot, gen));
                     self.exec(acts);

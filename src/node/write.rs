@@ -58,7 +58,9 @@ impl WriteOp for TensorWrite {
         WRITES.recycle(self);
         match then {
             Then::Send(done) => {
+                let t = crate::trace::start();
                 done.complete(r);
+                crate::trace::end("send_done", t, 0, 0, None);
                 if let Some(n) = node.upgrade() {
                     let acts = n.locked(|rdv| rdv.write_done(link));
                     n.exec(acts);
