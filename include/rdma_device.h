@@ -106,6 +106,29 @@ typedef void (*rdev_trace_sink_cb)(const char *name,
                                    int64_t start_ns,
                                    int64_t end_ns);
 
+// Outcome of `rdev_call`: `code` 0 (OK) with the response `body`, or
+// TensorFlow's error code with its message in `body` (UTF-8). `body` is
+// valid during the call. Runs exactly once, on the context's callback
+// thread (`rdev-callbacks`).
+typedef void (*rdev_call_done_cb)(void *userdata,
+                                  uint32_t code,
+                                  const uint8_t *body,
+                                  size_t body_len);
+
+// A call from a peer (`rdev_serve`): answer it exactly once with
+// `rdev_serve_reply(handle, ...)`, from any thread. `body` is valid
+// during the call. Runs on `rdev-callbacks`.
+typedef void (*rdev_serve_call_cb)(void *userdata,
+                                   uint64_t handle,
+                                   uint32_t method,
+                                   const uint8_t *body,
+                                   size_t body_len);
+
+// Served call `handle` was cancelled (its caller gave up, or the
+// connection was lost): stop it; its reply goes nowhere. Runs on
+// `rdev-callbacks`.
+typedef void (*rdev_serve_cancel_cb)(void *userdata, uint64_t handle);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -340,6 +363,51 @@ void rdev_string_free(char *s);
 // thread, progress threads included: it must not block). While the level
 // is >= 1 every span also goes there.
 enum rdev_status rdev_trace_attach_tf(const int32_t *level, rdev_trace_sink_cb sink);
+
+// Call `method` on `peer` over the transport with `body`; `cb` gets the
+// outcome (UNAVAILABLE when the connection is lost first,
+// DEADLINE_EXCEEDED after `timeout_ms` (0: none; checked every second),
+// CANCELLED after `rdev_call_cancel`). `*out_id` names the call.
+// RDEV_NOT_VIABLE: no connection with `peer` (yet), nothing was sent and
+// `cb` will not run: make the call another way.
+enum rdev_status rdev_call(const struct rdev_context *ctx,
+                           const char *peer,
+                           size_t peer_len,
+                           uint32_t method,
+                           const uint8_t *body,
+                           size_t body_len,
+                           uint64_t timeout_ms,
+                           rdev_call_done_cb cb,
+                           void *userdata,
+                           uint64_t *out_id);
+
+// Give up call `id`: its callback runs with CANCELLED unless it ran
+// already; the peer is told.
+enum rdev_status rdev_call_cancel(const struct rdev_context *ctx, uint64_t id);
+
+// Serve calls from peers: `call` for each (see `rdev_serve_call_cb`),
+// `cancel` (may be NULL) when one is cancelled. `call` NULL: serve no
+// more (calls are answered UNIMPLEMENTED). `userdata` must stay valid, and
+// usable from any thread, until serving stops or the context is freed.
+enum rdev_status rdev_serve(const struct rdev_context *ctx,
+                            rdev_serve_call_cb call,
+                            rdev_serve_cancel_cb cancel,
+                            void *userdata);
+
+// Answer served call `handle`: `code` 0 with the response `body`, or an
+// error code with its message. A call cancelled meanwhile: nothing.
+enum rdev_status rdev_serve_reply(const struct rdev_context *ctx,
+                                  uint64_t handle,
+                                  uint32_t code,
+                                  const uint8_t *body,
+                                  size_t body_len);
+
+// Count a per-step worker RPC that went over gRPC (`worker_rpcs_over_grpc`).
+void rdev_record_worker_rpc_over_grpc(void);
+
+// true when RDMA_DEVICE_WORKER_RPCS is on: per-step worker RPCs to peers
+// on the transport go over it (`rdev_call`).
+bool rdev_context_worker_rpcs(const struct rdev_context *ctx);
 
 #ifdef __cplusplus
 }  // extern "C"

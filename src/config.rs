@@ -33,6 +33,8 @@ pub struct Config {
     pub log: String,
     /// Record the per-transfer timeline from the start (`trace`).
     pub trace: bool,
+    /// Per-step worker RPCs to peers on the transport go over it.
+    pub worker_rpcs: bool,
     /// Verbs: device name (empty = automatic).
     pub verbs_device: String,
     /// Verbs: port number (0 = automatic).
@@ -89,6 +91,8 @@ pub const VARS: &[Var] = &[
           help: "push: senders write each tensor into a slot the receiver placed ahead (zero-copy receive); rpc: an ablation in the style of RPC-over-RDMA transports: the receiver requests each tensor when its Recv runs, the sender copies it into a bounce buffer and writes it, the receiver copies it out into a fresh buffer. Must be the same on every task." },
     Var { name: "RDMA_DEVICE_LOG", default: "warn",
           help: "Log filter for the library (error, warn, info, debug, trace), env_logger syntax." },
+    Var { name: "RDMA_DEVICE_WORKER_RPCS", default: "1",
+          help: "1: the per-step worker RPCs (RunGraph, CleanupGraph) to a peer this task has a connection with go over the transport's message channel instead of gRPC (set-up RPCs stay on gRPC); 0: all over gRPC. Counted in worker_rpcs_over_transport / worker_rpcs_over_grpc." },
     Var { name: "RDMA_DEVICE_TRACE", default: "0",
           help: "1: record every transfer's timeline (send, write, arrival, delivery, release, worker RPCs) from the start, for rdma_device.trace_take() and `python -m rdma_device.bench trace`. Spans also go to TensorFlow's profiler while it records, whatever this says. Off costs one atomic load per event." },
     Var { name: "RDMA_DEVICE_VERBS_DEVICE", default: "",
@@ -163,6 +167,7 @@ impl Config {
             },
             log: val("RDMA_DEVICE_LOG"),
             trace: boolean("RDMA_DEVICE_TRACE", &val("RDMA_DEVICE_TRACE"))?,
+            worker_rpcs: boolean("RDMA_DEVICE_WORKER_RPCS", &val("RDMA_DEVICE_WORKER_RPCS"))?,
             verbs_device: val("RDMA_DEVICE_VERBS_DEVICE"),
             verbs_port: int("RDMA_DEVICE_VERBS_PORT", &val("RDMA_DEVICE_VERBS_PORT"), 0, 255)? as u8,
             verbs_gid_index: int("RDMA_DEVICE_VERBS_GID_INDEX", &val("RDMA_DEVICE_VERBS_GID_INDEX"), -1, 65535)? as i32,
@@ -198,6 +203,7 @@ impl Config {
                     "RDMA_DEVICE_MODE" => (if self.rpc_mode { "rpc" } else { "push" }).to_string(),
                     "RDMA_DEVICE_LOG" => self.log.clone(),
                     "RDMA_DEVICE_TRACE" => (self.trace as u8).to_string(),
+                    "RDMA_DEVICE_WORKER_RPCS" => (self.worker_rpcs as u8).to_string(),
                     "RDMA_DEVICE_VERBS_DEVICE" => self.verbs_device.clone(),
                     "RDMA_DEVICE_VERBS_PORT" => self.verbs_port.to_string(),
                     "RDMA_DEVICE_VERBS_GID_INDEX" => self.verbs_gid_index.to_string(),

@@ -12,6 +12,7 @@
 #include "rendezvous.h"
 #include "transport.h"
 #include "worker.h"
+#include "worker_rpc.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "tensorflow/c/c_api.h"
@@ -84,7 +85,12 @@ class RdmaServer : public tf::GrpcServer {
   absl::Status WorkerCacheFactory(const tf::WorkerCacheFactoryOptions& options,
                                   tf::WorkerCacheInterface** worker_cache) override {
     transport_->AddPeers(options.cluster_def);
-    return GrpcServer::WorkerCacheFactory(options, worker_cache);
+    tf::WorkerCacheInterface* stock = nullptr;
+    TF_RETURN_IF_ERROR(GrpcServer::WorkerCacheFactory(options, &stock));
+    // Per-step worker RPCs over the transport where it connects the tasks
+    // (worker_rpc.h); all else through the stock cache.
+    *worker_cache = NewTransportWorkerCache(stock, transport_);
+    return absl::OkStatus();
   }
 
  private:
@@ -113,8 +119,10 @@ class RdmaServer : public tf::GrpcServer {
     TF_RETURN_IF_ERROR(GrpcServer::Init(opts));
     const tf::ServerDef& def = server_def();
     transport_->AddPeers(def.cluster());
-    return transport_->Start(TaskName(def.job_name(), def.replica(), def.task_index()),
-                             SelfAddress());
+    TF_RETURN_IF_ERROR(transport_->Start(TaskName(def.job_name(), def.replica(), def.task_index()),
+                                         SelfAddress()));
+    ServeWorkerRpcs(transport_, worker_impl());
+    return absl::OkStatus();
   }
 
   // This task's address as its peers know it (the cluster spec's spelling:

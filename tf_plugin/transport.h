@@ -148,6 +148,33 @@ class Transport : public std::enable_shared_from_this<Transport> {
   void StepDone(int64_t step_id);
   // Counts a tensor that went over stock gRPC.
   void RecordFallback(uint64_t bytes, const std::string& reason);
+
+  // Calls over the transport's message channel (worker_rpc.h): the
+  // per-step worker RPCs with a peer this task has a connection with.
+  // RDMA_DEVICE_WORKER_RPCS: whether to make them so (false until Start).
+  bool worker_rpcs() {
+    tensorflow::tf_shared_lock l(mu_);
+    return worker_rpcs_;
+  }
+  using CallDone = std::function<void(const absl::Status&, std::string body)>;
+  // Calls `method` on `peer_task` with `body`; `done` runs exactly once on
+  // the transport's callback thread with TF's status (errors worded as
+  // gRPC's, naming the peer) and the response. `timeout_ms` 0: none.
+  // Not OK: the call could not start (no connection with the peer yet):
+  // nothing was sent, `done` never runs, make the call over gRPC. Does not
+  // block (the message is written to the connection's socket).
+  absl::Status Call(const std::string& peer_task, uint32_t method, const std::string& body,
+                    int64_t timeout_ms, CallDone done, uint64_t* id);
+  // Gives up call `id` (done runs with CANCELLED unless it ran).
+  void CancelCall(uint64_t id);
+  // Serves peers' calls: `call(handle, method, body)` on the transport's
+  // callback thread, to be answered once with Reply(handle, ...) from any
+  // thread; `cancel(handle)` when the caller gave up or left. Set once.
+  using ServeCall = std::function<void(uint64_t handle, uint32_t method, std::string body)>;
+  using ServeCancel = std::function<void(uint64_t handle)>;
+  void Serve(ServeCall call, ServeCancel cancel);
+  void Reply(uint64_t handle, const absl::Status& status, const std::string& body);
+  void RecordWorkerRpcOverGrpc();
   // Counts a collective chunk (collectives.h): received or sent over the
   // transport, or received over stock gRPC because of `reason`.
   enum class CollectiveEvent { kReceived, kSent, kFallback };
@@ -162,6 +189,8 @@ class Transport : public std::enable_shared_from_this<Transport> {
   std::string self_task_ TF_GUARDED_BY(mu_);
   bool strict_ TF_GUARDED_BY(mu_) = false;
   bool static_placement_ TF_GUARDED_BY(mu_) = false;
+  bool worker_rpcs_ TF_GUARDED_BY(mu_) = false;
+  std::atomic<bool> serving_{false};
   // Peer task -> address, as last seen in a cluster spec (routes_ may lag
   // behind while AddPeer asks the transport).
   std::map<std::string, std::string> addrs_ TF_GUARDED_BY(mu_);

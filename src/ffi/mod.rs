@@ -24,6 +24,7 @@ mod collective;
 mod introspect;
 mod status;
 mod trace;
+mod rpc;
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void};

@@ -59,6 +59,7 @@ impl Keepalive {
 }
 
 fn probe(n: &Inner, peers: &mut Vec<Arc<str>>, links: &mut Vec<u64>) {
+    n.rpc_expire(Instant::now());
     n.locked(|r| r.links_to_probe(peers, links));
     if !links.is_empty() {
         log::debug!("{}: probing connections {links:?}", n.task);

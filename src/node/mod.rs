@@ -41,6 +41,7 @@
 
 mod bounce;
 mod handoff;
+pub mod rpc;
 mod keepalive;
 mod lease;
 mod peers;
@@ -102,6 +103,8 @@ pub(crate) struct Inner {
     handoff: handoff::Handoff,
     /// Probes links with work waiting on their peer (see keepalive.rs).
     _keepalive: keepalive::Keepalive,
+    /// Calls over the transport (worker RPCs, see rpc.rs).
+    rpc: rpc::Rpc,
     me: Weak<Inner>,
 }
 
@@ -156,6 +159,7 @@ impl Node {
             bounce: Arc::default(),
             handoff: handoff::Handoff::start(me.clone()),
             _keepalive: keepalive::Keepalive::start(me.clone()),
+            rpc: rpc::Rpc::default(),
             me: me.clone(),
         });
         let st = Stats::global();
@@ -284,10 +288,37 @@ impl Node {
     pub fn abort_peer(&self, peer: &str) {
         self.inner.close_peer(peer);
     }
+
+    /// Call `method` on `peer` over the transport with `body` (see
+    /// rpc.rs); `done(code, body)` runs exactly once on `rdev-callbacks`.
+    /// `Err`: no live connection with `peer` (or the first part could not
+    /// be sent): nothing reached it, `done` is dropped uncalled.
+    pub fn rpc_call(&self, peer: &str, method: u32, body: &[u8], timeout: Option<std::time::Duration>, done: rpc::CallDone) -> Result<u64> {
+        self.inner.rpc_call(peer, method, body, timeout, done)
+    }
+
+    /// Give up call `id` (its done runs with CANCELLED; the callee is told).
+    pub fn rpc_cancel(&self, id: u64) {
+        self.inner.rpc_cancel(id)
+    }
+
+    /// Serve calls from peers with `server` (None: stop; calls are then
+    /// answered UNIMPLEMENTED).
+    pub fn rpc_serve(&self, server: Option<Arc<dyn rpc::Server>>) {
+        self.inner.rpc_serve(server)
+    }
+
+    /// Answer served call `handle`: `code` 0 with `body`, or an error code
+    /// with its message.
+    pub fn rpc_reply(&self, handle: u64, code: u32, body: &[u8]) {
+        self.inner.rpc_reply(handle, code, body)
+    }
 }
 
 impl Drop for Node {
     fn drop(&mut self) {
+        self.inner.rpc_serve(None);
+        self.inner.rpc_fail_all();
         self.abort_all(Error::Aborted("transport shut down".into()));
         for l in self.inner.listeners.lock().drain() {
             l.1.shutdown();
@@ -387,6 +418,13 @@ impl FabricEvents for Events {
 
     fn on_message(&self, conn: ConnId, msg: &[u8]) {
         let Some(n) = self.node.upgrade() else { return };
+        if rendezvous::wire::is_call(msg) {
+            let res = crate::error::catch_panic("handling a call", || n.on_call_msg(conn, msg)).and_then(|r| r);
+            if let Err(e) = res {
+                n.fail_link(conn, e);
+            }
+            return;
+        }
         let res = crate::error::catch_panic("handling a control message", || {
             if log::log_enabled!(log::Level::Trace) {
                 log::trace!("{}: recv on {conn}: {:?}", n.task, rendezvous::Msg::decode(msg));
@@ -408,6 +446,7 @@ impl FabricEvents for Events {
         let Some(n) = self.node.upgrade() else { return };
         Stats::add(&Stats::global().c.peers_lost, 1);
         log::info!("{}: connection {conn} over {} ended: {why}", n.task, self.kind.name());
+        n.rpc_link_lost(conn, &why);
         // Under `links` (lock order: links, then the protocol state), so a
         // connection still being registered (`ensure_tx`) either sees this
         // loss or is fully registered before it is processed.
@@ -634,6 +673,7 @@ impl Inner {
             }
             None => {}
         }
+        self.rpc_link_lost(link, &why);
         let acts = self.locked(|r| r.on_link_lost(link, why));
         self.exec(acts);
         self.notify_progress();

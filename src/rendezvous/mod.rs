@@ -397,6 +397,8 @@ impl Rendezvous {
             (Msg::Request { key, step }, true, _) => self.tx_request(link, key, step),
             (Msg::Ready, _, true) => Ok(self.rx_ready(link)),
             (Msg::Ping, _, _) => Ok(Actions::new()),
+            // Calls are the node's (`node::rpc`), never the protocol's.
+            (m @ (Msg::Call { .. } | Msg::Reply { .. } | Msg::CallCancel { .. }), _, _) => Err(Error::Protocol(format!("{} reached the rendezvous", m.name()))),
             (Msg::More { edge_id, need }, _, true) => self.rx_more(link, edge_id, need),
             (Msg::Abort { step, reason }, _, _) => Ok(self.peer_aborted(link, step, reason)),
             (Msg::PlaceFor { req, receiver, key, bytes }, _, _) => Ok(smallvec![Action::PlaceFor { link, req, receiver, key, bytes }]),

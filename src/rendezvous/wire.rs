@@ -97,6 +97,15 @@ pub enum Msg {
     /// peer, so a peer whose host vanished is noticed (the transport fails
     /// the send) instead of waited for in silence (see `node::keepalive`).
     Ping,
+    /// Either way: part of call `id` (the caller's, unique per caller) of
+    /// `method` (a worker RPC of the shim, see `node::rpc`); `more`: parts
+    /// follow (a body larger than one message is cut in parts).
+    Call { id: u64, method: u32, more: bool, body: Vec<u8> },
+    /// Either way: part of the answer to call `id`: `code` 0 with the
+    /// response, or an error code (TensorFlow's) with its message.
+    Reply { id: u64, code: u32, more: bool, body: Vec<u8> },
+    /// Either way: the caller gave up call `id` (cancelled, timed out).
+    CallCancel { id: u64 },
 }
 
 /// `StreamReady.outcome` values.
@@ -124,6 +133,19 @@ const T_STREAM_DATA: u8 = 18;
 const T_STREAM_ACK: u8 = 19;
 const T_STREAM_CANCEL: u8 = 20;
 const T_PING: u8 = 21;
+const T_CALL: u8 = 22;
+const T_REPLY: u8 = 23;
+const T_CALL_CANCEL: u8 = 24;
+
+/// Whether an encoded message is a call's (`Call`, `Reply`,
+/// `CallCancel`): those go to `node::rpc`, not to the rendezvous.
+pub fn is_call(msg: &[u8]) -> bool {
+    matches!(msg.first(), Some(&(T_CALL | T_REPLY | T_CALL_CANCEL)))
+}
+
+/// Most body bytes one `Call` or `Reply` part carries (with room for its
+/// own fields within `MAX_MSG_BYTES`).
+pub const CALL_PART_BYTES: usize = MAX_MSG_BYTES - 64;
 
 /// `Announce.step` of a placement made ahead of time (from a static shape,
 /// before the first step). TensorFlow's step ids use 56 bits, so this value
@@ -159,6 +181,13 @@ impl<'a> R<'a> {
         Ok(s)
     }
     fn u8(&mut self) -> Result<u8> { Ok(self.take(1)?[0]) }
+    fn flag(&mut self) -> Result<bool> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            v => Err(Error::Protocol(format!("flag byte {v}"))),
+        }
+    }
     fn u32(&mut self) -> Result<u32> { Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4"))) }
     fn u64(&mut self) -> Result<u64> { Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8"))) }
     fn bytes(&mut self, max: usize) -> Result<&'a [u8]> {
@@ -231,6 +260,9 @@ impl Msg {
             Msg::StreamAck { .. } => "StreamAck",
             Msg::StreamCancel { .. } => "StreamCancel",
             Msg::Ping => "Ping",
+            Msg::Call { .. } => "Call",
+            Msg::Reply { .. } => "Reply",
+            Msg::CallCancel { .. } => "CallCancel",
         }
     }
 
@@ -282,6 +314,9 @@ impl Msg {
             Msg::StreamAck { stream } => { w.u8(T_STREAM_ACK); w.u32(*stream) }
             Msg::StreamCancel { stream } => { w.u8(T_STREAM_CANCEL); w.u32(*stream) }
             Msg::Ping => w.u8(T_PING),
+            Msg::Call { id, method, more, body } => { w.u8(T_CALL); w.u64(*id); w.u32(*method); w.u8(*more as u8); w.bytes(body) }
+            Msg::Reply { id, code, more, body } => { w.u8(T_REPLY); w.u64(*id); w.u32(*code); w.u8(*more as u8); w.bytes(body) }
+            Msg::CallCancel { id } => { w.u8(T_CALL_CANCEL); w.u64(*id) }
         }
         w.0
     }
@@ -327,6 +362,9 @@ impl Msg {
             T_STREAM_ACK => Msg::StreamAck { stream: r.u32()? },
             T_STREAM_CANCEL => Msg::StreamCancel { stream: r.u32()? },
             T_PING => Msg::Ping,
+            T_CALL => Msg::Call { id: r.u64()?, method: r.u32()?, more: r.flag()?, body: r.bytes(CALL_PART_BYTES)?.to_vec() },
+            T_REPLY => Msg::Reply { id: r.u64()?, code: r.u32()?, more: r.flag()?, body: r.bytes(CALL_PART_BYTES)?.to_vec() },
+            T_CALL_CANCEL => Msg::CallCancel { id: r.u64()? },
             t => return Err(Error::Protocol(format!("unknown message type {t}"))),
         };
         r.end()?;
@@ -491,6 +529,9 @@ mod tests {
             Msg::StreamData { stream: 3, offset: 1 << 33, bytes: vec![1, 2, 3] },
             Msg::StreamAck { stream: 3 },
             Msg::StreamCancel { stream: 4 },
+            Msg::Call { id: 1 << 40, method: 1, more: true, body: vec![7; 1000] },
+            Msg::Reply { id: 3, code: 14, more: false, body: b"unavailable".to_vec() },
+            Msg::CallCancel { id: 9 },
         ]
     }
 

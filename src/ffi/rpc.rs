@@ -1,0 +1,153 @@
+//! Calls over the transport (see `node::rpc`): the shim's per-step worker
+//! RPCs (RunGraph, CleanupGraph) between tasks that have a link, with
+//! TensorFlow's call semantics (codes, cancellation, deadlines).
+
+use std::ffi::{c_char, c_void};
+use std::sync::Arc;
+
+use super::{boundary, ctx_arg, rdev_context, status, str_arg, UserData};
+use crate::error::Error;
+use crate::node::rpc::Server;
+use crate::stats::Stats;
+use status::rdev_status;
+
+/// Outcome of `rdev_call`: `code` 0 (OK) with the response `body`, or
+/// TensorFlow's error code with its message in `body` (UTF-8). `body` is
+/// valid during the call. Runs exactly once, on the context's callback
+/// thread (`rdev-callbacks`).
+#[allow(non_camel_case_types)]
+pub type rdev_call_done_cb = Option<unsafe extern "C" fn(userdata: *mut c_void, code: u32, body: *const u8, body_len: usize)>;
+
+/// A call from a peer (`rdev_serve`): answer it exactly once with
+/// `rdev_serve_reply(handle, ...)`, from any thread. `body` is valid
+/// during the call. Runs on `rdev-callbacks`.
+#[allow(non_camel_case_types)]
+pub type rdev_serve_call_cb = Option<unsafe extern "C" fn(userdata: *mut c_void, handle: u64, method: u32, body: *const u8, body_len: usize)>;
+
+/// Served call `handle` was cancelled (its caller gave up, or the
+/// connection was lost): stop it; its reply goes nowhere. Runs on
+/// `rdev-callbacks`.
+#[allow(non_camel_case_types)]
+pub type rdev_serve_cancel_cb = Option<unsafe extern "C" fn(userdata: *mut c_void, handle: u64)>;
+
+/// Call `method` on `peer` over the transport with `body`; `cb` gets the
+/// outcome (UNAVAILABLE when the connection is lost first,
+/// DEADLINE_EXCEEDED after `timeout_ms` (0: none; checked every second),
+/// CANCELLED after `rdev_call_cancel`). `*out_id` names the call.
+/// RDEV_NOT_VIABLE: no connection with `peer` (yet), nothing was sent and
+/// `cb` will not run: make the call another way.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_call(
+    ctx: *const rdev_context,
+    peer: *const c_char,
+    peer_len: usize,
+    method: u32,
+    body: *const u8,
+    body_len: usize,
+    timeout_ms: u64,
+    cb: rdev_call_done_cb,
+    userdata: *mut c_void,
+    out_id: *mut u64,
+) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per the documented contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
+        let Some(cb) = cb else { return Err(Error::InvalidArgument("callback is NULL".into())) };
+        if body.is_null() && body_len > 0 {
+            return Err(Error::InvalidArgument("body is NULL".into()));
+        }
+        // SAFETY: body_len bytes are readable at body (checked non-NULL).
+        let body = if body_len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(body, body_len) } };
+        let ud = UserData(userdata);
+        let done = Box::new(move |code: u32, reply: Vec<u8>| {
+            let ud = ud;
+            // SAFETY: the callback and userdata per the caller's contract.
+            unsafe { cb(ud.0, code, reply.as_ptr(), reply.len()) };
+        });
+        let timeout = (timeout_ms > 0).then(|| std::time::Duration::from_millis(timeout_ms));
+        let id = c.node.rpc_call(peer, method, body, timeout, done)?;
+        if !out_id.is_null() {
+            // SAFETY: non-NULL out-param.
+            unsafe { *out_id = id };
+        }
+        Ok(())
+    })
+}
+
+/// Give up call `id`: its callback runs with CANCELLED unless it ran
+/// already; the peer is told.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_call_cancel(ctx: *const rdev_context, id: u64) -> rdev_status {
+    boundary(|| {
+        // SAFETY: ctx per contract.
+        unsafe { ctx_arg(ctx) }?.node.rpc_cancel(id);
+        Ok(())
+    })
+}
+
+struct CServer {
+    call: unsafe extern "C" fn(*mut c_void, u64, u32, *const u8, usize),
+    cancel: rdev_serve_cancel_cb,
+    ud: usize,
+}
+
+impl Server for CServer {
+    fn call(&self, handle: u64, method: u32, body: Vec<u8>) {
+        // SAFETY: the callback and userdata per `rdev_serve`'s contract.
+        unsafe { (self.call)(self.ud as *mut c_void, handle, method, body.as_ptr(), body.len()) };
+    }
+
+    fn cancel(&self, handle: u64) {
+        if let Some(f) = self.cancel {
+            // SAFETY: as above.
+            unsafe { f(self.ud as *mut c_void, handle) };
+        }
+    }
+}
+
+/// Serve calls from peers: `call` for each (see `rdev_serve_call_cb`),
+/// `cancel` (may be NULL) when one is cancelled. `call` NULL: serve no
+/// more (calls are answered UNIMPLEMENTED). `userdata` must stay valid, and
+/// usable from any thread, until serving stops or the context is freed.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_serve(ctx: *const rdev_context, call: rdev_serve_call_cb, cancel: rdev_serve_cancel_cb, userdata: *mut c_void) -> rdev_status {
+    boundary(|| {
+        // SAFETY: ctx per contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let server = call.map(|call| Arc::new(CServer { call, cancel, ud: userdata as usize }) as Arc<dyn Server>);
+        c.node.rpc_serve(server);
+        Ok(())
+    })
+}
+
+/// Answer served call `handle`: `code` 0 with the response `body`, or an
+/// error code with its message. A call cancelled meanwhile: nothing.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_serve_reply(ctx: *const rdev_context, handle: u64, code: u32, body: *const u8, body_len: usize) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        if body.is_null() && body_len > 0 {
+            return Err(Error::InvalidArgument("body is NULL".into()));
+        }
+        // SAFETY: body_len bytes readable at body.
+        let body = if body_len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(body, body_len) } };
+        c.node.rpc_reply(handle, code, body);
+        Ok(())
+    })
+}
+
+/// Count a per-step worker RPC that went over gRPC (`worker_rpcs_over_grpc`).
+#[no_mangle]
+pub extern "C" fn rdev_record_worker_rpc_over_grpc() {
+    Stats::add(&Stats::global().c.worker_rpcs_over_grpc, 1);
+}
+
+/// true when RDMA_DEVICE_WORKER_RPCS is on: per-step worker RPCs to peers
+/// on the transport go over it (`rdev_call`).
+#[no_mangle]
+pub unsafe extern "C" fn rdev_context_worker_rpcs(ctx: *const rdev_context) -> bool {
+    // SAFETY: ctx per contract.
+    unsafe { ctx.as_ref() }.is_some_and(|c| c.node.config().worker_rpcs)
+}

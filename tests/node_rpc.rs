@@ -1,0 +1,131 @@
+//! Calls over the transport (`node::rpc`): what the shim's worker RPCs rely
+//! on. Two nodes with one connection: calls both ways over it, bodies of
+//! several parts intact, deadlines, cancellation both sides, a lost peer,
+//! and no connection at all (the caller goes another way).
+
+mod common;
+
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use rdma_device::node::rpc::{Server, CODE_CANCELLED, CODE_DEADLINE_EXCEEDED, CODE_UNAVAILABLE};
+use rdma_device::node::Node;
+use rdma_device::Error;
+
+/// Echoes method 1 (reversed body), never answers method 2, fails method 3.
+struct Echo {
+    node: Mutex<Option<std::sync::Weak<Node>>>,
+    cancelled: mpsc::Sender<u64>,
+    held: Mutex<Vec<u64>>,
+}
+
+impl Server for Echo {
+    fn call(&self, handle: u64, method: u32, mut body: Vec<u8>) {
+        let n = self.node.lock().unwrap().as_ref().and_then(|w| w.upgrade()).expect("node");
+        match method {
+            1 => {
+                body.reverse();
+                n.rpc_reply(handle, 0, &body);
+            }
+            2 => self.held.lock().unwrap().push(handle),
+            _ => n.rpc_reply(handle, 3, b"bad argument"),
+        }
+    }
+
+    fn cancel(&self, handle: u64) {
+        let _ = self.cancelled.send(handle);
+    }
+}
+
+fn pair() -> (Arc<Node>, Arc<Node>, String, String, Arc<Echo>, mpsc::Receiver<u64>) {
+    let (pa, pb) = (free_port(), free_port());
+    let (ta, tb) = (task(0), task(1));
+    let a = Arc::new(Node::new(small_config(), &ta, &addr(pa)).unwrap());
+    let b = Arc::new(Node::new(small_config(), &tb, &addr(pb)).unwrap());
+    a.add_peer(&tb, &addr(pb));
+    b.add_peer(&ta, &addr(pa));
+    let (tx, rx) = mpsc::channel();
+    let echo = Arc::new(Echo { node: Mutex::new(None), cancelled: tx, held: Mutex::new(Vec::new()) });
+    for n in [&a, &b] {
+        *echo.node.lock().unwrap() = Some(Arc::downgrade(n));
+    }
+    (a, b, ta, tb, echo, rx)
+}
+
+fn call(n: &Node, peer: &str, method: u32, body: &[u8], timeout: Option<Duration>) -> (u64, mpsc::Receiver<(u32, Vec<u8>)>) {
+    let (tx, rx) = mpsc::channel();
+    let id = n
+        .rpc_call(peer, method, body, timeout, Box::new(move |code, reply| {
+            let _ = tx.send((code, reply));
+        }))
+        .expect("the call starts");
+    (id, rx)
+}
+
+#[test]
+fn calls_go_both_ways_over_one_connection_with_large_bodies() {
+    let (a, b, ta, tb, echo, _cancelled) = pair();
+    // No connection yet: refused at once, so the caller goes another way.
+    let e = a.rpc_call(&tb, 1, b"x", None, Box::new(|_, _| panic!("must not run"))).unwrap_err();
+    assert!(matches!(e, Error::NotViable(_)), "{e}");
+    a.connect(&tb).unwrap(); // one connection, a → b
+    for (caller, callee, peer) in [(&a, &b, &tb), (&b, &a, &ta)] {
+        *echo.node.lock().unwrap() = Some(Arc::downgrade(callee));
+        callee.rpc_serve(Some(echo.clone()));
+        for len in [0usize, 5, 64 << 10, 300_000] {
+            let body = pattern(len as u64, len);
+            let (_, rx) = call(caller, peer, 1, &body, None);
+            let (code, reply) = rx.recv_timeout(Duration::from_secs(10)).expect("reply");
+            let mut want = body.clone();
+            want.reverse();
+            assert_eq!(code, 0);
+            assert!(reply == want, "{len}-byte body came back altered");
+        }
+        let (_, rx) = call(caller, peer, 3, b"", None);
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), (3, b"bad argument".to_vec()));
+        callee.rpc_serve(None);
+    }
+    let s = rdma_device::stats::Stats::global();
+    assert!(s.get("worker_rpcs_over_transport").unwrap() >= 10);
+}
+
+#[test]
+fn deadlines_and_cancellation_reach_both_sides() {
+    let (a, b, _ta, tb, echo, cancelled) = pair();
+    *echo.node.lock().unwrap() = Some(Arc::downgrade(&b));
+    b.rpc_serve(Some(echo.clone()));
+    a.connect(&tb).unwrap();
+    // A deadline: DEADLINE_EXCEEDED within the check interval (1 s) of it,
+    // and the callee's call is cancelled.
+    let t0 = Instant::now();
+    let (_, rx) = call(&a, &tb, 2, b"hang", Some(Duration::from_millis(300)));
+    let (code, _) = rx.recv_timeout(Duration::from_secs(5)).expect("the deadline fires");
+    assert_eq!(code, CODE_DEADLINE_EXCEEDED);
+    assert!(t0.elapsed() < Duration::from_millis(300 + 1500), "{:?}", t0.elapsed());
+    cancelled.recv_timeout(Duration::from_secs(5)).expect("the callee saw the cancel");
+    // The caller cancels: CANCELLED at once, the callee told.
+    let (id, rx) = call(&a, &tb, 2, b"hang", None);
+    std::thread::sleep(Duration::from_millis(50));
+    a.rpc_cancel(id);
+    assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap().0, CODE_CANCELLED);
+    cancelled.recv_timeout(Duration::from_secs(5)).expect("the callee saw the cancel");
+}
+
+#[test]
+fn a_lost_peer_fails_its_calls() {
+    let (a, b, _ta, tb, echo, _cancelled) = pair();
+    *echo.node.lock().unwrap() = Some(Arc::downgrade(&b));
+    b.rpc_serve(Some(echo.clone()));
+    a.connect(&tb).unwrap();
+    let (_, rx) = call(&a, &tb, 2, b"hang", None);
+    std::thread::sleep(Duration::from_millis(50));
+    let t0 = Instant::now();
+    b.rpc_serve(None);
+    drop(echo);
+    drop(b);
+    let (code, msg) = rx.recv_timeout(Duration::from_secs(5)).expect("the call fails");
+    assert_eq!(code, CODE_UNAVAILABLE, "{}", String::from_utf8_lossy(&msg));
+    assert!(t0.elapsed() < Duration::from_secs(5));
+}

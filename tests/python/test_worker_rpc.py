@@ -1,0 +1,192 @@
+"""The per-step worker RPCs (RunGraph, CleanupGraph) over the transport.
+
+A real 2-task cluster (ps + worker 0, whose master runs the client's TF1
+sessions). Asserted, as a user would notice it:
+- every step's RunGraph and CleanupGraph to the ps went over the transport,
+  counted exactly (two per remote partition per step, none over gRPC), and
+  training fetches bit-identical values to a stock gRPC cluster's;
+- a step whose ps partition blocks fails with DeadlineExceeded within its
+  ``operation_timeout_in_ms`` plus the transport's check interval (1 s);
+- a hung ps (SIGSTOP) fails a step with a timeout the same way;
+- a ps killed while it runs its partition fails the step with an error
+  within 10 s, without any timeout set.
+"""
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from rdma_device._cluster import LocalCluster
+
+STEPS = 12
+
+
+def _tf():
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+    return tf
+
+
+def _train_graph(tf, c):
+    """w on the ps; worker 0 computes an update from it and sends it back."""
+    g = tf.Graph()
+    with g.as_default():
+        with tf.device(c.device("ps", 0)):
+            w = tf.Variable(tf.random.stateless_uniform([4096], seed=[1, 2]), name="w")
+        with tf.device(c.device("worker", 0)):
+            step = tf.compat.v1.placeholder(tf.float32, [])
+            grad = tf.tanh(w.value() * step) * 0.01
+        with tf.device(c.device("ps", 0)):
+            train = w.assign_sub(grad)
+        init = tf.compat.v1.global_variables_initializer()
+    return g, init, train, step
+
+
+def _counters(c):
+    return {t: s["counters"] for t, s in c.stats().items()}
+
+
+def _run(tf, c):
+    g, init, train, step = _train_graph(tf, c)
+    with tf.compat.v1.Session(c.target(), graph=g) as s:
+        s.run(init)
+        s.run(train, {step: 0.5})  # registers the partitions; connects the tasks
+        c.reset_stats()
+        for i in range(STEPS):
+            out = s.run(train, {step: float(i)})
+        return out.tobytes()
+
+
+@pytest.fixture(scope="module")
+def clusters(plugin_built, log_dir):
+    env = {"RDMA_DEVICE_STRICT": "1"}
+    cs = {p: LocalCluster(p, {"ps": 1, "worker": 1}, env=env if p != "grpc" else None, log_dir=log_dir,
+                          name=f"worker-rpc-{p}")
+          for p in ("grpc", "grpc+rdma_device")}
+    yield cs
+    for c in cs.values():
+        c.close()
+
+
+def test_run_graph_goes_over_the_transport_counted_and_bit_identical(clusters):
+    tf = _tf()
+    want = _run(tf, clusters["grpc"])
+    got = _run(tf, clusters["grpc+rdma_device"])
+    assert got == want, "training over the transport differs from stock gRPC"
+    c = clusters["grpc+rdma_device"]
+    # The last step's CleanupGraph runs after the step returned: wait for it.
+    deadline = time.time() + 10
+    while True:
+        n = _counters(c)
+        master = n["/job:worker/task:0"]
+        if master["worker_rpcs_over_transport"] >= 2 * STEPS or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    # One RunGraph and one CleanupGraph per step to the one remote
+    # partition (the ps); the local partition needs no RPC.
+    assert master["worker_rpcs_over_transport"] == 2 * STEPS, master
+    assert master["worker_rpcs_over_grpc"] == 0, master
+    assert n["/job:ps/task:0"]["worker_rpcs_over_transport"] == 0, n
+    # And the tensors went over the transport too (strict mode: no fallback).
+    assert master["tensors_received"] >= STEPS and master["fallback_tensors"] == 0, master
+
+
+def _blocking_graph(tf, c):
+    """A step whose ps partition waits on an empty queue."""
+    g = tf.Graph()
+    with g.as_default():
+        with tf.device(c.device("ps", 0)):
+            q = tf.queue.FIFOQueue(1, tf.float32, shapes=[[]])
+            x = q.dequeue()
+        with tf.device(c.device("worker", 0)):
+            y = x + 1.0
+            z = tf.constant(1.0) + 1.0
+    return g, y, z
+
+
+def _session(tf, c, g, timeout_ms):
+    cfg = tf.compat.v1.ConfigProto(operation_timeout_in_ms=timeout_ms)
+    return tf.compat.v1.Session(c.target(), graph=g, config=cfg)
+
+
+def test_operation_timeout_fails_a_blocked_step_within_its_bound(clusters):
+    tf = _tf()
+    c = clusters["grpc+rdma_device"]
+    g, y, z = _blocking_graph(tf, c)
+    with _session(tf, c, g, 1000) as s:
+        s.run(z)
+        t0 = time.time()
+        with pytest.raises(tf.errors.DeadlineExceededError):
+            s.run(y)
+        took = time.time() - t0
+    assert took < 1.0 + 1.0 + 2.0, f"the step failed after {took:.1f} s (timeout 1 s)"
+
+
+def test_a_hung_ps_fails_a_step_with_its_timeout(clusters):
+    tf = _tf()
+    c = clusters["grpc+rdma_device"]
+    g, init, train, step = _train_graph(tf, c)
+    with _session(tf, c, g, 1500) as s:
+        s.run(init)
+        s.run(train, {step: 1.0})
+        before = _counters(c)["/job:worker/task:0"]["worker_rpcs_over_transport"]
+        pid = c.pid("ps", 0)
+        import os
+
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.time()
+            with pytest.raises((tf.errors.DeadlineExceededError, tf.errors.UnavailableError)):
+                s.run(train, {step: 2.0})
+            took = time.time() - t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert took < 1.5 + 1.0 + 2.0, f"the step failed after {took:.1f} s (timeout 1.5 s)"
+        # The task is back: steps run again.
+        s.run(train, {step: 3.0})
+    assert _counters(c)["/job:worker/task:0"]["worker_rpcs_over_transport"] > before
+
+
+def test_a_ps_killed_during_run_graph_fails_the_step(plugin_built, log_dir):
+    tf = _tf()
+    c = LocalCluster("grpc+rdma_device", {"ps": 1, "worker": 1}, log_dir=log_dir, name="worker-rpc-kill")
+    try:
+        g, y, z = _blocking_graph(tf, c)
+        with tf.compat.v1.Session(c.target(), graph=g) as s:
+            s.run(z)
+            # Connect the tasks (the blocking graph sends nothing yet).
+            g2, init, train, step = _train_graph(tf, c)
+            with tf.compat.v1.Session(c.target(), graph=g2) as s2:
+                s2.run(init)
+                s2.run(train, {step: 1.0})
+            import threading
+
+            result = {}
+
+            def run():
+                t0 = time.time()
+                try:
+                    s.run(y)
+                    result["error"] = None
+                except tf.errors.OpError as e:
+                    result["error"] = e
+                result["took"] = time.time() - t0
+
+            th = threading.Thread(target=run, daemon=True)
+            th.start()
+            time.sleep(1.0)  # the ps is now in its partition, blocked
+            assert th.is_alive(), result
+            t_kill = time.time()
+            c.kill("ps", 0)
+            th.join(timeout=30)
+            assert not th.is_alive(), "the step still waits 30 s after the ps was killed"
+            assert result["error"] is not None
+            assert isinstance(result["error"], (tf.errors.UnavailableError, tf.errors.AbortedError,
+                                                tf.errors.CancelledError)), result["error"]
+            assert time.time() - t_kill < 10.0
+            assert np.isfinite(result["took"])
+    finally:
+        c.close()

@@ -1,0 +1,331 @@
+#include "worker_rpc.h"
+
+#include <atomic>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "pool.h"
+#include "tensorflow/core/distributed_runtime/call_options.h"
+#include "tensorflow/core/platform/logging.h"
+#include "tensorflow/core/platform/mutex.h"
+#include "tensorflow/core/protobuf/worker.pb.h"
+#include "trace.h"
+#include "transport.h"
+
+namespace rdma_device {
+
+namespace tf = ::tensorflow;
+
+namespace {
+
+// Method ids on the wire (never renumbered).
+constexpr uint32_t kRunGraph = 1;
+constexpr uint32_t kCleanupGraph = 2;
+
+// A remote worker: RunGraph and CleanupGraph over the transport when there
+// is a connection with its task, all else (and those without one) through
+// TF's gRPC worker.
+class TransportWorker : public tf::WorkerInterface {
+ public:
+  TransportWorker(std::string target, tf::WorkerInterface* stock,
+                  std::shared_ptr<Transport> transport)
+      : target_(std::move(target)), stock_(stock), transport_(std::move(transport)) {}
+
+  tf::WorkerInterface* stock() const { return stock_; }
+
+  void RunGraphAsync(tf::CallOptions* opts, tf::RunGraphRequestWrapper* request,
+                     tf::MutableRunGraphResponseWrapper* response,
+                     tf::StatusCallback done) override {
+    std::string body;
+    if (!Direct() || !request->ToProto().SerializeToString(&body)) {
+      transport_->RecordWorkerRpcOverGrpc();
+      stock_->RunGraphAsync(opts, request, response, std::move(done));
+      return;
+    }
+    // The cancel callback is in place before the call can complete; it
+    // cancels the call once its id is known.
+    struct Ctl {
+      std::atomic<uint64_t> id{0};
+      std::atomic<bool> cancelled{false};
+    };
+    auto ctl = std::make_shared<Ctl>();
+    std::shared_ptr<Transport> transport = transport_;
+    if (opts != nullptr) {
+      opts->SetCancelCallback([transport, ctl] {
+        ctl->cancelled = true;
+        if (uint64_t id = ctl->id.load()) transport->CancelCall(id);
+      });
+    }
+    const int64_t traced = TraceStart();
+    const uint64_t step = static_cast<uint64_t>(request->step_id());
+    tf::RunGraphResponse* proto = get_proto_from_wrapper(response);
+    auto on_reply = [opts, proto, done, traced, step](const absl::Status& s, std::string reply) {
+      if (opts != nullptr) opts->ClearCancelCallback();
+      absl::Status status = s;
+      if (status.ok() && !proto->ParseFromString(reply)) {
+        status = absl::InternalError("rdma_device: a RunGraph response that does not parse");
+      }
+      TraceEnd("call:RunGraph", traced, step);
+      done(status);
+    };
+    uint64_t id = 0;
+    absl::Status started = transport_->Call(target_, kRunGraph, body,
+                                            opts != nullptr ? opts->GetTimeout() : 0, on_reply, &id);
+    if (!started.ok()) {
+      // Nothing reached the peer: the call goes over gRPC.
+      if (opts != nullptr) opts->ClearCancelCallback();
+      VLOG(1) << "rdma_device: RunGraph on " << target_ << " over gRPC: " << started;
+      transport_->RecordWorkerRpcOverGrpc();
+      stock_->RunGraphAsync(opts, request, response, std::move(done));
+      return;
+    }
+    ctl->id = id;
+    if (ctl->cancelled) transport_->CancelCall(id);
+  }
+  using tf::WorkerInterface::RunGraphAsync;
+
+  void CleanupGraphAsync(const tf::CleanupGraphRequest* request,
+                         tf::CleanupGraphResponse* response, tf::StatusCallback done) override {
+    std::string body;
+    if (!Direct() || !request->SerializeToString(&body)) {
+      transport_->RecordWorkerRpcOverGrpc();
+      stock_->CleanupGraphAsync(request, response, std::move(done));
+      return;
+    }
+    uint64_t id = 0;
+    absl::Status started = transport_->Call(
+        target_, kCleanupGraph, body, 0,
+        [response, done](const absl::Status& s, std::string reply) {
+          absl::Status status = s;
+          if (status.ok() && !response->ParseFromString(reply)) {
+            status = absl::InternalError("rdma_device: a CleanupGraph response that does not parse");
+          }
+          done(status);
+        },
+        &id);
+    if (!started.ok()) {
+      transport_->RecordWorkerRpcOverGrpc();
+      stock_->CleanupGraphAsync(request, response, std::move(done));
+    }
+  }
+
+  // Everything else: TF's gRPC worker.
+  void GetStatusAsync(tf::CallOptions* opts, const tf::GetStatusRequest* request,
+                      tf::GetStatusResponse* response, bool fail_fast,
+                      tf::StatusCallback done) override {
+    stock_->GetStatusAsync(opts, request, response, fail_fast, std::move(done));
+  }
+  void CreateWorkerSessionAsync(const tf::CreateWorkerSessionRequest* request,
+                                tf::CreateWorkerSessionResponse* response,
+                                tf::StatusCallback done) override {
+    stock_->CreateWorkerSessionAsync(request, response, std::move(done));
+  }
+  void DeleteWorkerSessionAsync(tf::CallOptions* opts,
+                                const tf::DeleteWorkerSessionRequest* request,
+                                tf::DeleteWorkerSessionResponse* response,
+                                tf::StatusCallback done) override {
+    stock_->DeleteWorkerSessionAsync(opts, request, response, std::move(done));
+  }
+  void RegisterGraphAsync(const tf::RegisterGraphRequest* request,
+                          tf::RegisterGraphResponse* response, tf::StatusCallback done) override {
+    stock_->RegisterGraphAsync(request, response, std::move(done));
+  }
+  void DeregisterGraphAsync(const tf::DeregisterGraphRequest* request,
+                            tf::DeregisterGraphResponse* response,
+                            tf::StatusCallback done) override {
+    stock_->DeregisterGraphAsync(request, response, std::move(done));
+  }
+  tf::MutableRunGraphRequestWrapper* CreateRunGraphRequest() override {
+    return stock_->CreateRunGraphRequest();
+  }
+  tf::MutableRunGraphResponseWrapper* CreateRunGraphResponse() override {
+    return stock_->CreateRunGraphResponse();
+  }
+  void CleanupAllAsync(const tf::CleanupAllRequest* request, tf::CleanupAllResponse* response,
+                       tf::StatusCallback done) override {
+    stock_->CleanupAllAsync(request, response, std::move(done));
+  }
+  void RecvTensorAsync(tf::CallOptions* opts, const tf::RecvTensorRequest* request,
+                       tf::TensorResponse* response, tf::StatusCallback done) override {
+    stock_->RecvTensorAsync(opts, request, response, std::move(done));
+  }
+  void LoggingAsync(const tf::LoggingRequest* request, tf::LoggingResponse* response,
+                    tf::StatusCallback done) override {
+    stock_->LoggingAsync(request, response, std::move(done));
+  }
+  void TracingAsync(const tf::TracingRequest* request, tf::TracingResponse* response,
+                    tf::StatusCallback done) override {
+    stock_->TracingAsync(request, response, std::move(done));
+  }
+  void RecvBufAsync(tf::CallOptions* opts, const tf::RecvBufRequest* request,
+                    tf::RecvBufResponse* response, tf::StatusCallback done) override {
+    stock_->RecvBufAsync(opts, request, response, std::move(done));
+  }
+  void CompleteGroupAsync(tf::CallOptions* opts, const tf::CompleteGroupRequest* request,
+                          tf::CompleteGroupResponse* response, tf::StatusCallback done) override {
+    stock_->CompleteGroupAsync(opts, request, response, std::move(done));
+  }
+  void CompleteInstanceAsync(tf::CallOptions* opts, const tf::CompleteInstanceRequest* request,
+                             tf::CompleteInstanceResponse* response,
+                             tf::StatusCallback done) override {
+    stock_->CompleteInstanceAsync(opts, request, response, std::move(done));
+  }
+  void GetStepSequenceAsync(const tf::GetStepSequenceRequest* request,
+                            tf::GetStepSequenceResponse* response,
+                            tf::StatusCallback done) override {
+    stock_->GetStepSequenceAsync(request, response, std::move(done));
+  }
+
+ private:
+  // Whether to try the transport for a per-step call to this task.
+  bool Direct() {
+    return transport_->worker_rpcs() && target_ != transport_->self_task() &&
+           transport_->Serves(target_);
+  }
+
+  const std::string target_;
+  tf::WorkerInterface* const stock_;
+  const std::shared_ptr<Transport> transport_;
+};
+
+class TransportWorkerCache : public tf::WorkerCacheInterface {
+ public:
+  TransportWorkerCache(tf::WorkerCacheInterface* stock, std::shared_ptr<Transport> transport)
+      : stock_(stock), transport_(std::move(transport)) {}
+  ~TransportWorkerCache() override { delete stock_; }
+
+  void ListWorkers(std::vector<std::string>* workers) const override {
+    stock_->ListWorkers(workers);
+  }
+  void ListWorkersInJob(const std::string& job_name,
+                        std::vector<std::string>* workers) const override {
+    stock_->ListWorkersInJob(job_name, workers);
+  }
+  tf::WorkerInterface* GetOrCreateWorker(const std::string& target) override {
+    tf::WorkerInterface* w = stock_->GetOrCreateWorker(target);
+    if (w == nullptr) return nullptr;
+    return new TransportWorker(target, w, transport_);
+  }
+  void ReleaseWorker(const std::string& target, tf::WorkerInterface* worker) override {
+    auto* ours = dynamic_cast<TransportWorker*>(worker);
+    if (ours == nullptr) {
+      stock_->ReleaseWorker(target, worker);
+      return;
+    }
+    stock_->ReleaseWorker(target, ours->stock());
+    delete ours;
+  }
+  bool GetDeviceLocalityNonBlocking(const std::string& device,
+                                    tf::DeviceLocality* locality) override {
+    return stock_->GetDeviceLocalityNonBlocking(device, locality);
+  }
+  void GetDeviceLocalityAsync(const std::string& device, tf::DeviceLocality* locality,
+                              tf::StatusCallback done) override {
+    stock_->GetDeviceLocalityAsync(device, locality, std::move(done));
+  }
+  absl::Status GetEagerClientCache(
+      std::unique_ptr<tf::eager::EagerClientCache>* eager_client_cache) override {
+    return stock_->GetEagerClientCache(eager_client_cache);
+  }
+  absl::Status GetCoordinationClientCache(
+      std::unique_ptr<tsl::CoordinationClientCache>* coordination_client_cache) override {
+    return stock_->GetCoordinationClientCache(coordination_client_cache);
+  }
+  void SetLogging(bool active) override { stock_->SetLogging(active); }
+  void ClearLogs() override { stock_->ClearLogs(); }
+  bool RetrieveLogs(int64_t step_id, tf::StepStats* ss) override {
+    return stock_->RetrieveLogs(step_id, ss);
+  }
+
+ private:
+  tf::WorkerCacheInterface* const stock_;
+  const std::shared_ptr<Transport> transport_;
+};
+
+// Served calls still running, for their callers' cancellations.
+class Served {
+ public:
+  void Add(uint64_t handle, std::shared_ptr<tf::CallOptions> opts) {
+    tf::mutex_lock l(mu_);
+    calls_[handle] = std::move(opts);
+  }
+  void Remove(uint64_t handle) {
+    tf::mutex_lock l(mu_);
+    calls_.erase(handle);
+  }
+  // Not under the lock: cancellation may complete the call on this thread.
+  void Cancel(uint64_t handle) {
+    std::shared_ptr<tf::CallOptions> opts;
+    {
+      tf::mutex_lock l(mu_);
+      auto it = calls_.find(handle);
+      if (it == calls_.end()) return;
+      opts = it->second;
+    }
+    opts->StartCancel();
+  }
+
+ private:
+  tf::mutex mu_;
+  std::map<uint64_t, std::shared_ptr<tf::CallOptions>> calls_ TF_GUARDED_BY(mu_);
+};
+
+// From whichever thread finished the call: the reply is written from the
+// plugin's pool.
+void ReplyLater(const std::shared_ptr<Transport>& transport, uint64_t handle,
+                const absl::Status& s, std::string body) {
+  Schedule([transport, handle, s, body = std::move(body)] { transport->Reply(handle, s, body); });
+}
+
+}  // namespace
+
+tf::WorkerCacheInterface* NewTransportWorkerCache(tf::WorkerCacheInterface* stock,
+                                                  std::shared_ptr<Transport> transport) {
+  return new TransportWorkerCache(stock, std::move(transport));
+}
+
+void ServeWorkerRpcs(const std::shared_ptr<Transport>& transport, tf::WorkerInterface* worker) {
+  auto served = std::make_shared<Served>();
+  std::weak_ptr<Transport> weak = transport;
+  transport->Serve(
+      [weak, worker, served](uint64_t handle, uint32_t method, std::string body) {
+        std::shared_ptr<Transport> t = weak.lock();
+        if (t == nullptr) return;
+        if (method == kRunGraph) {
+          auto req = std::make_shared<tf::RunGraphRequest>();
+          if (!req->ParseFromString(body)) {
+            t->Reply(handle, absl::InvalidArgumentError("rdma_device: a RunGraph request that does not parse"), "");
+            return;
+          }
+          auto resp = std::make_shared<tf::RunGraphResponse>();
+          auto opts = std::make_shared<tf::CallOptions>();
+          served->Add(handle, opts);
+          worker->RunGraphAsync(opts.get(), req.get(), resp.get(),
+                                [t, served, handle, req, resp, opts](const absl::Status& s) {
+                                  served->Remove(handle);
+                                  std::string out;
+                                  if (s.ok()) resp->SerializeToString(&out);
+                                  ReplyLater(t, handle, s, std::move(out));
+                                });
+        } else if (method == kCleanupGraph) {
+          auto req = std::make_shared<tf::CleanupGraphRequest>();
+          if (!req->ParseFromString(body)) {
+            t->Reply(handle, absl::InvalidArgumentError("rdma_device: a CleanupGraph request that does not parse"), "");
+            return;
+          }
+          auto resp = std::make_shared<tf::CleanupGraphResponse>();
+          worker->CleanupGraphAsync(req.get(), resp.get(), [t, handle, req, resp](const absl::Status& s) {
+            std::string out;
+            if (s.ok()) resp->SerializeToString(&out);
+            ReplyLater(t, handle, s, std::move(out));
+          });
+        } else {
+          t->Reply(handle, absl::UnimplementedError(absl::StrCat("rdma_device: no worker method ", method)), "");
+        }
+      },
+      [served](uint64_t handle) { served->Cancel(handle); });
+}
+
+}  // namespace rdma_device
