@@ -40,7 +40,7 @@ class TransportWorker : public tf::WorkerInterface {
                      tf::StatusCallback done) override {
     std::string body;
     if (!Direct() || !request->ToProto().SerializeToString(&body)) {
-      transport_->RecordWorkerRpcOverGrpc();
+      OverGrpc();
       stock_->RunGraphAsync(opts, request, response, std::move(done));
       return;
     }
@@ -77,7 +77,7 @@ class TransportWorker : public tf::WorkerInterface {
       // Nothing reached the peer: the call goes over gRPC.
       if (opts != nullptr) opts->ClearCancelCallback();
       VLOG(1) << "rdma_device: RunGraph on " << target_ << " over gRPC: " << started;
-      transport_->RecordWorkerRpcOverGrpc();
+      OverGrpc();
       stock_->RunGraphAsync(opts, request, response, std::move(done));
       return;
     }
@@ -90,7 +90,7 @@ class TransportWorker : public tf::WorkerInterface {
                          tf::CleanupGraphResponse* response, tf::StatusCallback done) override {
     std::string body;
     if (!Direct() || !request->SerializeToString(&body)) {
-      transport_->RecordWorkerRpcOverGrpc();
+      OverGrpc();
       stock_->CleanupGraphAsync(request, response, std::move(done));
       return;
     }
@@ -106,7 +106,7 @@ class TransportWorker : public tf::WorkerInterface {
         },
         &id);
     if (!started.ok()) {
-      transport_->RecordWorkerRpcOverGrpc();
+      OverGrpc();
       stock_->CleanupGraphAsync(request, response, std::move(done));
     }
   }
@@ -179,10 +179,15 @@ class TransportWorker : public tf::WorkerInterface {
   }
 
  private:
+  bool Local() { return target_ == transport_->self_task(); }
+
   // Whether to try the transport for a per-step call to this task.
-  bool Direct() {
-    return transport_->worker_rpcs() && target_ != transport_->self_task() &&
-           transport_->Serves(target_);
+  bool Direct() { return transport_->worker_rpcs() && !Local() && transport_->Serves(target_); }
+
+  // A per-step call to another task goes over gRPC (counted; this task's
+  // own partition is called in-process, no RPC at all).
+  void OverGrpc() {
+    if (!Local()) transport_->RecordWorkerRpcOverGrpc();
   }
 
   const std::string target_;
