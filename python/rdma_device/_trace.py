@@ -11,9 +11,10 @@ trace (``--out``, open it in chrome://tracing or https://ui.perfetto.dev).
 It also prints, per size, the median timeline of a traced step (when each
 span starts and how long it lasts, from the start of ``session.run``), and
 the untraced medians of the same step under stock ``grpc``, under
-``grpc+rdma_device``, and with both ends on one task (no tensor crosses
-tasks): what the transfer costs over the local step, and which recorded
-span holds that time.
+``grpc+rdma_device`` (and the same with its per-step worker RPCs over
+gRPC, ``RDMA_DEVICE_WORKER_RPCS=0``), and with both ends on one task (no
+tensor crosses tasks): what the transfer costs over the local step, and
+which recorded span holds that time.
 
 With ``--tensorboard DIR`` the tasks also record TensorFlow's profiler
 during the traced steps (``DIR/<task>/plugins/profile/...``): the same
@@ -26,6 +27,8 @@ import statistics
 import time
 
 from rdma_device._cluster import LocalCluster
+
+RPCS_OVER_GRPC = "grpc+rdma_device, worker RPCs over gRPC"
 
 # Spans shown in the printed timeline, in the order a transfer meets them.
 TIMELINE = (
@@ -97,6 +100,11 @@ def run(args):
         "grpc": LocalCluster("grpc", {"ps": 1, "worker": 1}, log_dir=log_dir, name="trace-grpc"),
         "grpc+rdma_device": LocalCluster("grpc+rdma_device", {"ps": 1, "worker": 1}, env=env, log_dir=log_dir,
                                          name="trace-rdma"),
+        # The same transport with the per-step worker RPCs over gRPC: what
+        # moving them onto the transport buys, measured in the same run.
+        RPCS_OVER_GRPC: LocalCluster("grpc+rdma_device", {"ps": 1, "worker": 1},
+                                     env=dict(env, RDMA_DEVICE_WORKER_RPCS="0"), log_dir=log_dir,
+                                     name="trace-rdma-rpcs-grpc"),
     }
     rdma = clusters["grpc+rdma_device"]
     events, results = [], []
@@ -145,7 +153,8 @@ def run(args):
                 s.close()
             med = {m: statistics.median(t) * 1e3 for m, t in untraced.items()}
             results.append({"size": size, "step_ms": {m: round(v, 3) for m, v in med.items()},
-                            "over_one_task_ms": {m: round(med[m] - med["one task"], 3) for m in ("grpc", "grpc+rdma_device")},
+                            "over_one_task_ms": {m: round(med[m] - med["one task"], 3)
+                                                 for m in ("grpc", "grpc+rdma_device", RPCS_OVER_GRPC)},
                             "traced_step_us": round(traced_step, 1), "timeline": rows,
                             "spans": sum(1 for e in got if e.get("ph") == "X")})
     finally:
@@ -215,7 +224,8 @@ def print_results(results, out, plot_path=""):
         print(f"\n== {_human(r['size'])}: median step {sm['grpc']:.3f} ms grpc, {sm['grpc+rdma_device']:.3f} ms "
               f"grpc+rdma_device, {sm['one task']:.3f} ms on one task (untraced)")
         print(f"   over the one-task step: grpc +{over['grpc']:.3f} ms, grpc+rdma_device "
-              f"+{over['grpc+rdma_device']:.3f} ms")
+              f"+{over['grpc+rdma_device']:.3f} ms (with its worker RPCs over gRPC: {sm[RPCS_OVER_GRPC]:.3f} ms, "
+              f"+{over[RPCS_OVER_GRPC]:.3f} ms)")
         print(f"   traced grpc+rdma_device step ({r['spans']} spans): session.run {r['traced_step_us']:.0f} µs; "
               "median timeline from its start:")
         print(f"   {'span':<20} {'task':<20} {'start µs':>9} {'dur µs':>8}  what")
