@@ -102,3 +102,16 @@ pub const MAX_SLOTS_PER_EDGE: usize = 64;
 /// see `node::keepalive`): a vanished host is noticed within this plus the
 /// transport's own bound (verbs: ACK timeout × retries).
 pub const KEEPALIVE_INTERVAL_MS: u64 = 1000;
+
+/// Tensor writes of at least this many bytes are posted to the node's
+/// write engine (`rdev-write-N`) instead of running on the caller's
+/// (TensorFlow's) thread. Below it a copy (~2 µs at 64 KiB in cache) costs
+/// less than waking another thread (tens of µs on a busy 2-core machine,
+/// measured with `bench trace`).
+pub const WRITE_ENGINE_MIN: usize = 64 << 10;
+/// Threads of a node's write engine: two, so one slow write (a receiver
+/// whose ring stays full) does not hold up every other.
+pub const WRITE_ENGINE_THREADS: usize = 2;
+/// Jobs the write engine's queue has room for before it first grows (more
+/// than the writes in flight per receiver, `RDMA_DEVICE_MAX_OUTSTANDING_WRITES`).
+pub const ENGINE_QUEUE: usize = 256;

@@ -42,6 +42,7 @@
 mod bounce;
 mod handoff;
 pub mod rpc;
+mod engine;
 mod keepalive;
 mod lease;
 mod peers;
@@ -105,6 +106,8 @@ pub(crate) struct Inner {
     _keepalive: keepalive::Keepalive,
     /// Calls over the transport (worker RPCs, see rpc.rs).
     rpc: rpc::Rpc,
+    /// Large tensor writes, off TensorFlow's threads (see engine.rs).
+    engine: engine::WriteEngine,
     me: Weak<Inner>,
 }
 
@@ -160,6 +163,7 @@ impl Node {
             handoff: handoff::Handoff::start(me.clone()),
             _keepalive: keepalive::Keepalive::start(me.clone()),
             rpc: rpc::Rpc::default(),
+            engine: engine::WriteEngine::start(),
             me: me.clone(),
         });
         let st = Stats::global();
@@ -617,10 +621,17 @@ impl Inner {
                     } else {
                         payload
                     };
-                    let (t, step, bytes) = (trace::start(), header.step, header.len);
+                    let (step, bytes) = (header.step, header.len);
                     let op = write::TensorWrite::new(header.encode(), payload, write::Then::Send(done), self.me.clone(), link);
-                    ep.write(offset, key, imm, op);
-                    trace::end("write", t, step, bytes, None);
+                    if bytes as usize >= crate::constants::WRITE_ENGINE_MIN {
+                        // Posted, as to a NIC: this (TensorFlow's) thread
+                        // returns; the copy runs on rdev-write.
+                        self.engine.post(ep, offset, key, imm, op, step, bytes);
+                    } else {
+                        let t = trace::start();
+                        ep.write(offset, key, imm, op);
+                        trace::end("write", t, step, bytes, None);
+                    }
                 }
                 Action::WriteChunk { link, stream, offset, key, header, payload, imm } => self.write_chunk(link, stream, offset, key, header, payload, imm),
                 Action::SendChunk { link, stream, offset, payload } => self.send_chunk(link, stream, offset, payload),
@@ -628,7 +639,10 @@ impl Inner {
                 Action::CopyChunk { link, stream, src, len, dst, at } => self.copy_chunk(link, stream, src, len, dst, at),
                 Action::Send { link, msg } => {
                     log::trace!("{}: send on {link}: {msg:?}", self.task);
-                    if let Err(e) = self.send_msg(link, &msg) {
+                    let t = trace::start();
+                    let sent = self.send_msg(link, &msg);
+                    trace::end(msg.name(), t, 0, 0, None);
+                    if let Err(e) = sent {
                         // A lost Publish or Credit would stall the edge
                         // forever: the link is unusable, fail it now.
                         let why = Error::PeerLost(format!("{}: control message {} on connection {link} not sent: {}", self.task, msg.name(), e.message()));
