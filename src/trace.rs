@@ -208,19 +208,9 @@ fn thread_name(tid: i32) -> String {
     std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).map(|s| s.trim().to_string()).unwrap_or_else(|_| format!("thread {tid}"))
 }
 
+/// `s` as a JSON string literal, appended to `out`.
 fn json_str(out: &mut String, s: &str) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
+    out.push_str(&crate::stats::json_str(s));
 }
 
 /// [`take`] as a JSON array of Chrome trace events of this process
