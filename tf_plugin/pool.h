@@ -22,6 +22,8 @@
 // | Transport::ConnectPeer (rdev_connect_peer) | plugin pool | RDMA_DEVICE_CONNECT_TIMEOUT_MS |
 // | PlacementRun::WaitUntil | RegisterGraph caller; the tf.function pass's caller | kRegisterPlacementWaitMs |
 // | shape inference of a registered partition (CPU only) | RegisterGraph caller | graph size |
+// | Transport::Call for RunGraph / CleanupGraph (worker_rpc.h: rdev_call) | TF's master thread | writes the request to the connection's socket (never waits for the reply) |
+// | Transport::Reply to a served call | plugin pool | writes the reply to the connection's socket |
 // Everything else in tf_plugin/ returns without waiting: Send, Recv,
 // StartAbort (its transport call only fails waiters), StepDone, and the
 // collectives' PostToPeer/RecvFromPeer/StartAbort (collectives.h).

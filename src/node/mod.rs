@@ -18,7 +18,10 @@
 //!
 //! | call | runs on | waits for | bound |
 //! |---|---|---|---|
-//! | `Node::send` | any (TF executor threads) | no network: a first send to a peer is queued while `rdev-connect` connects; on a live shm link the write (the copy into the receiver's slot, a NIC's DMA on verbs) runs on the caller, then ring space as below | the copy; ring: 10 s |
+//! | `Node::send` | any (TF executor threads) | no network: a first send to a peer is queued while `rdev-connect` connects; on a live link a write of `WRITE_ENGINE_MIN` (64 KiB) or more is posted to `rdev-write` (engine.rs) and `send` returns; a smaller one (the copy into the receiver's slot on shm) runs on the caller, then ring space as below | a small copy; ring: 10 s |
+//! | tensor writes of 64 KiB or more | `rdev-write` (2 per node, queued) | the copy (shm) or registration and post (verbs), then ring space | the copy; ring: 10 s |
+//! | `Node::rpc_call`, `rpc_reply`, `rpc_cancel` (worker RPCs, rpc.rs) | the caller (TF's master; the shim's pool for replies) | one control message per 64 KiB of body written to the connection | as a control message |
+//! | dropping a received tensor (`Lease`) | any (TF threads) | nothing: its credit is sent from `rdev-callbacks` | — |
 //! | `Node::recv`, `step_done`, `abort_*` | any | nothing | — |
 //! | `Node::connect` | the shim's pool | the connection | RDMA_DEVICE_CONNECT_TIMEOUT_MS (1.5 s for a lost peer) |
 //! | `Node::place_ahead` | the shim's pool | connect + the receiver's Publish | connect + `timeout` |
@@ -30,7 +33,7 @@
 //! | shm `write_imm` (inside `send` on a live link) | the sender's thread | ring space (8192 entries: full only when the receiver's progress thread has stopped) | 10 s, then the write fails with Timeout |
 //! | shm/verbs progress threads | own threads | events (sleep on the doorbell / CQ channel) | woken by events or shutdown |
 //! | callbacks and writes released by events | `rdev-callbacks` (one per node, queued) | what the callback does; a write as `send` on a live link | as `send` |
-//! | probing links with work waiting on their peer (`Msg::Ping`, keepalive.rs) | `rdev-keepalive` (one per node) | a control message's send | as a control message |
+//! | probing links with work waiting on their peer (`Msg::Ping`, keepalive.rs); failing calls past their deadline | `rdev-keepalive` (one per node) | a control message's send | as a control message |
 //! | granting a placed slot to its sender (`NodeGranter` → `Listener::grant`, under the protocol lock) | whichever thread placed it (an event thread included) | nothing: shm maps the window's pages; verbs allocates a memory window and queues its bind on the sender's QP ahead of the Publish (ordered by the send queue, never awaited; see `fabric::verbs::mw`) | — |
 //!
 //! Locks: a peer's tx slot may be held while taking `rdv` or `links`
