@@ -284,6 +284,10 @@ const int64_t *rdev_buffer_dims(const struct rdev_buffer *buf);
 bool rdev_buffer_in_place(const struct rdev_buffer *buf);
 
 // Release a buffer: its slot goes back to the sender. NULL is a no-op.
+// Release each buffer once: a second release of a buffer that was not
+// handed out again is refused with an error in the log (it would
+// otherwise give one buffer two owners); after that it is undefined, as a
+// second `free` is.
 void rdev_buffer_release(struct rdev_buffer *buf);
 
 // Count one collective chunk of `bytes`; `event` is an

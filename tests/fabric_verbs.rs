@@ -224,6 +224,7 @@ verbs_conformance!(
     immediates_in_order,
     out_of_range_write_fails,
     messages_both_ways,
+    messages_from_accept,
     disconnects,
     two_senders,
     regrant_isolates,

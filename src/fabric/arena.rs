@@ -71,7 +71,7 @@ impl Arena {
         }
         let page = page_size();
         let len = len.div_ceil(page) * page;
-        let fd = new_memfd(name, len, false).map_err(|e| e.context("the receive arena"))?;
+        let fd = new_memfd(name, len).map_err(|e| e.context("the receive arena"))?;
         let ptr = map_shared(fd.as_raw_fd(), len)?;
         let mut shown = BTreeMap::new();
         shown.insert(0, (len, None));
@@ -86,11 +86,7 @@ impl Arena {
     /// A window for one sender: a sparse memfd as long as the arena,
     /// sealed so that nobody can grow or shrink it.
     pub fn new_window(&self) -> Result<Arc<Window>> {
-        let fd = new_memfd("rdma_device-window", self.len, true)?;
-        // SAFETY: fcntl on a valid fd we own.
-        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL) } != 0 {
-            return Err(Error::last_os("sealing an shm window"));
-        }
+        let fd = new_memfd("rdma_device-window", self.len)?;
         Ok(Arc::new(Window { fd }))
     }
 
@@ -246,10 +242,12 @@ impl Drop for Arena {
     }
 }
 
-/// A memfd of `len` bytes (sparse).
-fn new_memfd(name: &str, len: usize, sealable: bool) -> Result<OwnedFd> {
+/// A memfd of `len` bytes (sparse), sealed so that nobody can grow or
+/// shrink it: every one of ours is mapped by another process too, and a
+/// peer that shrank one would make our next access to it a SIGBUS.
+pub(crate) fn new_memfd(name: &str, len: usize) -> Result<OwnedFd> {
     let cname = std::ffi::CString::new(name).map_err(|_| Error::InvalidArgument("memfd name contains NUL".into()))?;
-    let flags = libc::MFD_CLOEXEC | if sealable { libc::MFD_ALLOW_SEALING } else { 0 };
+    let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
     // SAFETY: cname is a valid C string; flags are plain constants.
     let raw = unsafe { libc::memfd_create(cname.as_ptr(), flags) };
     if raw < 0 {
@@ -261,7 +259,26 @@ fn new_memfd(name: &str, len: usize, sealable: bool) -> Result<OwnedFd> {
     if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
         return Err(Error::last_os("ftruncate of a memfd"));
     }
+    // SAFETY: fcntl on a valid fd we own.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL) } != 0 {
+        return Err(Error::last_os("sealing a memfd"));
+    }
     Ok(fd)
+}
+
+/// Check that a descriptor a peer gave us to map cannot shrink under our
+/// mapping (a shrunk file turns our access to it into a SIGBUS): it must
+/// carry `F_SEAL_SHRINK`, which its owner cannot take back.
+pub(crate) fn check_sealed(fd: i32, what: &str) -> Result<()> {
+    // SAFETY: fcntl on a descriptor we hold; an invalid one returns -1.
+    let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
+    if seals < 0 {
+        return Err(Error::Protocol(format!("{what}: not a sealable memory file ({})", std::io::Error::last_os_error())));
+    }
+    if seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(Error::Protocol(format!("{what}: the peer's memory file is not sealed against shrinking")));
+    }
+    Ok(())
 }
 
 pub fn page_size() -> usize {
@@ -301,4 +318,28 @@ pub(crate) fn map_shared(fd: i32, len: usize) -> Result<*mut u8> {
         return Err(Error::last_os("mmap of shared memory"));
     }
     Ok(p.cast())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The arena and every sender's window are mapped by other processes:
+    /// none of them can shrink the file under the receiver's mapping, and a
+    /// mapper can check that before it maps.
+    #[test]
+    fn the_arena_and_its_windows_are_sealed_against_resizing() {
+        let a = Arena::new("sealed", 1 << 20).unwrap();
+        let w = a.new_window().unwrap();
+        for (fd, what) in [(a.fd(), "arena"), (w.fd(), "window")] {
+            // SAFETY: ftruncate on a valid fd (expected to fail).
+            assert_eq!(unsafe { libc::ftruncate(fd, 4096) }, -1, "the {what} could be shrunk");
+            check_sealed(fd, what).unwrap();
+        }
+        // SAFETY: a fresh unsealed memfd.
+        let raw = unsafe { libc::memfd_create(c"plain".as_ptr(), libc::MFD_CLOEXEC) };
+        // SAFETY: we own it.
+        let plain = unsafe { OwnedFd::from_raw_fd(raw) };
+        assert!(check_sealed(plain.as_raw_fd(), "plain").is_err());
+    }
 }

@@ -39,15 +39,20 @@ pub struct Recorder {
     reply: Vec<u8>,
     arena: Option<Arc<Arena>>,
     expect: Mutex<Vec<(u32, usize, Vec<u8>)>>,
+    /// Messages `on_accept` sends on the connection it accepts (as a node
+    /// may, from any thread, once it knows the connection), and what each
+    /// send returned.
+    on_accept_send: Mutex<Option<(std::sync::Weak<dyn Listener>, Vec<Vec<u8>>)>>,
+    accept_sends: Mutex<Vec<Result<()>>>,
 }
 
 impl Recorder {
     pub fn new(reply: &[u8], arena: Option<Arc<Arena>>) -> Arc<Recorder> {
-        Arc::new(Recorder { evs: Mutex::new(Vec::new()), cv: Condvar::new(), refuse: false, reply: reply.to_vec(), arena, expect: Mutex::new(Vec::new()) })
+        Arc::new(Recorder { evs: Mutex::new(Vec::new()), cv: Condvar::new(), refuse: false, reply: reply.to_vec(), arena, expect: Mutex::new(Vec::new()), on_accept_send: Mutex::new(None), accept_sends: Mutex::new(Vec::new()) })
     }
 
     pub fn refusing() -> Arc<Recorder> {
-        Arc::new(Recorder { evs: Mutex::new(Vec::new()), cv: Condvar::new(), refuse: true, reply: vec![], arena: None, expect: Mutex::new(Vec::new()) })
+        Arc::new(Recorder { evs: Mutex::new(Vec::new()), cv: Condvar::new(), refuse: true, reply: vec![], arena: None, expect: Mutex::new(Vec::new()), on_accept_send: Mutex::new(None), accept_sends: Mutex::new(Vec::new()) })
     }
 
     /// When imm `imm` arrives, the arena must hold `bytes` at `off`.
@@ -90,6 +95,14 @@ impl FabricEvents for Recorder {
     fn on_accept(&self, conn: ConnId, hello: &[u8]) -> Result<Vec<u8>> {
         if self.refuse {
             return Err(Error::InvalidArgument("refused by test".into()));
+        }
+        let send = self.on_accept_send.lock().clone();
+        if let Some((l, msgs)) = send {
+            let l = l.upgrade().expect("the listener is alive while it accepts");
+            for m in msgs {
+                let r = l.send_msg(conn, &m);
+                self.accept_sends.lock().push(r);
+            }
         }
         self.push(Ev::Accept(conn, hello.to_vec()));
         Ok(self.reply.clone())
@@ -246,6 +259,34 @@ pub fn messages_both_ways(h: &Harness) {
     assert!(p.ep.send_msg(&vec![0; max + 4096]).is_err(), "oversized message must be rejected");
 }
 
+/// A receiver may send on a connection as soon as it accepted it (a node
+/// does, from any thread: a keepalive probe, a Publish), before the
+/// backend's reply to the hello went out: those messages are neither
+/// refused nor sent ahead of the reply; they reach the sender after it, in
+/// order.
+pub fn messages_from_accept(h: &Harness) {
+    let arena = Arc::new(Arena::new("conformance", 1 << 16).expect("arena"));
+    let rx = Recorder::new(b"reply-bytes", None);
+    let addr = (h.addr)();
+    let listener = h.fabric.listen(&addr, arena, rx.clone()).expect("listen");
+    let early: Vec<Vec<u8>> = vec![b"early-1".to_vec(), pattern(9, 3000)];
+    *rx.on_accept_send.lock() = Some((Arc::downgrade(&listener), early.clone()));
+    let tx = Recorder::new(b"", None);
+    let ep = h.fabric.connect(&addr, b"hello-bytes", tx.clone(), WAIT, true).expect("connect");
+    assert_eq!(ep.peer_hello(), b"reply-bytes");
+    let sends = std::mem::take(&mut *rx.accept_sends.lock());
+    assert_eq!(sends.len(), early.len());
+    for r in sends {
+        r.expect("a send from on_accept");
+    }
+    let got = tx.wait_for("the messages sent from on_accept", |e| e.iter().filter(|x| matches!(x, Ev::Msg(..))).count() == early.len());
+    let got: Vec<Vec<u8>> = got.into_iter().filter_map(|x| if let Ev::Msg(_, m) = x { Some(m) } else { None }).collect();
+    assert_eq!(got, early);
+    // And the connection works on as usual.
+    ep.send_msg(b"after").expect("sender → receiver");
+    rx.wait_for("a message after the handshake", |e| e.iter().any(|x| matches!(x, Ev::Msg(_, m) if m == b"after")));
+}
+
 /// Closing either side reaches the other as a disconnect, promptly, and
 /// later operations fail instead of hanging.
 pub fn disconnects(h: &Harness) {
@@ -342,6 +383,7 @@ macro_rules! fabric_conformance_tests {
         #[test] fn immediates_in_order() { $crate::fabric::conformance::immediates_in_order(&($make)()) }
         #[test] fn out_of_range_write_fails() { $crate::fabric::conformance::out_of_range_write_fails(&($make)()) }
         #[test] fn messages_both_ways() { $crate::fabric::conformance::messages_both_ways(&($make)()) }
+        #[test] fn messages_from_accept() { $crate::fabric::conformance::messages_from_accept(&($make)()) }
         #[test] fn disconnects() { $crate::fabric::conformance::disconnects(&($make)()) }
         #[test] fn two_senders() { $crate::fabric::conformance::two_senders(&($make)()) }
         #[test] fn regrant_isolates() { $crate::fabric::conformance::regrant_isolates(&($make)()) }

@@ -60,13 +60,24 @@ pub unsafe extern "C" fn rdev_buffer_in_place(buf: *const rdev_buffer) -> bool {
 }
 
 /// Release a buffer: its slot goes back to the sender. NULL is a no-op.
+/// Release each buffer once: a second release of a buffer that was not
+/// handed out again is refused with an error in the log (it would
+/// otherwise give one buffer two owners); after that it is undefined, as a
+/// second `free` is.
 #[no_mangle]
 pub unsafe extern "C" fn rdev_buffer_release(buf: *mut rdev_buffer) {
     let _ = boundary(|| {
         if !buf.is_null() {
-            // SAFETY: buf came from a recv callback and is released once.
+            // SAFETY: buf came from a recv callback (per contract; a box
+            // released already waits in BUFFERS, checked below).
             let mut b = unsafe { Box::from_raw(buf) };
-            drop(b.lease.take());
+            let Some(lease) = b.lease.take() else {
+                // Released already: the box is BUFFERS', not ours.
+                std::mem::forget(b);
+                log::error!("rdev_buffer_release: buffer {buf:p} was released already; the second release is ignored");
+                return Ok(());
+            };
+            drop(lease);
             BUFFERS.recycle(b);
         }
         Ok(())

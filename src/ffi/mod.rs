@@ -117,7 +117,10 @@ pub struct rdev_buffer {
 
 // Per-tensor objects of the C ABI, reused rather than allocated anew for
 // every tensor (see `completion`).
-static BUFFERS: Recycler<rdev_buffer> = Recycler::new(KEPT);
+// Buffer boxes are never freed (all are kept, so the memory is the most
+// tensors ever held at once, a few dozen bytes each): a box released twice
+// is then still a box, and `rdev_buffer_release` can tell.
+static BUFFERS: Recycler<rdev_buffer> = Recycler::new(usize::MAX);
 static PAYLOADS: Recycler<RawPayload> = Recycler::new(KEPT);
 static SEND_DONES: Recycler<SendCb> = Recycler::new(KEPT);
 static RECV_DONES: Recycler<RecvCb> = Recycler::new(KEPT);

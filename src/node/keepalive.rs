@@ -65,8 +65,13 @@ fn probe(n: &Inner, peers: &mut Vec<Arc<str>>, links: &mut Vec<u64>) {
         log::debug!("{}: probing connections {links:?}", n.task);
     }
     for &link in links.iter() {
-        if let Err(e) = n.send_msg(link, &Msg::Ping) {
-            n.fail_link(link, Error::PeerLost(format!("{}: probing connection {link}: {}", n.task, e.message())));
+        match n.send_msg(link, &Msg::Ping) {
+            Ok(()) => {}
+            // A queue full of work for the peer: the link is busy, not
+            // vanished (a vanished peer fails that work within the retry
+            // bound on its own).
+            Err(Error::ResourceExhausted(_)) => log::debug!("{}: probing connection {link}: its queue is full", n.task),
+            Err(e) => n.fail_link(link, Error::PeerLost(format!("{}: probing connection {link}: {}", n.task, e.message()))),
         }
     }
 }

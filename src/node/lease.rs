@@ -77,11 +77,7 @@ impl Drop for Lease {
         if let (Data::Slot { link, slot, gen, len, .. }, Some(n)) = (&self.data, self.node.upgrade()) {
             let t = crate::trace::start();
             let acts = n.locked(|r| r.release(*link, *slot, *gen));
-            // The credit goes out from rdev-callbacks: the thread that drops
-            // a tensor (TensorFlow's) never writes to a socket.
-            for a in acts {
-                n.handoff.run(a);
-            }
+            n.exec(acts);
             crate::trace::end("release", t, 0, *len, None);
         }
     }

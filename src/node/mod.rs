@@ -21,7 +21,7 @@
 //! | `Node::send` | any (TF executor threads) | no network: a first send to a peer is queued while `rdev-connect` connects; on a live link a write of `WRITE_ENGINE_MIN` (64 KiB) or more is posted to `rdev-write` (engine.rs) and `send` returns; a smaller one (the copy into the receiver's slot on shm) runs on the caller, then ring space as below | a small copy; ring: 10 s |
 //! | tensor writes of 64 KiB or more | `rdev-write` (2 per node, queued) | the copy (shm) or registration and post (verbs), then ring space | the copy; ring: 10 s |
 //! | `Node::rpc_call`, `rpc_reply`, `rpc_cancel` (worker RPCs, rpc.rs) | the caller (TF's master; the shim's pool for replies) | one control message per 64 KiB of body written to the connection | as a control message |
-//! | dropping a received tensor (`Lease`) | any (TF threads) | nothing: its credit is sent from `rdev-callbacks` | — |
+//! | dropping a received tensor (`Lease`) | any (TF threads) | its slot's credit: a control message's send | as a control message |
 //! | `Node::recv`, `step_done`, `abort_*` | any | nothing | — |
 //! | `Node::connect` | the shim's pool | the connection | RDMA_DEVICE_CONNECT_TIMEOUT_MS (1.5 s for a lost peer) |
 //! | `Node::place_ahead` | the shim's pool | connect + the receiver's Publish | connect + `timeout` |

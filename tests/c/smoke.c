@@ -140,6 +140,34 @@ int main(int argc, char **argv) {
   char cfg[8192];
   CHECK(rdev_config_json(cfg, sizeof cfg, &need) == RDEV_OK && strstr(cfg, "RDMA_DEVICE_ARENA_BYTES"), "config");
 
+  /* A second release of a buffer is refused (logged), not a second owner:
+     the next two receives get two different buffers, each intact. */
+  rdev_buffer_release(b);
+  {
+    const char *k2[2] = {
+        "/job:worker/replica:0/task:0/device:CPU:0;1;/job:worker/replica:0/task:1/device:CPU:0;x;0:0",
+        "/job:worker/replica:0/task:0/device:CPU:0;1;/job:worker/replica:0/task:1/device:CPU:0;y;0:0"};
+    struct waiter r2[2] = {{PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, RDEV_OK, NULL},
+                           {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, RDEV_OK, NULL}};
+    struct waiter s2[2] = {{PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, RDEV_OK, NULL},
+                           {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, RDEV_OK, NULL}};
+    for (int i = 0; i < 2; i++) {
+      CHECK(rdev_recv(c1, S(t0), S(k2[i]), 44, on_recv, &r2[i]) == RDEV_OK, "recv %d: %s", i, last_error());
+      CHECK(rdev_send(c0, S(t1), S(k2[i]), 44, &meta, (const uint8_t *)data, N * sizeof(float), on_sent, &s2[i]) == RDEV_OK,
+            "send %d: %s", i, last_error());
+    }
+    for (int i = 0; i < 2; i++) {
+      wait_done(&s2[i]);
+      wait_done(&r2[i]);
+      CHECK(s2[i].status == RDEV_OK && r2[i].status == RDEV_OK && r2[i].buf, "transfer %d after a double release", i);
+    }
+    CHECK(r2[0].buf != r2[1].buf, "a buffer released twice was handed to two receivers");
+    for (int i = 0; i < 2; i++) {
+      CHECK(memcmp(rdev_buffer_data(r2[i].buf), data, N * sizeof(float)) == 0, "payload %d differs", i);
+      rdev_buffer_release(r2[i].buf);
+    }
+  }
+
   rdev_context_free(c0);
   rdev_context_free(c1);
   free(data);

@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 /// the receiver has not taken yet) before it fails: only a receiver whose
 /// progress thread has stopped gets there.
 const RING_FULL_TIMEOUT: Duration = Duration::from_secs(10);
-use crate::fabric::arena::{check_range, map_shared};
+use crate::fabric::arena::{check_range, check_sealed, map_shared};
 use crate::fabric::{next_conn_id, ConnId, Endpoint, FabricEvents, TransportKind, WriteOp};
 
 pub struct ShmEndpoint {
@@ -79,6 +79,7 @@ impl ShmEndpoint {
         let doorbell = Doorbell::from_fd(fds.pop().expect("3 fds"));
         let ring = Ring::map(fds.pop().expect("3 fds"))?;
         let arena_fd = fds.pop().expect("3 fds");
+        check_sealed(arena_fd.as_raw_fd(), &format!("shm handshake with {remote}: the arena"))?;
         // SAFETY: fstat into a zeroed struct on a valid fd.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         if unsafe { libc::fstat(arena_fd.as_raw_fd(), &mut st) } != 0 || (st.st_size as usize) < arena_len || arena_len == 0 {

@@ -20,6 +20,10 @@ use crate::fabric::{next_conn_id, Arena, ConnId, FabricEvents, Listener};
 /// How long an accepted socket may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Control messages held for a connection whose handshake reply is not
+/// sent yet (a few in practice: a keepalive probe, a Publish).
+const MAX_HELD: usize = 1024;
+
 struct RxConn {
     id: ConnId,
     stream: UnixStream,
@@ -46,6 +50,10 @@ struct Inner {
     events: Arc<dyn FabricEvents>,
     doorbell: Doorbell,
     conns: Mutex<HashMap<ConnId, Arc<RxConn>>>,
+    /// Connections the node accepted whose reply is not sent yet, with the
+    /// control messages the node sent on them meanwhile (any thread may,
+    /// from `on_accept` on): they follow the reply, in order.
+    accepting: Mutex<HashMap<ConnId, Vec<Vec<u8>>>>,
     /// Snapshot the progress thread polls without taking `conns`.
     polled: RwLock<Arc<Vec<Arc<RxConn>>>>,
     stop: AtomicBool,
@@ -75,6 +83,7 @@ impl ShmListener {
             events,
             doorbell: Doorbell::create()?,
             conns: Mutex::new(HashMap::new()),
+            accepting: Mutex::new(HashMap::new()),
             polled: RwLock::new(Arc::new(Vec::new())),
             stop: AtomicBool::new(false),
             departed: Mutex::new(Vec::new()),
@@ -103,6 +112,13 @@ impl Listener for ShmListener {
     }
 
     fn send_msg(&self, conn: ConnId, msg: &[u8]) -> Result<()> {
+        if let Some(held) = self.inner.accepting.lock().get_mut(&conn) {
+            if held.len() >= MAX_HELD {
+                return Err(Error::ResourceExhausted(format!("connection {conn}: {MAX_HELD} control messages wait for its handshake")));
+            }
+            held.push(msg.to_vec());
+            return Ok(());
+        }
         let c = self.inner.conns.lock().get(&conn).cloned();
         let c = c.ok_or_else(|| Error::PeerLost(format!("connection {conn} is closed")))?;
         let _g = c.write_lock.lock();
@@ -215,19 +231,24 @@ fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<R
         return Err(Error::Protocol(format!("expected hello, got frame kind {kind}")));
     }
     stream.set_read_timeout(None)?;
-    let reply = match inner.events.on_accept(id, &hello) {
-        Ok(r) => r,
-        Err(e) => {
-            let _ = socket::send_frame(&stream, KIND_REFUSE, e.to_string().as_bytes(), &[]);
-            return Err(e);
-        }
-    };
+    // What can fail is made before the node learns of the connection: once
+    // it accepted, only the sender's going away ends the connection (and
+    // then with `on_disconnect`, as every accepted connection ends).
     let ring = Ring::create()?;
     let window = if Arena::windows_supported() {
         Some(inner.arena.new_window()?)
     } else {
         log::warn!("shm: page size {} does not divide slot alignment: senders share one view of the arena", crate::fabric::arena::page_size());
         None
+    };
+    inner.accepting.lock().insert(id, Vec::new());
+    let reply = match inner.events.on_accept(id, &hello) {
+        Ok(r) => r,
+        Err(e) => {
+            inner.accepting.lock().remove(&id);
+            let _ = socket::send_frame(&stream, KIND_REFUSE, e.to_string().as_bytes(), &[]);
+            return Err(e);
+        }
     };
     let mut body = Vec::with_capacity(8 + reply.len());
     body.extend_from_slice(&(inner.arena.len() as u64).to_le_bytes());
@@ -241,19 +262,24 @@ fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<R
     }
     let view = window.as_ref().map(|w| w.fd()).unwrap_or(inner.arena.fd());
     let conn = Arc::new(RxConn { id, stream, write_lock: Mutex::new(()), ring, closed: Mutex::new(None), window, pidfd: Mutex::new(pidfd) });
-    // Register before replying so the first write's doorbell is polled.
-    inner.conns.lock().insert(id, conn.clone());
-    refresh_polled(inner);
-    // A sleeping progress thread would not poll the new ring: wake it.
-    inner.doorbell.ring();
+    // The reply, then what the node sent meanwhile, before any other
+    // message: the write lock is held from registering the connection on.
     let sent = {
         let _g = conn.write_lock.lock();
-        socket::send_frame(
-            &conn.stream,
-            KIND_ACCEPT,
-            &body,
-            &[view, conn.ring.fd(), inner.doorbell.fd()],
-        )
+        // Register before replying so the first write's doorbell is polled.
+        inner.conns.lock().insert(id, conn.clone());
+        refresh_polled(inner);
+        // A sleeping progress thread would not poll the new ring: wake it.
+        inner.doorbell.ring();
+        let mut sent = socket::send_frame(&conn.stream, KIND_ACCEPT, &body, &[view, conn.ring.fd(), inner.doorbell.fd()]);
+        let held = inner.accepting.lock().remove(&id).unwrap_or_default();
+        for m in held {
+            if sent.is_err() {
+                break;
+            }
+            sent = socket::send_frame(&conn.stream, KIND_MSG, &m, &[]);
+        }
+        sent
     };
     if let Err(e) = sent {
         // The sender is gone; the progress thread reports the disconnect.

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use crate::constants::RING_ENTRIES;
 use crate::error::{Error, Result};
-use crate::fabric::arena::{map_shared, page_size};
+use crate::fabric::arena::{check_sealed, map_shared, new_memfd, page_size};
 
 const TAIL_OFF: usize = 0;
 const HEAD_OFF: usize = 64;
@@ -40,24 +40,16 @@ unsafe impl Sync for Ring {}
 impl Ring {
     /// A new zeroed ring (receiver side).
     pub fn create() -> Result<Ring> {
-        let len = ring_bytes();
-        // SAFETY: constant C string, plain flags.
-        let raw = unsafe { libc::memfd_create(c"rdma_device-ring".as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(Error::last_os("memfd_create for a doorbell ring"));
-        }
-        // SAFETY: fresh fd we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: valid fd.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
-            return Err(Error::last_os("ftruncate of a doorbell ring"));
-        }
+        // Sealed: the sender maps it too, and must not be able to shrink
+        // it under the receiver's progress thread.
+        let fd = new_memfd("rdma_device-ring", ring_bytes()).map_err(|e| e.context("a doorbell ring"))?;
         Ring::map(fd)
     }
 
     /// Map a ring received from the receiver (sender side).
     pub fn map(fd: OwnedFd) -> Result<Ring> {
         let len = ring_bytes();
+        check_sealed(fd.as_raw_fd(), "doorbell ring")?;
         // SAFETY: fstat on a valid fd into a zeroed stat.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 || (st.st_size as usize) < len {
@@ -197,5 +189,47 @@ impl Doorbell {
         let mut v: u64 = 0;
         // SAFETY: nonblocking read of 8 bytes into a live u64.
         unsafe { libc::read(self.fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn errno() -> i32 {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+    }
+
+    /// The sender holds the ring's descriptor: it cannot shrink (or grow)
+    /// the file under the receiver's mapping, so it cannot make the
+    /// receiver's next access to it a SIGBUS.
+    #[test]
+    fn a_ring_cannot_be_resized_by_whoever_holds_it() {
+        let r = Ring::create().unwrap();
+        // SAFETY: ftruncate on a valid fd (expected to fail).
+        assert_eq!(unsafe { libc::ftruncate(r.fd(), 0) }, -1, "a ring could be shrunk");
+        assert_eq!(errno(), libc::EPERM);
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::ftruncate(r.fd(), (ring_bytes() * 2) as libc::off_t) }, -1, "a ring could be grown");
+        // The ring still works.
+        assert_eq!(r.try_push(7), Some(false));
+        let mut got = vec![];
+        r.drain(|i| got.push(i));
+        assert_eq!(got, vec![7]);
+    }
+
+    /// A sender refuses a ring whose receiver could shrink it under the
+    /// sender's own mapping.
+    #[test]
+    fn an_unsealed_ring_is_refused() {
+        // SAFETY: constant C string, plain flags.
+        let raw = unsafe { libc::memfd_create(c"unsealed".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: a fresh fd we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: valid fd.
+        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), ring_bytes() as libc::off_t) }, 0);
+        let e = Ring::map(fd).err().expect("an unsealed ring was mapped");
+        assert!(e.to_string().contains("not sealed") || e.to_string().contains("sealable"), "{e}");
     }
 }

@@ -198,6 +198,11 @@ pub(crate) struct Inner {
     ops: Vec<OpSlot>,
     free_ops: Vec<u32>,
     queue: VecDeque<Work>,
+    /// Passive side: control messages the node sent after it accepted the
+    /// sender's hello and before the reply was queued (`accept_ok`); they
+    /// follow the reply. (The node knows the link from `on_accept` on, and
+    /// any thread may send on it: a keepalive probe, a Publish.)
+    held: Vec<Vec<u8>>,
     reasm: Vec<u8>,
     /// Receiver side: the memory windows bound (or to be bound) to this
     /// QP, deallocated before it is destroyed (see `mw`).
@@ -259,6 +264,7 @@ impl Conn {
                 ops: Vec::new(),
                 free_ops: Vec::new(),
                 queue: VecDeque::new(),
+                held: Vec::new(),
                 reasm: Vec::new(),
                 mws: Vec::new(),
                 binds: std::collections::HashMap::new(),
@@ -334,6 +340,9 @@ impl Conn {
         data.extend_from_slice(&rkey.to_le_bytes());
         data.extend_from_slice(&reply);
         inner.queue.push_back(Work::Msg { kind: MSG_HELLO_OK, data, sent: 0, started: false });
+        for data in std::mem::take(&mut inner.held) {
+            inner.queue.push_back(Work::Msg { kind: MSG_USER, data, sent: 0, started: false });
+        }
         Ok(self.pump(&mut inner))
     }
 
@@ -344,15 +353,21 @@ impl Conn {
             MSG_USER => inner.phase == Phase::Ready,
             _ => matches!(inner.phase, Phase::Handshake | Phase::Ready),
         };
-        if !ok {
+        // Accepted by the node, the reply not queued yet: held until it is.
+        let hold = kind == MSG_USER && self.role == Role::Passive && inner.phase == Phase::Handshake;
+        if !ok && !hold {
             return Err(Error::PeerLost(format!("connection {} is closed", self.id)));
         }
-        if inner.queue.len() >= super::MAX_QUEUED_WORK {
+        if inner.queue.len() + inner.held.len() >= super::MAX_QUEUED_WORK {
             return Err(Error::ResourceExhausted(format!(
                 "connection {}: {} control messages and writes already wait for the peer",
                 self.id,
                 inner.queue.len()
             )));
+        }
+        if hold {
+            inner.held.push(data);
+            return Ok(Vec::new());
         }
         inner.queue.push_back(Work::Msg { kind, data, sent: 0, started: false });
         Ok(self.pump(&mut inner))

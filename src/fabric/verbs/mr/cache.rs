@@ -55,7 +55,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::watch::{Since, Watch, Watched};
+use super::watch::{forked, guard_fork, Since, Watch, Watched};
 use super::{page_span, Mr, ACCESS_LOCAL_READ};
 use crate::error::Error;
 use crate::fabric::verbs::device::Pd;
@@ -157,6 +157,7 @@ impl RegCache {
     /// A cache of at most `cap` bytes (0: no caching, a registration per
     /// write). `trust_mappings` (tests only) caches without the watch.
     pub fn new(pd: Arc<Pd>, cap: u64, trust_mappings: bool) -> Arc<RegCache> {
+        guard_fork();
         let watch = if cap == 0 || trust_mappings {
             None
         } else {
@@ -197,7 +198,7 @@ impl RegCache {
 
     /// Whether ranges are cached at all.
     pub fn caching(&self) -> bool {
-        self.watch.is_some() || self.trust
+        (self.watch.is_some() || self.trust) && !forked()
     }
 
     /// A registration covering `len` bytes at `addr` for a write: a cached
@@ -223,9 +224,10 @@ impl RegCache {
         // A miss: watch first, then register, so that any change of the
         // range after the pages were pinned is reported. The miss holds its
         // watch until the entry is cached (which then holds it) or not.
-        let from = self.watch.map(|w| w.head()).unwrap_or(0);
-        let watched = self.watch.and_then(|w| w.watch(start, end).ok());
-        let cacheable = watched.is_some() || (self.watch.is_none() && self.trust);
+        let watch = self.watch.filter(|_| !forked());
+        let from = watch.map(|w| w.head()).unwrap_or(0);
+        let watched = watch.and_then(|w| w.watch(start, end).ok());
+        let cacheable = watched.is_some() || (self.watch.is_none() && self.trust && !forked());
         let n = end - start;
         if !super::may_pin(n) && !self.make_room(n) {
             return Err(Miss::Memlock(n));

@@ -63,7 +63,7 @@
 //! old pages.)
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 /// Events the ring holds before a slow consumer must drop everything.
@@ -177,6 +177,36 @@ pub(crate) enum Since {
     Lost(u64),
 }
 
+/// Set in a child process after `fork`. The child inherits the
+/// userfaultfd and the caches' entries but not the reader thread, so it
+/// learns of no change: no cache of the child's trusts an entry or caches
+/// a new one (each write registers its memory). And the inherited
+/// descriptor still acts on the parent's address space, so the child
+/// never registers or unregisters a range through it (dropping an entry
+/// in the child would otherwise unwatch the parent's range).
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn in_forked_child() {
+    FORKED.store(true, Ordering::Relaxed);
+}
+
+/// Install (once) the `fork` handler that sets [`FORKED`] in the child.
+pub(crate) fn guard_fork() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: registers a handler that only stores to an atomic
+        // (async-signal-safe, as a child handler must be).
+        if unsafe { libc::pthread_atfork(None, None, Some(in_forked_child)) } != 0 {
+            log::warn!("verbs: cannot install the fork handler: a forked child must not use the registration cache");
+        }
+    });
+}
+
+/// Whether this process is a `fork` child of the one that made its caches.
+pub(crate) fn forked() -> bool {
+    FORKED.load(Ordering::Relaxed)
+}
+
 static WATCH: OnceLock<std::result::Result<&'static Watch, String>> = OnceLock::new();
 
 impl Watch {
@@ -187,6 +217,10 @@ impl Watch {
     }
 
     fn start() -> std::result::Result<&'static Watch, String> {
+        guard_fork();
+        if forked() {
+            return Err("a forked child: the watch stayed with the parent".into());
+        }
         let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
         // SAFETY: plain syscall; the fd is owned below.
         let mut fd = unsafe { libc::syscall(libc::SYS_userfaultfd, flags | UFFD_USER_MODE_ONLY) } as libc::c_int;
@@ -363,6 +397,9 @@ impl Watch {
         if self.dead.load(Ordering::SeqCst) {
             return Err(std::io::Error::other("the watch thread failed"));
         }
+        if forked() {
+            return Err(std::io::Error::other("a forked child: the watch stayed with the parent"));
+        }
         if !self.private_anonymous(start) || !self.private_anonymous(end - 1) {
             return Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "not private anonymous memory"));
         }
@@ -380,6 +417,9 @@ impl Watch {
     /// A holder of `[start, end)` lets go: unwatch the parts of it no other
     /// holder covers (they may be gone already: ignored).
     fn release(&self, start: u64, end: u64) {
+        if forked() {
+            return;
+        }
         let mut holders = self.holders.lock();
         if let Some(i) = holders.iter().position(|r| *r == (start, end)) {
             holders.swap_remove(i);
@@ -482,6 +522,56 @@ mod tests {
         assert!(w.watch(s as u64, s as u64 + len as u64).is_err());
         // SAFETY: ours.
         unsafe { libc::munmap(s, len) };
+    }
+
+    /// Issue 18, N7: a forked child inherits the watch's descriptor, which
+    /// still acts on the parent's address space, but not its thread. The
+    /// child neither watches anything nor lets go of the parent's watch
+    /// when it drops what it inherited: the parent still hears of changes.
+    #[test]
+    fn a_forked_child_leaves_the_parents_watch_alone() {
+        let w = match Watch::get() {
+            Ok(w) => w,
+            Err(e) => {
+                eprintln!("SKIPPED: no userfaultfd here ({e})");
+                return;
+            }
+        };
+        let page = crate::fabric::arena::page_size() as u64;
+        let p = anon(4 * page as usize) as u64;
+        let mut from = w.head();
+        let held = w.watch(p, p + 4 * page).unwrap();
+        assert!(!forked());
+        // SAFETY: the child only touches atomics and its own copy of
+        // `held`, then leaves with _exit (no destructors, no locks).
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork");
+        if pid == 0 {
+            drop(held);
+            let ok = forked() && w.watch(p, p + 4 * page).is_err();
+            // SAFETY: leaving the child at once.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut status = 0;
+        loop {
+            // SAFETY: our own child.
+            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if r == pid {
+                break;
+            }
+            if std::time::Instant::now() > deadline {
+                // SAFETY: our own child.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                panic!("the forked child did not finish within 10 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "in the child: not marked forked, or it could watch (status {status:#x})");
+        // SAFETY: discarding a page of our own mapping.
+        assert_eq!(unsafe { libc::madvise((p + page) as *mut _, page as usize, libc::MADV_DONTNEED) }, 0);
+        assert!(events(w, &mut from).contains(&(p + page, p + 2 * page)), "the child's drop unwatched the parent's range");
+        drop(held);
     }
 
     /// Issue 18, N2: several holders over one range (two devices' caches,
