@@ -236,6 +236,40 @@ def print_results(results, out, plot_path=""):
         print(f"Picture of one step per size: {plot_path}")
 
 
+def _med_range(xs, fmt="{:.2f}"):
+    return f"{fmt.format(statistics.median(xs))} [{fmt.format(min(xs))}–{fmt.format(max(xs))}]"
+
+
+def markdown(runs):
+    """The README's tables from ``runs`` (each one run's results): per
+    size, the median over runs of each mode's median step, the cost over
+    the one-task step and the step ratios, with the runs' range in
+    brackets; then the first run's median timeline per size."""
+    from rdma_device.bench import _human
+
+    lines = ["| size | step ms: grpc / grpc+rdma_device / its worker RPCs over gRPC / one task "
+             "| over one task ms: grpc / grpc+rdma_device / worker RPCs over gRPC | vs grpc | vs worker RPCs over gRPC |",
+             "|---:|---:|---:|---:|---:|"]
+    for i, r0 in enumerate(runs[0]):
+        per = [run[i] for run in runs]
+        step = {m: statistics.median(r["step_ms"][m] for r in per) for m in r0["step_ms"]}
+        over = {m: [r["over_one_task_ms"][m] for r in per] for m in r0["over_one_task_ms"]}
+        vs_grpc = [r["step_ms"]["grpc"] / r["step_ms"]["grpc+rdma_device"] for r in per]
+        vs_rpcs = [r["step_ms"][RPCS_OVER_GRPC] / r["step_ms"]["grpc+rdma_device"] for r in per]
+        lines.append(f"| {_human(r0['size'])} | {step['grpc']:.2f} / {step['grpc+rdma_device']:.2f} / "
+                     f"{step[RPCS_OVER_GRPC]:.2f} / {step['one task']:.2f} | {_med_range(over['grpc'])} / "
+                     f"**{_med_range(over['grpc+rdma_device'])}** / {_med_range(over[RPCS_OVER_GRPC])} | "
+                     f"{_med_range(vs_grpc)} | {_med_range(vs_rpcs)} |")
+    for r in runs[0]:
+        lines += ["", f"{_human(r['size'])}, the first run's median traced step (`session.run` "
+                      f"{r['traced_step_us']:.0f} µs):", "",
+                  "| span | task | start µs | duration µs |", "|---|---|---:|---:|"]
+        for t in r["timeline"]:
+            lines.append(f"| {t['span']} | {t['task'].replace('/job:', '')} | "
+                         f"{t['start_us']:.0f} | {t['dur_us']:.0f} |")
+    return "\n".join(lines)
+
+
 def add_parser(sub):
     t = sub.add_parser("trace", help="record where a 2-task step's time goes; write a Chrome trace")
     t.add_argument("--out", default="rdma_device_trace.json", help="Chrome trace file to write")
@@ -245,5 +279,9 @@ def add_parser(sub):
     t.add_argument("--plot", default="", help="also draw one traced step per size into this PNG")
     t.add_argument("--tensorboard", default="", help="also record TensorFlow's profiler into this directory")
     t.add_argument("--log-dir", default=None, help="task logs here instead of stderr")
+    t.add_argument("--runs", type=int, default=1,
+                   help="repeat the whole measurement; the trace, picture and profile come from the first run")
+    t.add_argument("--markdown", action="store_true",
+                   help="print the tables of the README's 'Where a step's time goes' (medians over --runs)")
     t.add_argument("--json", action="store_true")
     return t

@@ -47,6 +47,7 @@ bit-identical.
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -352,14 +353,27 @@ def main(argv=None):
 
 
 def trace(args):
+    import copy
+
     from rdma_device import _trace
 
-    results = _trace.run(args)
+    runs = []
+    for i in range(max(1, args.runs)):
+        a = args
+        if i:
+            # Later runs measure only: the files are the first run's.
+            a = copy.copy(args)
+            a.out, a.plot, a.tensorboard = os.devnull, "", ""
+            print(f"run {i + 1} of {args.runs}", file=sys.stderr, flush=True)
+        runs.append(_trace.run(a))
     if args.json:
-        for r in results:
-            print(json.dumps(r))
+        for i, results in enumerate(runs):
+            for r in results:
+                print(json.dumps(dict(r, run=i)))
+    elif args.markdown:
+        print(_trace.markdown(runs))
     else:
-        _trace.print_results(results, args.out, args.plot)
+        _trace.print_results(runs[0], args.out, args.plot)
 
 
 def suite(args):
