@@ -88,7 +88,7 @@ pub const VARS: &[Var] = &[
     Var { name: "RDMA_DEVICE_STATIC_PLACEMENT", default: "1",
           help: "1: edges whose shapes are known when a graph is registered get their receive slots then, so the first step needs no negotiation; 0: every edge is placed on first use (traced)." },
     Var { name: "RDMA_DEVICE_MODE", default: "push",
-          help: "push: senders write each tensor into a slot the receiver placed ahead (zero-copy receive); rpc: an ablation in the style of RPC-over-RDMA transports: the receiver requests each tensor when its Recv runs, the sender copies it into a bounce buffer and writes it, the receiver copies it out into a fresh buffer. Must be the same on every task." },
+          help: "push: senders write each tensor into a slot the receiver placed ahead (zero-copy receive); rpc: an ablation in the style of RPC-over-RDMA transports: the receiver requests each tensor when its Recv runs (one round trip), then the sender writes it as in push (the same copy into the same receiver-placed slot, zero-copy receive). Must be the same on every task." },
     Var { name: "RDMA_DEVICE_LOG", default: "warn",
           help: "Log filter for the library (error, warn, info, debug, trace), env_logger syntax." },
     Var { name: "RDMA_DEVICE_WORKER_RPCS", default: "1",

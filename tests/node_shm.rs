@@ -44,6 +44,23 @@ fn tensors_arrive_in_place_and_bit_identical() {
     }
 }
 
+/// The rpc ablation differs from push only by its request round trip:
+/// the tensor is written once into a slot the receiver placed and handed
+/// over there (no bounce copy at the sender, no copy-out at the receiver).
+#[test]
+fn rpc_mode_receives_in_place_too() {
+    let (a, b, ta, tb) = pair(rdma_device::config::Config { rpc_mode: true, ..small_config() });
+    for step in 1..=20u64 {
+        let len = [4096, 1 << 20][step as usize % 2];
+        let data = pattern(step, len);
+        let r = recv_async(&b, &ta, "edge;rpc", step);
+        send_wait(&a, &tb, "edge;rpc", step, meta(&[len as i64]), data.clone()).unwrap();
+        let lease = r.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
+        assert_eq!(lease.bytes(), &data[..]);
+        assert!(lease.in_place(), "rpc mode copied the tensor out of its slot");
+    }
+}
+
 #[test]
 fn send_before_recv_and_pipelined_steps() {
     let (a, b, ta, tb) = pair(small_config());

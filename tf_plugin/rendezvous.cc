@@ -3,6 +3,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "tensorflow/core/common_runtime/device.h"
 #include "tensorflow/core/common_runtime/device_mgr.h"
@@ -269,9 +270,17 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
   // A device of this very task under another name: the implicit
   // "/job:localhost" of an eager context, or this task's own name (stock
   // rendezvous treats both as local; a route to ourselves is never needed).
+  // In a cluster whose own job is named "localhost" (create_local_server's
+  // spec, or a user's), a device of that job is this task only if it names
+  // this task: its other tasks are peers like any other.
   bool IsThisTask(const tsl::DeviceNameUtils::ParsedName& device) {
-    if (device.has_job && device.job == "localhost") return true;
-    return transport_ != nullptr && TaskOf(device) == transport_->self_task();
+    if (transport_ == nullptr) return device.has_job && device.job == "localhost";
+    const std::string& self = transport_->self_task();
+    if (device.has_job && device.job == "localhost" &&
+        !absl::StartsWith(self, "/job:localhost/")) {
+      return true;
+    }
+    return TaskOf(device) == self;
   }
 
   // `args`: the Send's arguments, for a refusal learnt after Send returned

@@ -10,6 +10,7 @@
 
 #include "collectives.h"
 #include "rendezvous.h"
+#include "session.h"
 #include "transport.h"
 #include "worker.h"
 #include "worker_rpc.h"
@@ -162,6 +163,8 @@ struct Registrar {
   Registrar() {
     if (!VersionError().empty()) {
       LOG(ERROR) << VersionError();
+    } else {
+      RegisterSessionFactory();
     }
     tf::ServerFactory::Register(kProtocol, new RdmaServerFactory());
     AttachProfiler();

@@ -17,9 +17,9 @@ The ``rpc`` ablation does not apply (it changes send/recv, not collectives).
 
 Modes: ``grpc`` (stock), ``grpc+rdma_device`` (one-sided writes into
 receiver-placed slots), ``rpc`` (``grpc+rdma_device`` with
-``RDMA_DEVICE_MODE=rpc``: the receiver requests each tensor, the sender
-copies it into a bounce buffer; listed only when the installed transport
-knows that setting).
+``RDMA_DEVICE_MODE=rpc``: the receiver requests each tensor when its Recv
+runs, one round trip, then the sender writes it exactly as in push; listed
+only when the installed transport knows that setting).
 """
 
 import json

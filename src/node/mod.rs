@@ -42,7 +42,6 @@
 //! updates, never while taking another lock. No callback is invoked while
 //! any of them is held.
 
-mod bounce;
 mod handoff;
 pub mod rpc;
 mod engine;
@@ -101,8 +100,6 @@ pub(crate) struct Inner {
     placing: Mutex<HashMap<u64, std::sync::mpsc::Sender<(u32, String)>>>,
     /// This node's own counters (Stats holds the process-wide sums).
     totals: Mutex<rendezvous::Tally>,
-    /// rpc mode: the sender's bounce buffers.
-    bounce: Arc<bounce::BouncePool>,
     /// Callbacks and writes that events produced (see handoff.rs).
     handoff: handoff::Handoff,
     /// Probes links with work waiting on their peer (see keepalive.rs).
@@ -162,7 +159,6 @@ impl Node {
             progress: (Mutex::new(0), parking_lot::Condvar::new()),
             placing: Mutex::new(HashMap::new()),
             totals: Mutex::new(rendezvous::Tally::default()),
-            bounce: Arc::default(),
             handoff: handoff::Handoff::start(me.clone()),
             _keepalive: keepalive::Keepalive::start(me.clone()),
             rpc: rpc::Rpc::default(),
@@ -607,23 +603,6 @@ impl Inner {
                         self.exec(acts);
                         continue;
                     };
-                    // rpc mode: write from a bounce buffer, as an RPC-over-RDMA
-                    // transport does; the tensor itself is released now.
-                    let payload: Box<dyn Payload> = if self.cfg.rpc_mode {
-                        let copied = self.bounce.copy(payload.bytes());
-                        payload.release();
-                        match copied {
-                            Ok(b) => Box::new(b),
-                            Err(e) => {
-                                done.complete(Err(e));
-                                let acts = self.locked(|r| r.write_done(link));
-                                self.exec(acts);
-                                continue;
-                            }
-                        }
-                    } else {
-                        payload
-                    };
                     let (step, bytes) = (header.step, header.len);
                     let op = write::TensorWrite::new(header.encode(), payload, write::Then::Send(done), self.me.clone(), link);
                     if bytes as usize >= crate::constants::WRITE_ENGINE_MIN {
@@ -697,7 +676,6 @@ impl Inner {
     }
 
     fn lease(&self, r: Received) -> Lease {
-        let r = if self.cfg.rpc_mode { self.copy_out(r) } else { r };
         let (ptr, len, arena) = match &r.data {
             Data::Slot { offset, len, .. } => {
                 // The protocol only hands out ranges inside the arena it was

@@ -1,8 +1,9 @@
 //! `RDMA_DEVICE_MODE=rpc`, the RPC-over-RDMA ablation: a receive requests
 //! its tensor with `Msg::Request` (one round trip), and the sender's pump
-//! (tx.rs) writes only requested tensors. The copies that make it an RPC
-//! design (bounce buffer at the sender, copy-out at the receiver) are the
-//! node's (`node/bounce.rs`): this module moves no bytes.
+//! (tx.rs) writes only requested tensors. Everything else is the push
+//! mode's: the same copier writes the tensor once into the slot the
+//! receiver placed, and TensorFlow gets it there; so the two modes differ
+//! by exactly that round trip, the one thing receiver placement removes.
 
 use super::{smallvec, Actions, Action, LinkId, Rendezvous};
 use crate::error::{Error, Result};

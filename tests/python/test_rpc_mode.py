@@ -1,6 +1,6 @@
 """RDMA_DEVICE_MODE=rpc, the RPC-over-RDMA ablation: the receiver requests
-each tensor when its Recv runs, the sender writes it from a bounce buffer,
-the receiver copies it out. Results must be bit-identical to stock gRPC,
+each tensor when its Recv runs (one round trip), then the sender writes it
+as in push mode (the same copy into a receiver-placed slot). Results must be bit-identical to stock gRPC,
 the counters must show one request per received tensor, and a cluster
 whose tasks disagree on the mode must fail with the reason, not hang.
 """
