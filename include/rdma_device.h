@@ -145,7 +145,10 @@ enum rdev_status rdev_context_new(const char *task,
 
 // Destroy a context: pending receives and queued sends fail with
 // RDEV_ABORTED; connections close. NULL is a no-op. Buffers still held
-// stay readable until released.
+// stay readable until released. Those failed operations' callbacks may
+// run after this returns (on the transport's callback thread, never on
+// the caller's): keep what their user data points to alive until each
+// has run; every callback runs exactly once.
 void rdev_context_free(struct rdev_context *ctx);
 
 // Tell the context about peer `task` at `addr`; `*out` says which

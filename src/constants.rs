@@ -98,6 +98,12 @@ pub const MAX_ADAPTIVE_SPIN_US: u64 = 200;
 /// never come.
 pub const MAX_SLOTS_PER_EDGE: usize = 64;
 
+/// How long a control message's send may wait for its peer to drain the
+/// connection's socket (shm: a stopped or swapped-out peer reads nothing);
+/// then the send fails and so does the link, instead of wedging the
+/// sending thread (a progress thread, the keepalive thread, TF's) forever.
+pub const CONTROL_SEND_TIMEOUT_MS: u64 = 10_000;
+
 /// How often a link with work waiting on its peer is probed (`Msg::Ping`;
 /// see `node::keepalive`): a vanished host is noticed within this plus the
 /// transport's own bound (verbs: ACK timeout × retries).

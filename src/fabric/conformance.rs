@@ -30,6 +30,9 @@ pub enum Ev {
     Disconnect(ConnId, String),
 }
 
+/// The listener `on_accept` sends on, and what it sends.
+type AcceptSends = (std::sync::Weak<dyn Listener>, Vec<Vec<u8>>);
+
 /// Records events; optionally checks at `on_write_imm` time that the
 /// arena already holds the expected bytes (visibility before completion).
 pub struct Recorder {
@@ -42,7 +45,7 @@ pub struct Recorder {
     /// Messages `on_accept` sends on the connection it accepts (as a node
     /// may, from any thread, once it knows the connection), and what each
     /// send returned.
-    on_accept_send: Mutex<Option<(std::sync::Weak<dyn Listener>, Vec<Vec<u8>>)>>,
+    on_accept_send: Mutex<Option<AcceptSends>>,
     accept_sends: Mutex<Vec<Result<()>>>,
 }
 

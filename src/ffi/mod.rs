@@ -261,7 +261,10 @@ pub unsafe extern "C" fn rdev_context_new(
 
 /// Destroy a context: pending receives and queued sends fail with
 /// RDEV_ABORTED; connections close. NULL is a no-op. Buffers still held
-/// stay readable until released.
+/// stay readable until released. Those failed operations' callbacks may
+/// run after this returns (on the transport's callback thread, never on
+/// the caller's): keep what their user data points to alive until each
+/// has run; every callback runs exactly once.
 #[no_mangle]
 pub unsafe extern "C" fn rdev_context_free(ctx: *mut rdev_context) {
     let _ = boundary(|| {

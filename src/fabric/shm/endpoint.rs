@@ -53,10 +53,17 @@ impl ShmEndpoint {
         deadline: Instant,
         copier: &'static CopyPool,
     ) -> Result<Arc<ShmEndpoint>> {
-        socket::send_frame(&stream, KIND_HELLO, hello, &[])?;
+        // A connection closed before any answer: the listener went away
+        // between our connect and its accept (a task shutting down or
+        // restarting): nobody listens there now, as when connect is refused.
+        let gone = |e: Error| match e {
+            Error::PeerLost(m) => Error::NotViable(format!("shm handshake with {remote}: the listener closed the connection before answering ({m})")),
+            e => e.context(&format!("shm handshake with {remote}")),
+        };
+        socket::send_frame(&stream, KIND_HELLO, hello, &[]).map_err(gone)?;
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
         stream.set_read_timeout(Some(left))?;
-        let (kind, body, mut fds) = socket::recv_frame(&stream).map_err(|e| e.context(&format!("shm handshake with {remote}")))?;
+        let (kind, body, mut fds) = socket::recv_frame(&stream).map_err(gone)?;
         stream.set_read_timeout(None)?;
         match kind {
             KIND_ACCEPT => {}

@@ -225,6 +225,9 @@ fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<R
     stream.set_read_timeout(Some(HELLO_TIMEOUT))?;
     let (kind, hello, _) = socket::recv_frame(&stream)?;
     if inner.stop.load(Ordering::SeqCst) {
+        // Said, not just dropped: the connector then treats this address
+        // as having no listener (it may come back), not as a broken peer.
+        let _ = socket::send_frame(&stream, KIND_REFUSE, b"the listener is shutting down", &[]);
         return Err(Error::Aborted("listener is shutting down".into()));
     }
     if kind != KIND_HELLO {

@@ -8,8 +8,9 @@
 use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::time::Duration;
 
-use crate::constants::MAX_MSG_BYTES;
+use crate::constants::{CONTROL_SEND_TIMEOUT_MS, MAX_MSG_BYTES};
 use crate::error::{Error, Result};
 
 pub const KIND_HELLO: u8 = 1;
@@ -90,7 +91,14 @@ pub fn connect(name: &[u8]) -> Result<UnixStream> {
             String::from_utf8_lossy(name)
         )));
     }
-    Ok(UnixStream::from(fd))
+    control_socket(UnixStream::from(fd), Duration::from_millis(CONTROL_SEND_TIMEOUT_MS))
+}
+
+/// A connection's socket as both ends use it: a send that waits longer
+/// than `send_timeout` for the peer to read fails (see `send_all`).
+pub fn control_socket(s: UnixStream, send_timeout: Duration) -> Result<UnixStream> {
+    s.set_write_timeout(Some(send_timeout)).map_err(|e| Error::Io(format!("SO_SNDTIMEO on an shm socket: {e}")))?;
+    Ok(s)
 }
 
 /// Accept one connection (blocking).
@@ -103,7 +111,7 @@ pub fn accept(listener: &OwnedFd) -> Result<UnixStream> {
         return Err(Error::last_os("accept on shm bootstrap socket"));
     }
     // SAFETY: fresh fd we own.
-    Ok(UnixStream::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+    control_socket(UnixStream::from(unsafe { OwnedFd::from_raw_fd(fd) }), Duration::from_millis(CONTROL_SEND_TIMEOUT_MS))
 }
 
 /// The uid of the process at the other end.
@@ -195,6 +203,14 @@ fn send_all(s: &UnixStream, mut b: &[u8]) -> Result<()> {
             if e.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
+            if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+                // Part of a frame may be out: the connection cannot go on.
+                let t = s.write_timeout().ok().flatten().unwrap_or_default();
+                return Err(Error::PeerLost(format!(
+                    "the peer read nothing from its shm control socket for {} ms (stopped, or not draining it)",
+                    t.as_millis()
+                )));
+            }
             return Err(Error::PeerLost(format!("shm socket write: {e}")));
         }
         b = &b[n as usize..];
@@ -230,7 +246,12 @@ pub fn recv_frame_into(s: &UnixStream, body: &mut Vec<u8>) -> Result<(u8, Vec<Ow
     // SAFETY: buffers live for the call.
     let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
     if n < 0 {
-        return Err(Error::PeerLost(format!("shm socket read: {}", std::io::Error::last_os_error())));
+        let e = std::io::Error::last_os_error();
+        if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+            // A read timeout (set during handshakes): nothing came in time.
+            return Err(Error::Timeout("no answer on the shm socket in time".into()));
+        }
+        return Err(Error::PeerLost(format!("shm socket read: {e}")));
     }
     if n == 0 {
         return Err(Error::PeerLost("peer closed the connection".into()));
@@ -284,4 +305,43 @@ pub fn pidfd_exited(pidfd: &OwnedFd) -> bool {
     let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
     // SAFETY: one pollfd on the stack, zero timeout.
     unsafe { libc::poll(&mut p, 1, 0) > 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 18, N5: a peer that reads nothing (SIGSTOP, swapped out) makes
+    /// a control send fail after the send timeout, with the reason, instead
+    /// of blocking the sending thread forever.
+    #[test]
+    fn a_send_to_a_peer_that_reads_nothing_fails_after_its_timeout() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let a = control_socket(a, Duration::from_millis(300)).unwrap();
+        let body = vec![7u8; 60_000];
+        let t0 = std::time::Instant::now();
+        let mut sent = 0usize;
+        let err = loop {
+            match send_frame(&a, KIND_MSG, &body, &[]) {
+                Ok(()) => sent += 1,
+                Err(e) => break e,
+            }
+            assert!(t0.elapsed() < Duration::from_secs(10), "sends to a peer that reads nothing never failed ({sent} sent)");
+        };
+        assert!(sent > 0, "the socket took no frame at all");
+        assert!(t0.elapsed() < Duration::from_secs(5), "failed only after {:?}", t0.elapsed());
+        assert!(matches!(err, Error::PeerLost(_)) && err.to_string().contains("read nothing"), "{err}");
+    }
+
+    /// Both ends of a connection carry the send timeout.
+    #[test]
+    fn both_ends_of_a_connection_have_a_send_timeout() {
+        let name = format!("rdma_device-test-sndtimeo-{}", std::process::id()).into_bytes();
+        let l = listen(&name).unwrap();
+        let c = connect(&name).unwrap();
+        let a = accept(&l).unwrap();
+        let want = Some(Duration::from_millis(CONTROL_SEND_TIMEOUT_MS));
+        assert_eq!(c.write_timeout().unwrap(), want, "connecting end");
+        assert_eq!(a.write_timeout().unwrap(), want, "accepting end");
+    }
 }
