@@ -36,6 +36,13 @@
 //! | probing links with work waiting on their peer (`Msg::Ping`, keepalive.rs); failing calls past their deadline | `rdev-keepalive` (one per node) | a control message's send | as a control message |
 //! | granting a placed slot to its sender (`NodeGranter` → `Listener::grant`, under the protocol lock) | whichever thread placed it (an event thread included) | nothing: shm maps the window's pages; verbs allocates a memory window and queues its bind on the sender's QP ahead of the Publish (ordered by the send queue, never awaited; see `fabric::verbs::mw`) | — |
 //!
+//! "As a control message": verbs queues it on the connection (never waits;
+//! a full queue is an error); shm writes it to the connection's socket,
+//! waiting at most `CONTROL_SEND_TIMEOUT_MS` (10 s) for a peer that reads
+//! nothing, then the send and the link fail. A message sent on a connection
+//! the backend has accepted but not yet answered is held and follows the
+//! answer.
+//!
 //! Locks: a peer's tx slot may be held while taking `rdv` or `links`
 //! (connecting), never the reverse; `rdv` may be held while taking
 //! `listeners` and a listener's own locks (granting), never the reverse; `peers.table` is held only for map
