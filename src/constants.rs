@@ -98,6 +98,11 @@ pub const MAX_ADAPTIVE_SPIN_US: u64 = 200;
 /// never come.
 pub const MAX_SLOTS_PER_EDGE: usize = 64;
 
+/// Placements one peer may ask us to make on its behalf (`PlaceFor`) that
+/// are queued or running at once; more fails its link. A graph asks for at
+/// most one per edge between two tasks, and they are answered as they go.
+pub const MAX_PLACEMENTS_PER_LINK: usize = 1024;
+
 /// How long a control message's send may wait for its peer to drain the
 /// connection's socket (shm: a stopped or swapped-out peer reads nothing);
 /// then the send fails and so does the link, instead of wedging the

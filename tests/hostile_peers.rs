@@ -419,3 +419,32 @@ fn a_sender_writes_only_the_slots_placed_for_it() {
     // SAFETY: the mapping made by raw_sender.
     unsafe { libc::munmap(p.cast(), len) };
 }
+
+/// Issue 18, N4: a peer cannot queue placements on our behalf without
+/// bound (each may wait for a connect, on a pool the whole process
+/// shares): past `MAX_PLACEMENTS_PER_LINK` queued at once its link fails,
+/// its queued requests are dropped, and the node goes on serving others.
+#[test]
+fn a_flood_of_placement_requests_fails_that_link_only() {
+    let (a, b, b_addr) = pair();
+    let (ep, ev) = evil(&b_addr);
+    let t0 = Instant::now();
+    let mut sent = 0;
+    for req in 0..20_000u64 {
+        // Towards the evil task itself, whose address has no listener.
+        let m = Msg::PlaceFor { req, receiver: EVIL.into(), key: format!("flood{req}"), bytes: 64 };
+        if ep.send_msg(&m.encode()).is_err() {
+            break;
+        }
+        sent += 1;
+    }
+    ev.wait_for("the flooding link to fail", |e| e.iter().any(|x| matches!(x, Ev::Disconnect(..))));
+    let took = t0.elapsed();
+    assert!(sent > rdma_device::constants::MAX_PLACEMENTS_PER_LINK, "only {sent} requests went out");
+    // The node still moves tensors between well-behaved peers, promptly.
+    let t1 = Instant::now();
+    let r = recv_async(&b, &task(0), "after-flood", 3);
+    send_wait(&a, &task(1), "after-flood", 3, meta(100), pattern(3, 400)).unwrap();
+    assert_eq!(r.recv_timeout(Duration::from_secs(10)).unwrap().unwrap().bytes(), &pattern(3, 400)[..]);
+    println!("flood: {sent} requests sent, link failed after {took:?}; a good transfer then took {:?}", t1.elapsed());
+}

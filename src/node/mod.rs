@@ -105,6 +105,9 @@ pub(crate) struct Inner {
     progress: (Mutex<u64>, parking_lot::Condvar),
     /// Placements we asked other tasks to make: request id → answer.
     placing: Mutex<HashMap<u64, std::sync::mpsc::Sender<(u32, String)>>>,
+    /// Placements other tasks asked us to make, queued or running, per
+    /// link (capped: `MAX_PLACEMENTS_PER_LINK`; see `place_for`).
+    placing_for: Mutex<HashMap<ConnId, usize>>,
     /// This node's own counters (Stats holds the process-wide sums).
     totals: Mutex<rendezvous::Tally>,
     /// Callbacks and writes that events produced (see handoff.rs).
@@ -165,6 +168,7 @@ impl Node {
             ready: (Mutex::new(false), parking_lot::Condvar::new()),
             progress: (Mutex::new(0), parking_lot::Condvar::new()),
             placing: Mutex::new(HashMap::new()),
+            placing_for: Mutex::new(HashMap::new()),
             totals: Mutex::new(rendezvous::Tally::default()),
             handoff: handoff::Handoff::start(me.clone()),
             _keepalive: keepalive::Keepalive::start(me.clone()),

@@ -452,10 +452,32 @@ impl Inner {
 
     /// A peer asks us to place an edge we send: do it on the `rdev-place`
     /// pool (it waits for the receiver) and answer on the same link.
+    ///
+    /// A peer may have at most `MAX_PLACEMENTS_PER_LINK` of them queued or
+    /// running: one asking for more fails its link (each may wait for a
+    /// connect, and the pool is shared). A job whose link has failed since
+    /// it was queued is skipped, so a failed link's requests drain at once.
     pub(super) fn place_for(&self, link: ConnId, req: u64, receiver: String, key: String, bytes: u64) {
+        {
+            let mut q = self.placing_for.lock();
+            let n = q.entry(link).or_insert(0);
+            if *n >= crate::constants::MAX_PLACEMENTS_PER_LINK {
+                drop(q);
+                let why = Error::ResourceExhausted(format!(
+                    "the peer on connection {link} asked for more than {} placements at once",
+                    crate::constants::MAX_PLACEMENTS_PER_LINK
+                ));
+                return self.fail_link(link, why);
+            }
+            *n += 1;
+        }
         let me = self.me.clone();
         super::pool::PLACE.schedule(move || {
             let Some(n) = me.upgrade() else { return };
+            let _done = PlacedFor { node: &n, link };
+            if !n.links.lock().contains_key(&link) {
+                return;
+            }
             let timeout = Duration::from_millis(n.cfg.connect_timeout_ms);
             let placed = crate::error::catch_panic("rdev-place", || n.place_ahead(&receiver, &key, bytes, timeout)).and_then(|r| r);
             let (outcome, error) = match placed {
@@ -482,6 +504,25 @@ impl Inner {
             .map(|link| crate::rendezvous::Action::Close { link, why: Error::Aborted(format!("connection to {peer} aborted")) })
             .collect();
         self.exec(acts);
+    }
+}
+
+/// One `place_for` job's share of its link's count, given back when the
+/// job ends however it ends.
+struct PlacedFor<'a> {
+    node: &'a Inner,
+    link: ConnId,
+}
+
+impl Drop for PlacedFor<'_> {
+    fn drop(&mut self) {
+        let mut q = self.node.placing_for.lock();
+        if let Some(n) = q.get_mut(&self.link) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                q.remove(&self.link);
+            }
+        }
     }
 }
 

@@ -10,7 +10,7 @@ use crate::completion::Recycler;
 use crate::constants::HEADER_BYTES;
 use crate::error::Result;
 use crate::fabric::{ConnId, Segs, WriteOp};
-use crate::rendezvous::{Payload, SendDone};
+use crate::rendezvous::{Action, Payload, SendDone};
 
 /// What the completion of a write leads to.
 pub(super) enum Then {
@@ -49,6 +49,9 @@ impl WriteOp for TensorWrite {
     }
 
     fn complete(mut self: Box<Self>, r: Result<()>) {
+        // Our reference to the tensor goes here, on whichever thread the
+        // write completed (a verbs progress thread included): dropping a
+        // reference runs no application code.
         if let Some(p) = self.payload.take() {
             p.release();
         }
@@ -58,10 +61,18 @@ impl WriteOp for TensorWrite {
         WRITES.recycle(self);
         match then {
             Then::Send(done) => {
-                let t = crate::trace::start();
-                done.complete(r);
-                crate::trace::end("send_done", t, 0, 0, None);
-                if let Some(n) = node.upgrade() {
+                let n = node.upgrade();
+                match &n {
+                    // A verbs write completes on the backend's progress
+                    // thread: TensorFlow's callback goes to rdev-callbacks.
+                    Some(n) if crate::fabric::on_event_thread() => n.handoff.run(Action::SendDone { done, result: r }),
+                    _ => {
+                        let t = crate::trace::start();
+                        done.complete(r);
+                        crate::trace::end("send_done", t, 0, 0, None);
+                    }
+                }
+                if let Some(n) = n {
                     let acts = n.locked(|rdv| rdv.write_done(link));
                     n.exec(acts);
                 }

@@ -71,20 +71,45 @@ pub fn checksum(b: &[u8]) -> u64 {
     h
 }
 
-/// Blocking send (waits for the completion).
+/// The backends' event threads: no application callback may run on one
+/// (issue 18, N3: they would run TensorFlow's code there).
+pub const EVENT_THREADS: &[&str] = &["rdev-verbs", "rdev-shm-progress", "rdev-shm-conn", "rdev-shm-accept", "rdev-shm-reader"];
+
+/// `Err` on a backend's event thread (call it in a callback; the helpers
+/// below do, and report it on the test's thread).
+pub fn callback_thread_ok() -> std::result::Result<(), String> {
+    let t = std::thread::current();
+    match t.name() {
+        Some(n) if EVENT_THREADS.contains(&n) => Err(format!("a callback ran on the event thread {n}")),
+        _ => Ok(()),
+    }
+}
+
+/// Blocking send (waits for the completion, which must not run on an
+/// event thread).
 pub fn send_wait(n: &Node, peer: &str, key: &str, step: u64, meta: TensorMeta, data: Vec<u8>) -> Result<()> {
     let (tx, rx) = mpsc::channel();
-    n.send(peer, key, step, meta, Box::new(data), Box::new(move |r| tx.send(r).unwrap()))?;
+    n.send(peer, key, step, meta, Box::new(data), Box::new(move |r| tx.send((r, callback_thread_ok())).unwrap()))?;
     match rx.recv_timeout(Duration::from_secs(30)) {
-        Ok(r) => r,
+        Ok((r, thread)) => {
+            if let Err(e) = thread {
+                panic!("send of {key} step {step}: {e}");
+            }
+            r
+        }
         Err(_) => panic!("send of {key} step {step} did not complete; state:\n{}", n.describe()),
     }
 }
 
-/// Start a receive; the result comes on the returned channel.
+/// Start a receive; the result comes on the returned channel (a callback
+/// run on an event thread arrives as an error saying so).
 pub fn recv_async(n: &Node, peer: &str, key: &str, step: u64) -> mpsc::Receiver<Result<Lease>> {
     let (tx, rx) = mpsc::channel();
     n.recv(peer, key, step, Box::new(move |r| {
+        let r = match callback_thread_ok() {
+            Ok(()) => r,
+            Err(e) => Err(rdma_device::error::Error::Internal(e)),
+        };
         let _ = tx.send(r);
     }));
     rx
