@@ -63,8 +63,9 @@ pub const STREAM_MSG_BYTES: usize = MAX_MSG_BYTES - 1024;
 /// the verbs backend's queue limit (MAX_QUEUED_WORK).
 pub const STREAM_MSG_WINDOW: u32 = 16;
 
-/// Largest tensor a receiver accepts as a stream (it allocates the whole
-/// tensor once the stream begins); bigger ones are refused with an error.
+/// Bytes of streamed tensors a receiver accepts open at once, from all its
+/// peers together (it allocates each whole tensor once its stream begins);
+/// a stream past it is refused with an error.
 pub const MAX_STREAM_TOTAL: u64 = 1 << 36;
 
 /// Steps remembered as finished, so late pushes for them are dropped

@@ -458,6 +458,9 @@ impl Rendezvous {
     }
 
     pub(super) fn rx_stream_begin(&mut self, link: LinkId, stream: u32, key: String, step: u64, meta: TensorMeta, total: u64) -> Result<Actions> {
+        // The limit holds for the whole node, not per link: every sending
+        // peer's open streams count (each is allocated whole).
+        let open: u64 = self.rx.values().flat_map(|r| r.streams.values()).map(|s| s.total).fold(0u64, u64::saturating_add);
         let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("stream on unknown link".into()))?;
         if stream <= r.last_stream {
             return Err(Error::Protocol(format!("stream id {stream} reused (last begun {})", r.last_stream)));
@@ -473,9 +476,8 @@ impl Rendezvous {
             self.tally.dropped_late += 1;
             return Ok(smallvec![Action::Send { link, msg: Msg::StreamCancel { stream } }]);
         }
-        let open: u64 = r.streams.values().map(|s| s.total).sum();
         if total > MAX_STREAM_TOTAL.saturating_sub(open) {
-            let error = format!("{total} bytes (with {open} bytes of streams already open) exceed the receiver's limit of {MAX_STREAM_TOTAL}");
+            let error = format!("{total} bytes (with {open} bytes of streams already open from all peers) exceed the receiver's limit of {MAX_STREAM_TOTAL}");
             let why = Error::ResourceExhausted(format!("{key} in step {step} from {}: {error}", r.peer));
             let mut acts = smallvec![Action::Send { link, msg: Msg::StreamReady { stream, outcome: STREAM_REFUSED, error } }];
             acts.extend(self.fail_receive(&key, step, why));

@@ -454,6 +454,28 @@ fn stream_total_claimed_by_the_peer_is_not_reserved_up_front() {
     assert_eq!(rx.arena_in_use(), 0);
 }
 
+/// Issue 18, N4: the stream limit holds for the node, not per link: a
+/// second peer cannot open another limit's worth while the first's
+/// streams are open.
+#[test]
+fn the_stream_limit_counts_every_peer() {
+    let p = Params { slots_per_edge: 2, max_outstanding_writes: 4, incarnation: 22, rpc: false };
+    let mut rx = Rendezvous::new(p, 1 << 20);
+    rx.add_rx_link(LINK, "tx", 11);
+    rx.add_rx_link(LINK + 1, "tx2", 12);
+    let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![].into() };
+    let half = crate::constants::MAX_STREAM_TOTAL / 2;
+    let m = Msg::StreamBegin { stream: 1, key: "a".into(), step: 1, meta: meta.clone(), total: half + 1 };
+    let acts = rx.on_message(LINK, &m.encode());
+    assert!(matches!(acts.as_slice(), [Action::StreamAlloc { .. }]), "{acts:?}");
+    let m = Msg::StreamBegin { stream: 1, key: "b".into(), step: 1, meta: meta.clone(), total: half };
+    let acts = rx.on_message(LINK + 1, &m.encode());
+    assert!(
+        matches!(acts.as_slice(), [Action::Send { msg: Msg::StreamReady { outcome: wire::STREAM_REFUSED, .. }, .. }]),
+        "another peer's stream went past the node's limit: {acts:?}"
+    );
+}
+
 /// Sends `data` and records the send's result (which may be an error).
 fn send_any(s: &mut Sim, key: &str, step: u64, meta: TensorMeta, data: Vec<u8>) -> Arc<Mutex<Option<Result<()>>>> {
     let res = Arc::new(Mutex::new(None));
