@@ -99,6 +99,11 @@ pub const MAX_ADAPTIVE_SPIN_US: u64 = 200;
 /// never come.
 pub const MAX_SLOTS_PER_EDGE: usize = 64;
 
+/// Refused or abandoned tensors (streams) whose receives have not been
+/// made yet, kept so that the receive fails when it comes: past this many
+/// in the node, the link that adds one more fails instead.
+pub const MAX_FAILED_AHEAD: usize = 4096;
+
 /// Placements one peer may ask us to make on its behalf (`PlaceFor`) that
 /// are queued or running at once; more fails its link. A graph asks for at
 /// most one per edge between two tasks, and they are answered as they go.

@@ -174,6 +174,9 @@ pub struct Rendezvous {
     rx: HashMap<LinkId, rx::RxLink>,
     /// Matching table: (key, step) → a waiting receive or an arrival.
     table: HashMap<(Arc<str>, u64), Entry>,
+    /// `Entry::Failed`s in `table`, at least (recounted at the cap; see
+    /// `fail_receive`).
+    failed_ahead: usize,
     /// Edge keys and peer names, one `Arc<str>` each (see [`Names`]).
     names: Names,
     finished: VecDeque<u64>,
@@ -270,6 +273,7 @@ impl Rendezvous {
             tx_ending: HashMap::new(),
             rx: HashMap::new(),
             table: HashMap::new(),
+            failed_ahead: 0,
             names: Names::default(),
             // Full size from the start: the steady state never grows them.
             finished: VecDeque::with_capacity(FINISHED_STEPS_REMEMBERED + 1),

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::stream::{RxStream, STREAM_KEY};
 use super::{smallvec, Actions, Action, Data, Entry, LinkId, Received, RecvDone, Rendezvous};
-use crate::constants::HEADER_BYTES;
+use crate::constants::{HEADER_BYTES, MAX_FAILED_AHEAD};
 use crate::error::{Error, Result};
 use crate::rendezvous::wire::{Msg, SlotDesc, SlotHeader};
 
@@ -234,7 +234,11 @@ impl Rendezvous {
 
     /// The tensor `(key, step)` will not come: fail its receive, now or
     /// when it is made.
-    pub(super) fn fail_receive(&mut self, key: &str, step: u64, why: Error) -> Actions {
+    /// A tensor from `link` will not come (refused, abandoned): its receive
+    /// fails, now or when it is made. A peer may leave at most
+    /// `MAX_FAILED_AHEAD` such failures waiting for their receives (for
+    /// steps that may never run here); past that its link fails.
+    pub(super) fn fail_receive(&mut self, link: LinkId, key: &str, step: u64, why: Error) -> Actions {
         let k = (self.names.intern(key), step);
         match self.table.remove(&k) {
             Some(Entry::Waiting { done, .. }) => {
@@ -246,9 +250,22 @@ impl Rendezvous {
                 Actions::new()
             }
             None | Some(Entry::Failed(_)) => {
-                if !self.finished_set.contains(&k.1) {
-                    self.table.insert(k, Entry::Failed(why));
+                if self.finished_set.contains(&k.1) {
+                    return Actions::new();
                 }
+                if self.failed_ahead >= MAX_FAILED_AHEAD {
+                    // The count only grows between recounts: recount here,
+                    // at the cap (entries leave as receives and steps end).
+                    self.failed_ahead = self.table.values().filter(|e| matches!(e, Entry::Failed(_))).count();
+                }
+                if self.failed_ahead >= MAX_FAILED_AHEAD {
+                    let why = Error::ResourceExhausted(format!(
+                        "more than {MAX_FAILED_AHEAD} refused or abandoned tensors wait for receives that were never made"
+                    ));
+                    return smallvec![Action::Close { link, why }];
+                }
+                self.table.insert(k, Entry::Failed(why));
+                self.failed_ahead += 1;
                 Actions::new()
             }
         }

@@ -480,7 +480,7 @@ impl Rendezvous {
             let error = format!("{total} bytes (with {open} bytes of streams already open from all peers) exceed the receiver's limit of {MAX_STREAM_TOTAL}");
             let why = Error::ResourceExhausted(format!("{key} in step {step} from {}: {error}", r.peer));
             let mut acts = smallvec![Action::Send { link, msg: Msg::StreamReady { stream, outcome: STREAM_REFUSED, error } }];
-            acts.extend(self.fail_receive(&key, step, why));
+            acts.extend(self.fail_receive(link, &key, step, why));
             return Ok(acts);
         }
         if total == 0 {
@@ -501,7 +501,7 @@ impl Rendezvous {
             log::warn!("{} in step {} from {}: {error}", s.key, s.step, r.peer);
             let why = Error::ResourceExhausted(format!("{} in step {} from {}: {error}", s.key, s.step, r.peer));
             let mut acts = smallvec![Action::Send { link, msg: Msg::StreamReady { stream, outcome: STREAM_REFUSED, error } }];
-            acts.extend(self.fail_receive(&s.key, s.step, why));
+            acts.extend(self.fail_receive(link, &s.key, s.step, why));
             return acts;
         };
         s.buf = Some(Arc::new(StreamBuf::new(buf)));
@@ -670,7 +670,7 @@ impl Rendezvous {
         let Some(r) = self.rx.get_mut(&link) else { return Actions::new() };
         let Some(s) = r.streams.remove(&stream) else { return Actions::new() };
         let why = Error::Aborted(format!("{} gave up sending {} in step {}", r.peer, s.key, s.step));
-        self.fail_receive(&s.key, s.step, why)
+        self.fail_receive(link, &s.key, s.step, why)
     }
 
     /// The step ended here: drop its streams (and their buffers), telling
