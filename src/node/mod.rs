@@ -600,7 +600,9 @@ impl Inner {
             // Stream chunk writes and slot copies go to the rdev-stream pool
             // themselves; a message-borne chunk is copied here, so it moves.
             let copies = matches!(a, Action::SendChunk { .. } | Action::CopyChunk { src: rendezvous::ChunkSrc::Bytes(_), .. });
-            if on_event_thread && (copies || matches!(a, Action::Write { .. } | Action::Deliver { .. } | Action::SendDone { .. })) {
+            if on_event_thread
+                && (copies || matches!(a, Action::Write { .. } | Action::Deliver { .. } | Action::SendDone { .. } | Action::StreamAlloc { .. }))
+            {
                 // Not on a backend's event thread: see handoff.rs.
                 self.handoff.run(a);
                 continue;

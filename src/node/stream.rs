@@ -70,6 +70,9 @@ impl Inner {
     }
 
     pub(super) fn stream_alloc(&self, link: ConnId, stream: u32, total: u64) {
+        // Up to MAX_STREAM_TOTAL bytes: never on a backend's event thread
+        // (exec hands it to rdev-callbacks); checked in debug builds.
+        debug_assert!(!crate::fabric::on_event_thread(), "a stream's buffer allocated on an event thread");
         let buf = zeroed(total);
         let acts = self.locked(|r| r.stream_alloc_done(link, stream, buf));
         self.exec(acts);
