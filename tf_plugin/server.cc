@@ -2,8 +2,9 @@
 //
 // Loading this library (tf.load_library) runs the static registrar below.
 // The shim is compiled against one exact TensorFlow (C++ classes, layouts):
-// when the running TensorFlow differs it registers a factory that refuses to
-// build servers with a clear error instead of risking a crash.
+// when the running TensorFlow's version differs it registers nothing and
+// says why (rdma_device_tf_load_error); the Python loader compares the
+// build more closely (git version, compiler, ABI flags) before loading.
 #include <cstring>
 #include <memory>
 #include <string>
@@ -162,10 +163,12 @@ class RdmaServerFactory : public tf::ServerFactory {
 struct Registrar {
   Registrar() {
     if (!VersionError().empty()) {
+      // Nothing is registered: every class here is laid out for another
+      // TensorFlow. (The Python loader refuses before loading us at all.)
       LOG(ERROR) << VersionError();
-    } else {
-      RegisterSessionFactory();
+      return;
     }
+    RegisterSessionFactory();
     tf::ServerFactory::Register(kProtocol, new RdmaServerFactory());
     AttachProfiler();
   }

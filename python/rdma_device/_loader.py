@@ -52,7 +52,7 @@ def load(directory=None):
         import tensorflow as tf  # deferred: stats()/config() need no TF
 
         shim = _path(_SHIM, directory)
-        _check_built_for(tf.__version__, os.path.dirname(shim))
+        _check_built_for(_running_build(tf), os.path.dirname(shim))
         tf.load_library(shim)
         error = ctypes.CDLL(shim).rdma_device_tf_load_error
         error.restype = ctypes.c_char_p
@@ -63,20 +63,45 @@ def load(directory=None):
         return shim
 
 
+def _abi_flags(joined):
+    """tf.sysconfig's compile flags that describe the build (the ABI and
+    alignment defines, the standard), not where its headers are."""
+    return sorted(f for f in joined.split("|") if f and not f.startswith("-I"))
+
+
+def _running_build(tf):
+    """What identifies the running TensorFlow build, as build_info.json
+    records it for the one the shim was compiled against."""
+    return {"tensorflow": tf.__version__, "git_version": tf.version.GIT_VERSION,
+            "compiler_version": tf.version.COMPILER_VERSION,
+            "compile_flags": "|".join(tf.sysconfig.get_compile_flags())}
+
+
 def _check_built_for(running, directory):
     """Refuses, before dlopen, a shim built against another TensorFlow (its
-    C++ symbols would not resolve, or worse, resolve to other layouts)."""
+    C++ symbols would not resolve, or worse, resolve to other layouts). Two
+    builds can share a version string (``tensorflow`` and ``tensorflow-cpu``,
+    a release candidate): the git version, compiler and compile flags must
+    match too. ``running``: what ``_running_build`` returns."""
     info_path = os.path.join(directory, "build_info.json")
     try:
         with open(info_path) as f:
-            built = json.load(f).get("tensorflow")
+            built = json.load(f)
     except (OSError, ValueError) as e:
         raise RuntimeError(f"rdma_device: {info_path} is missing or unreadable ({e}); "
                            "reinstall the rdma_device package") from None
-    if built != running:
+    differ = []
+    for key, what in (("tensorflow", "version"), ("git_version", "git version"),
+                      ("compiler_version", "compiler")):
+        if built.get(key) != running.get(key):
+            differ.append(f"{what} {built.get(key)!r} when built, {running.get(key)!r} now")
+    if _abi_flags(built.get("compile_flags", "")) != _abi_flags(running.get("compile_flags", "")):
+        differ.append(f"compile flags {_abi_flags(built.get('compile_flags', ''))} when built, "
+                      f"{_abi_flags(running.get('compile_flags', ''))} now")
+    if differ:
         raise RuntimeError(
-            f"rdma_device: the plugin was built against TensorFlow {built} but this process "
-            f"runs TensorFlow {running}; rebuild it in this environment "
+            f"rdma_device: the plugin was built against another TensorFlow than this process "
+            f"runs ({'; '.join(differ)}); rebuild it in this environment "
             "(pip install --no-build-isolation ./python)")
 
 
