@@ -116,24 +116,35 @@ fn ended_early(rx: &mpsc::Receiver<Result<(), Error>>, what: &str) -> bool {
     }
 }
 
-#[test]
-fn receiver_ending_its_step_mid_stream_frees_the_buffer_only_after_the_last_chunk() {
-    let (a, b, ta, tb) = pair();
+/// 12 streamed sends from `a` to `b`, each ended by `end(step)` once a few
+/// chunks are out (`end` also finishes the step where it must); returns
+/// how many sends ended mid-stream (failed rather than completed).
+fn end_mid_stream(a: &Node, b: &Node, ta: &str, tb: &str, what: &str, end: impl Fn(u64)) -> u32 {
     let mut early = 0;
     for step in 1..=12u64 {
-        let r = recv_async(&b, &ta, "big", step);
+        let r = recv_async(b, ta, "big", step);
         let before = a.counters().stream_chunks;
-        let done = send_mapped(&a, &tb, "big", step, LEN);
+        let done = send_mapped(a, tb, "big", step, LEN);
         let t0 = Instant::now();
         while a.counters().stream_chunks < before + 2 + step && t0.elapsed() < Duration::from_secs(10) {
             std::thread::yield_now();
         }
+        end(step);
+        early += ended_early(&done, what) as u32;
+        let _ = r.recv_timeout(Duration::from_secs(10)).expect("the receive completed");
+        b.step_done(step);
+    }
+    println!("{what}: {early} of 12 sends ended mid-stream");
+    early
+}
+
+#[test]
+fn receiver_ending_its_step_mid_stream_frees_the_buffer_only_after_the_last_chunk() {
+    let (a, b, ta, tb) = pair();
+    let early = end_mid_stream(&a, &b, &ta, &tb, "receiver ended its step", |step| {
         b.abort_step(step, Error::Aborted("the receiver's step ended".into()), false);
         b.step_done(step);
-        early += ended_early(&done, "receiver ended its step") as u32;
-        let _ = r.recv_timeout(Duration::from_secs(10)).expect("the receive completed");
-    }
-    println!("receiver ended its step: {early} of 12 sends ended mid-stream");
+    });
     assert!(early >= 6, "only {early} of 12 sends were still streaming when the step ended: the test checks too little");
     // The link still works afterwards.
     let data = pattern(3, 1 << 20);
@@ -146,21 +157,9 @@ fn receiver_ending_its_step_mid_stream_frees_the_buffer_only_after_the_last_chun
 #[test]
 fn sender_aborting_its_step_mid_stream_frees_the_buffer_only_after_the_last_chunk() {
     let (a, b, ta, tb) = pair();
-    let mut early = 0;
-    for step in 1..=12u64 {
-        let r = recv_async(&b, &ta, "big", step);
-        let before = a.counters().stream_chunks;
-        let done = send_mapped(&a, &tb, "big", step, LEN);
-        let t0 = Instant::now();
-        while a.counters().stream_chunks < before + 2 + step && t0.elapsed() < Duration::from_secs(10) {
-            std::thread::yield_now();
-        }
+    let early = end_mid_stream(&a, &b, &ta, &tb, "sender aborted its step", |step| {
         a.abort_step(step, Error::Aborted("the sender gives up".into()), true);
-        early += ended_early(&done, "sender aborted its step") as u32;
-        let _ = r.recv_timeout(Duration::from_secs(10)).expect("the receive completed");
-        b.step_done(step);
-    }
-    println!("sender aborted its step: {early} of 12 sends ended mid-stream");
+    });
     assert!(early >= 6, "only {early} of 12 sends were still streaming when the step was aborted: the test checks too little");
 }
 

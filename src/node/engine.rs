@@ -16,11 +16,9 @@
 //! When the node goes, the threads drain the queue (the endpoints fail what
 //! they can no longer write) and end.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
-use parking_lot::{Condvar, Mutex};
-
+use super::jobs::JobQueue;
 use super::write::TensorWrite;
 use crate::constants::{ENGINE_QUEUE, WRITE_ENGINE_THREADS};
 use crate::fabric::Endpoint;
@@ -36,37 +34,24 @@ struct Job {
     bytes: u64,
 }
 
-#[derive(Default)]
-struct Queue {
-    jobs: VecDeque<Job>,
-    closed: bool,
-}
-
-#[derive(Default)]
-struct Shared {
-    q: Mutex<Queue>,
-    cv: Condvar,
-}
-
 pub(super) struct WriteEngine {
-    shared: Arc<Shared>,
+    queue: Arc<JobQueue<Job>>,
     /// Threads that started (0: writes run on the caller).
     threads: usize,
 }
 
 impl WriteEngine {
     pub(super) fn start() -> WriteEngine {
-        let shared = Arc::new(Shared::default());
-        shared.q.lock().jobs.reserve(ENGINE_QUEUE);
+        let queue = Arc::new(JobQueue::with_room(ENGINE_QUEUE));
         let mut threads = 0;
         for i in 0..WRITE_ENGINE_THREADS {
-            let s = shared.clone();
-            match std::thread::Builder::new().name(format!("rdev-write-{i}")).spawn(move || serve(&s)) {
+            let q = queue.clone();
+            match std::thread::Builder::new().name(format!("rdev-write-{i}")).spawn(move || serve(&q)) {
                 Ok(_) => threads += 1,
                 Err(e) => log::error!("cannot start a rdev-write thread ({e}): large writes run on fewer"),
             }
         }
-        WriteEngine { shared, threads }
+        WriteEngine { queue, threads }
     }
 
     /// Write `op` at `offset` of `ep`'s peer, now on this thread or later
@@ -77,22 +62,16 @@ impl WriteEngine {
         if self.threads == 0 {
             return run(job);
         }
-        let mut q = self.shared.q.lock();
-        if q.jobs.try_reserve(1).is_err() {
-            drop(q);
+        if let Err(job) = self.queue.push(job) {
             log::error!("rdev-write: out of memory for its queue; writing on the caller's thread");
-            return run(job);
+            run(job);
         }
-        q.jobs.push_back(job);
-        drop(q);
-        self.shared.cv.notify_one();
     }
 }
 
 impl Drop for WriteEngine {
     fn drop(&mut self) {
-        self.shared.q.lock().closed = true;
-        self.shared.cv.notify_all();
+        self.queue.close();
     }
 }
 
@@ -102,20 +81,8 @@ fn run(j: Job) {
     trace::end("write", t, j.step, j.bytes, None);
 }
 
-fn serve(s: &Shared) {
-    loop {
-        let job = {
-            let mut q = s.q.lock();
-            loop {
-                if let Some(j) = q.jobs.pop_front() {
-                    break j;
-                }
-                if q.closed {
-                    return;
-                }
-                s.cv.wait(&mut q);
-            }
-        };
+fn serve(q: &JobQueue<Job>) {
+    while let Some(job) = q.pop() {
         if crate::error::catch_panic("a tensor write", || run(job)).is_err() {
             log::error!("rdev-write: a write panicked; the thread goes on");
         }

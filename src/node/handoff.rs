@@ -12,42 +12,26 @@
 //! the thread goes on. The thread ends when the node is gone and its queue
 //! is drained (actions left for a gone node fail: `abandon`).
 
-use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Weak};
 
-use parking_lot::{Condvar, Mutex};
-
+use super::jobs::JobQueue;
 use super::Inner;
 use crate::rendezvous::{smallvec, Action};
 
 /// Actions the queue has room for before it first grows.
 const QUEUE_START: usize = 64;
 
-#[derive(Default)]
-struct Queue {
-    jobs: VecDeque<Action>,
-    /// The node is gone: the thread drains the queue and ends.
-    closed: bool,
-}
-
-#[derive(Default)]
-struct Shared {
-    q: Mutex<Queue>,
-    cv: Condvar,
-}
-
 pub(super) struct Handoff {
     /// `None`: the thread could not be started; jobs run on the caller.
-    shared: Option<Arc<Shared>>,
+    shared: Option<Arc<JobQueue<Action>>>,
     node: Weak<Inner>,
 }
 
 impl Handoff {
     pub(super) fn start(node: Weak<Inner>) -> Handoff {
-        let shared = Arc::new(Shared::default());
         // Room for bursts from the start; it grows (amortised) past that.
-        shared.q.lock().jobs.reserve(QUEUE_START);
+        let shared = Arc::new(JobQueue::with_room(QUEUE_START));
         let (s, n) = (shared.clone(), node.clone());
         let spawned = std::thread::Builder::new().name("rdev-callbacks".into()).spawn(move || serve(&s, &n));
         match spawned {
@@ -66,23 +50,17 @@ impl Handoff {
         let Some(sh) = &self.shared else {
             return run_one(&self.node, a);
         };
-        let mut q = sh.q.lock();
-        if q.jobs.try_reserve(1).is_err() {
-            drop(q);
+        if let Err(a) = sh.push(a) {
             log::error!("rdev-callbacks: out of memory for its queue; running a callback on the event thread");
-            return run_one(&self.node, a);
+            run_one(&self.node, a);
         }
-        q.jobs.push_back(a);
-        drop(q);
-        sh.cv.notify_one();
     }
 }
 
 impl Drop for Handoff {
     fn drop(&mut self) {
         if let Some(sh) = &self.shared {
-            sh.q.lock().closed = true;
-            sh.cv.notify_one();
+            sh.close();
         }
     }
 }
@@ -94,20 +72,8 @@ fn run_one(node: &Weak<Inner>, a: Action) {
     }
 }
 
-fn serve(sh: &Shared, node: &Weak<Inner>) {
-    loop {
-        let a = {
-            let mut q = sh.q.lock();
-            loop {
-                if let Some(a) = q.jobs.pop_front() {
-                    break a;
-                }
-                if q.closed {
-                    return;
-                }
-                sh.cv.wait(&mut q);
-            }
-        };
+fn serve(q: &JobQueue<Action>, node: &Weak<Inner>) {
+    while let Some(a) = q.pop() {
         if catch_unwind(AssertUnwindSafe(|| run_one(node, a))).is_err() {
             log::error!("a callback handed to rdev-callbacks panicked; the thread goes on");
         }

@@ -50,6 +50,7 @@
 //! any of them is held.
 
 mod handoff;
+mod jobs;
 pub mod rpc;
 mod engine;
 mod keepalive;

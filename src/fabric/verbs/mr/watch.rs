@@ -468,6 +468,24 @@ mod tests {
         p.cast()
     }
 
+    /// The process's watch, or `None` (saying SKIPPED) where this kernel
+    /// has no userfaultfd to watch with.
+    fn watch_or_skip() -> Option<&'static Watch> {
+        match Watch::get() {
+            Ok(w) => Some(w),
+            Err(e) => {
+                eprintln!("SKIPPED: no userfaultfd here ({e})");
+                None
+            }
+        }
+    }
+
+    /// Discard one page of our own mapping (MADV_DONTNEED: a watched event).
+    fn discard(at: u64, page: u64) {
+        // SAFETY: discarding a page of a mapping the test owns.
+        assert_eq!(unsafe { libc::madvise(at as *mut _, page as usize, libc::MADV_DONTNEED) }, 0);
+    }
+
     fn events(w: &Watch, from: &mut u64) -> Vec<(u64, u64)> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         while w.busy() && std::time::Instant::now() < deadline {
@@ -485,13 +503,7 @@ mod tests {
     /// memory is refused.
     #[test]
     fn reports_unmap_discard_and_move() {
-        let w = match Watch::get() {
-            Ok(w) => w,
-            Err(e) => {
-                eprintln!("no userfaultfd here ({e}): nothing to check");
-                return;
-            }
-        };
+        let Some(w) = watch_or_skip() else { return };
         let page = crate::fabric::arena::page_size();
         let len = 16 * page;
         let mut from = w.head();
@@ -530,13 +542,7 @@ mod tests {
     /// when it drops what it inherited: the parent still hears of changes.
     #[test]
     fn a_forked_child_leaves_the_parents_watch_alone() {
-        let w = match Watch::get() {
-            Ok(w) => w,
-            Err(e) => {
-                eprintln!("SKIPPED: no userfaultfd here ({e})");
-                return;
-            }
-        };
+        let Some(w) = watch_or_skip() else { return };
         let page = crate::fabric::arena::page_size() as u64;
         let p = anon(4 * page as usize) as u64;
         let mut from = w.head();
@@ -568,8 +574,7 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "in the child: not marked forked, or it could watch (status {status:#x})");
-        // SAFETY: discarding a page of our own mapping.
-        assert_eq!(unsafe { libc::madvise((p + page) as *mut _, page as usize, libc::MADV_DONTNEED) }, 0);
+        discard(p + page, page);
         assert!(events(w, &mut from).contains(&(p + page, p + 2 * page)), "the child's drop unwatched the parent's range");
         drop(held);
     }
@@ -580,23 +585,14 @@ mod tests {
     /// unwatched.
     #[test]
     fn a_range_stays_watched_while_any_holder_covers_it() {
-        let w = match Watch::get() {
-            Ok(w) => w,
-            Err(e) => {
-                eprintln!("SKIPPED: no userfaultfd here ({e})");
-                return;
-            }
-        };
+        let Some(w) = watch_or_skip() else { return };
         let page = crate::fabric::arena::page_size() as u64;
         let p = anon(8 * page as usize) as u64;
         let mut from = w.head();
         let whole = w.watch(p, p + 8 * page).unwrap(); // cache of device A
         let same = w.watch(p, p + 8 * page).unwrap(); // cache of device B
         let inner = w.watch(p + 2 * page, p + 4 * page).unwrap(); // a newer entry
-        let discard = |at: u64| {
-            // SAFETY: discarding a page of our own mapping.
-            assert_eq!(unsafe { libc::madvise(at as *mut _, page as usize, libc::MADV_DONTNEED) }, 0);
-        };
+        let discard = |at: u64| discard(at, page);
         drop(whole); // A evicts its entry: B still watches all of it
         discard(p + 7 * page);
         assert!(events(w, &mut from).contains(&(p + 7 * page, p + 8 * page)), "B lost its watch when A let go");
