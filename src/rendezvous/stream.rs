@@ -367,13 +367,28 @@ impl Rendezvous {
     /// A chunk write of `stream` on `link` completed with `res` (it reads
     /// the payload no more).
     pub fn chunk_written(&mut self, link: LinkId, stream: u32, res: crate::error::Result<()>) -> Actions {
+        self.chunk_done(link, stream, true, res)
+    }
+
+    /// A `SendChunk` of `stream` on `link` was carried out (its bytes were
+    /// copied into a message, sent or not): it reads the payload no more.
+    pub fn chunk_sent(&mut self, link: LinkId, stream: u32) -> Actions {
+        self.chunk_done(link, stream, false, Ok(()))
+    }
+
+    /// A chunk of `stream` reads the payload no more (`written`: it was a
+    /// write, in flight until now): the send completes once nothing reads
+    /// it and the stream is over; a failed write fails the stream.
+    fn chunk_done(&mut self, link: LinkId, stream: u32, written: bool, res: crate::error::Result<()>) -> Actions {
         if let Some(acts) = tombstone_back(&mut self.tx_ending, link, stream) {
             return acts;
         }
         let Some(t) = self.tx.get_mut(&link) else { return Actions::new() };
         let Some(i) = t.streams.list.iter().position(|s| s.id == stream) else { return Actions::new() };
         let s = &mut t.streams.list[i];
-        s.inflight = s.inflight.saturating_sub(1);
+        if written {
+            s.inflight = s.inflight.saturating_sub(1);
+        }
         s.reading = s.reading.saturating_sub(1);
         match res {
             Err(e) => {
@@ -389,23 +404,6 @@ impl Rendezvous {
             }
             Ok(()) => Actions::new(),
         }
-    }
-
-    /// A `SendChunk` of `stream` on `link` was carried out (its bytes were
-    /// copied into a message, sent or not): it reads the payload no more.
-    pub fn chunk_sent(&mut self, link: LinkId, stream: u32) -> Actions {
-        if let Some(acts) = tombstone_back(&mut self.tx_ending, link, stream) {
-            return acts;
-        }
-        let Some(t) = self.tx.get_mut(&link) else { return Actions::new() };
-        let Some(i) = t.streams.list.iter().position(|s| s.id == stream) else { return Actions::new() };
-        let s = &mut t.streams.list[i];
-        s.reading = s.reading.saturating_sub(1);
-        if !s.finished() {
-            return Actions::new();
-        }
-        let done = t.streams.list.remove(i).and_then(|mut s| s.done.take());
-        done.map(|done| smallvec![Action::SendDone { done, result: Ok(()) }]).unwrap_or_default()
     }
 
     pub(super) fn tx_stream_ready(&mut self, link: LinkId, stream: u32, outcome: u32, error: String) -> Result<Actions> {
