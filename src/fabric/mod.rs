@@ -202,8 +202,16 @@ pub const VERBS_BUILT: bool = cfg!(feature = "verbs");
 pub trait Listener: Send + Sync {
     /// The address senders connect to (what `listen` was given).
     fn local_addr(&self) -> String;
-    /// Send a control message to the sender on `conn`.
+    /// Send a control message to the sender on `conn`. Never waits for
+    /// the peer.
     fn send_msg(&self, conn: ConnId, msg: &[u8]) -> Result<()>;
+    /// `send_msg` that does no I/O on the calling thread where the backend
+    /// can avoid it (shm: queued for its send thread; verbs: a post, as
+    /// `send_msg`). For threads that must not touch the network at all
+    /// (a received tensor's release on a TensorFlow thread).
+    fn post_msg(&self, conn: ConnId, msg: &[u8]) -> Result<()> {
+        self.send_msg(conn, msg)
+    }
     /// Let the sender on `conn` write `off..off+len` of the arena (a slot
     /// placed for it; page-aligned, not in use by anything else), and no
     /// one else: whatever any sender was granted there before is revoked.
@@ -242,8 +250,13 @@ pub trait Endpoint: Send + Sync {
     fn write_imm(&self, remote_off: u64, key: u32, segs: Vec<Segment>, imm: u32, done: WriteDone) {
         self.write(remote_off, key, imm, Box::new(SegWrite { segs, done }));
     }
-    /// Send a control message (at most `constants::MAX_MSG_BYTES`).
+    /// Send a control message (at most `constants::MAX_MSG_BYTES`). Never
+    /// waits for the peer.
     fn send_msg(&self, msg: &[u8]) -> Result<()>;
+    /// See `Listener::post_msg`.
+    fn post_msg(&self, msg: &[u8]) -> Result<()> {
+        self.send_msg(msg)
+    }
     /// Close the connection (the peer sees a disconnect).
     fn close(&self);
 }

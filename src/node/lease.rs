@@ -77,7 +77,9 @@ impl Drop for Lease {
         if let (Data::Slot { link, slot, gen, len, .. }, Some(n)) = (&self.data, self.node.upgrade()) {
             let t = crate::trace::start();
             let acts = n.locked(|r| r.release(*link, *slot, *gen));
-            n.exec(acts);
+            // The credit is posted: no I/O on the releasing (TensorFlow's)
+            // thread.
+            n.exec_posting(acts);
             crate::trace::end("release", t, 0, *len, None);
         }
     }

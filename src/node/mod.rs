@@ -18,10 +18,10 @@
 //!
 //! | call | runs on | waits for | bound |
 //! |---|---|---|---|
-//! | `Node::send` | any (TF executor threads) | no network: a first send to a peer is queued while `rdev-connect` connects; on a live link a write of `WRITE_ENGINE_MIN` (64 KiB) or more is posted to `rdev-write` (engine.rs) and `send` returns; a smaller one (the copy into the receiver's slot on shm) runs on the caller, then ring space as below | a small copy; ring: 10 s |
-//! | tensor writes of 64 KiB or more | `rdev-write` (2 per node, queued) | the copy (shm) or registration and post (verbs), then ring space | the copy; ring: 10 s |
-//! | `Node::rpc_call`, `rpc_reply`, `rpc_cancel` (worker RPCs, rpc.rs) | the caller (TF's master; the shim's pool for replies) | one control message per 64 KiB of body written to the connection | as a control message |
-//! | dropping a received tensor (`Lease`) | any (TF threads) | its slot's credit: a control message's send | as a control message |
+//! | `Node::send` | any (TF executor threads) | no network: a first send to a peer is queued while `rdev-connect` connects; on a live link a write of `WRITE_ENGINE_MIN` (64 KiB) or more is posted to `rdev-write` (engine.rs) and `send` returns; a smaller one (the copy into the receiver's slot on shm) runs on the caller, which then pushes the doorbell ring or, when it is full, queues the write and returns | a small copy |
+//! | tensor writes of 64 KiB or more | `rdev-write` (2 per node, queued) | the copy (shm) or registration and post (verbs); a full ring queues it | the copy |
+//! | `Node::rpc_call`, `rpc_reply`, `rpc_cancel` (worker RPCs, rpc.rs) | the caller (TF's master; the shim's pool for replies) | nothing: one control message per 64 KiB of body, as below | — |
+//! | dropping a received tensor (`Lease`) | any (TF threads) | nothing: its slot's credit is posted (shm: queued for `rdev-shm-send`, no I/O on the releasing thread; verbs: a post) | — |
 //! | `Node::recv`, `step_done`, `abort_*` | any | nothing | — |
 //! | `Node::connect` | the shim's pool | the connection | RDMA_DEVICE_CONNECT_TIMEOUT_MS (1.5 s for a lost peer) |
 //! | `Node::place_ahead` | the shim's pool | connect + the receiver's Publish | connect + `timeout` |
@@ -30,18 +30,20 @@
 //! | connect and flush queued sends (one per peer at a time) | the `rdev-connect` pool (4 threads, queued) | `Fabric::connect` | connect timeout |
 //! | watching a peer we only receive from (one per peer at a time) | the `rdev-connect` pool | `Fabric::connect` | connect timeout |
 //! | `Events::on_accept` | a backend's accept thread | `Node::new` to finish registering listeners | 10 s |
-//! | shm `write_imm` (inside `send` on a live link) | the sender's thread | ring space (8192 entries: full only when the receiver's progress thread has stopped) | 10 s, then the write fails with Timeout |
+//! | shm writes whose doorbell ring is full (8192 entries: only when the receiver's progress thread has stopped) | `rdev-shm-send` (one per process) | ring space, polled every millisecond | 10 s, then the write fails with Timeout |
+//! | shm control messages the socket did not take at once | `rdev-shm-send` | socket space (poll) | `CONTROL_SEND_TIMEOUT_MS` (10 s) without progress, then the link fails |
 //! | shm/verbs progress threads | own threads | events (sleep on the doorbell / CQ channel) | woken by events or shutdown |
 //! | callbacks and writes released by events | `rdev-callbacks` (one per node, queued) | what the callback does; a write as `send` on a live link | as `send` |
-//! | probing links with work waiting on their peer (`Msg::Ping`, keepalive.rs); failing calls past their deadline | `rdev-keepalive` (one per node) | a control message's send | as a control message |
+//! | probing links with work waiting on their peer (`Msg::Ping`, keepalive.rs); failing calls past their deadline | `rdev-keepalive` (one per node) | nothing: a control message, as below | — |
 //! | granting a placed slot to its sender (`NodeGranter` → `Listener::grant`, under the protocol lock) | whichever thread placed it (an event thread included) | nothing: shm maps the window's pages; verbs allocates a memory window and queues its bind on the sender's QP ahead of the Publish (ordered by the send queue, never awaited; see `fabric::verbs::mw`) | — |
 //!
-//! "As a control message": verbs queues it on the connection (never waits;
-//! a full queue is an error); shm writes it to the connection's socket,
-//! waiting at most `CONTROL_SEND_TIMEOUT_MS` (10 s) for a peer that reads
-//! nothing, then the send and the link fail. A message sent on a connection
-//! the backend has accepted but not yet answered is held and follows the
-//! answer.
+//! Control messages never wait for the peer: verbs queues them on the
+//! connection (a full queue is an error); shm makes one non-blocking
+//! `send(2)` and queues what the socket does not take for `rdev-shm-send`
+//! (`fabric::shm::outbox`), which fails the link when the peer takes
+//! nothing for `CONTROL_SEND_TIMEOUT_MS` (10 s). A message sent on a
+//! connection the backend has accepted but not yet answered is held and
+//! follows the answer.
 //!
 //! Locks: a peer's tx slot may be held while taking `rdv` or `links`
 //! (connecting), never the reverse; `rdv` may be held while taking
@@ -578,6 +580,12 @@ impl Inner {
     }
 
     fn send_msg(&self, link: ConnId, msg: &rendezvous::Msg) -> Result<()> {
+        self.send_msg_as(link, msg, false)
+    }
+
+    /// `send_msg`; with `post`, no I/O on this thread (see
+    /// `Listener::post_msg`).
+    fn send_msg_as(&self, link: ConnId, msg: &rendezvous::Msg, post: bool) -> Result<()> {
         msg.check()?;
         let bytes = msg.encode();
         let target = match self.links.lock().get(&link) {
@@ -585,17 +593,33 @@ impl Inner {
             Some(LinkRef::Rx(k)) => Err(*k),
             None => return Err(Error::PeerLost(format!("connection {link} is closed"))),
         };
-        match target {
-            Ok(e) => e.send_msg(&bytes),
-            Err(kind) => {
+        match (target, post) {
+            (Ok(e), false) => e.send_msg(&bytes),
+            (Ok(e), true) => e.post_msg(&bytes),
+            (Err(kind), post) => {
                 let l = self.listeners.lock().get(&kind).cloned();
-                l.ok_or_else(|| Error::PeerLost("listener closed".into()))?.send_msg(link, &bytes)
+                let l = l.ok_or_else(|| Error::PeerLost("listener closed".into()))?;
+                if post {
+                    l.post_msg(link, &bytes)
+                } else {
+                    l.send_msg(link, &bytes)
+                }
             }
         }
     }
 
     /// Carry out protocol actions (never called with the state locked).
     fn exec(&self, acts: Actions) {
+        self.exec_as(acts, false)
+    }
+
+    /// `exec` for a thread that must do no I/O (a received tensor's
+    /// release on a TensorFlow thread): its control messages are posted.
+    fn exec_posting(&self, acts: Actions) {
+        self.exec_as(acts, true)
+    }
+
+    fn exec_as(&self, acts: Actions, post: bool) {
         let on_event_thread = fabric::on_event_thread();
         for a in acts {
             // Stream chunk writes and slot copies go to the rdev-stream pool
@@ -636,7 +660,7 @@ impl Inner {
                 Action::Send { link, msg } => {
                     log::trace!("{}: send on {link}: {msg:?}", self.task);
                     let t = trace::start();
-                    let sent = self.send_msg(link, &msg);
+                    let sent = self.send_msg_as(link, &msg, post);
                     trace::end(msg.name(), t, 0, 0, None);
                     if let Err(e) = sent {
                         // A lost Publish or Credit would stall the edge
@@ -657,7 +681,7 @@ impl Inner {
                 }
                 Action::Release { link, slot, gen } => {
                     let acts = self.locked(|r| r.release(link, slot, gen));
-                    self.exec(acts);
+                    self.exec_as(acts, post);
                 }
                 Action::PlaceFor { link, req, receiver, key, bytes } => self.place_for(link, req, receiver, key, bytes),
                 Action::PlaceDone { req, outcome, error } => self.placement_answered(req, outcome, error),

@@ -2,6 +2,7 @@
 //! address space, its doorbell ring, and a reader thread for its control
 //! messages.
 
+use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,14 +12,18 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::copy::CopyPool;
+use super::outbox::{self, Backlog, Flushed, Outbox};
 use super::ring::{Doorbell, Ring};
 use super::socket::{self, KIND_ACCEPT, KIND_HELLO, KIND_MSG, KIND_REFUSE};
+use crate::constants::CONTROL_SEND_TIMEOUT_MS;
 use crate::error::{Error, Result};
 
-/// How long a write waits for room in a full doorbell ring (8192 entries
-/// the receiver has not taken yet) before it fails: only a receiver whose
-/// progress thread has stopped gets there.
+/// How long a write's immediate waits for room in a full doorbell ring
+/// (8192 entries the receiver has not taken yet) before the write fails:
+/// only a receiver whose progress thread has stopped gets there. Nobody
+/// waits meanwhile: the write is queued (see `RingBacklog`).
 const RING_FULL_TIMEOUT: Duration = Duration::from_secs(10);
+
 use crate::fabric::arena::{check_range, check_sealed, map_shared};
 use crate::fabric::{next_conn_id, ConnId, Endpoint, FabricEvents, TransportKind, WriteOp};
 
@@ -26,15 +31,121 @@ pub struct ShmEndpoint {
     id: ConnId,
     remote: String,
     stream: UnixStream,
-    write_lock: Mutex<()>,
-    push_lock: Mutex<()>,
+    outbox: Arc<Outbox>,
     arena: *mut u8,
     arena_len: usize,
-    ring: Ring,
-    doorbell: Doorbell,
+    bells: Arc<RingBacklog>,
     peer_hello: Vec<u8>,
     dead: Arc<AtomicBool>,
     copier: &'static CopyPool,
+}
+
+/// The receiver's doorbell ring, and the writes whose immediates found it
+/// full: they wait here, in order, for the `rdev-shm-send` thread (see
+/// outbox.rs) to push them, instead of a thread spinning on the ring.
+struct RingBacklog {
+    ring: Ring,
+    doorbell: Doorbell,
+    remote: String,
+    dead: Arc<AtomicBool>,
+    q: Mutex<Pushes>,
+}
+
+struct Pushes {
+    waiting: VecDeque<(u32, Box<dyn WriteOp>)>,
+    /// When the receiver last took an immediate (or the backlog started).
+    since: Instant,
+    registered: bool,
+}
+
+impl RingBacklog {
+    /// Push `imm` (the write's bytes are in place), or queue it behind
+    /// the ones already waiting. `op` completes once it is pushed.
+    fn push(self: &Arc<Self>, imm: u32, op: Box<dyn WriteOp>, remote: &str) {
+        let mut q = self.q.lock();
+        if q.waiting.is_empty() {
+            if let Some(wake) = self.ring.try_push(imm) {
+                drop(q);
+                if wake {
+                    self.doorbell.ring();
+                }
+                return op.complete(Ok(()));
+            }
+        }
+        if q.waiting.try_reserve(1).is_err() {
+            drop(q);
+            return op.complete(Err(Error::ResourceExhausted(format!("queueing a write to {remote}'s full doorbell ring"))));
+        }
+        q.waiting.push_back((imm, op));
+        if !q.registered {
+            q.registered = true;
+            q.since = Instant::now();
+            drop(q);
+            if let Err(e) = outbox::hand_to_sender(self.clone()) {
+                self.fail_all(e);
+            }
+        }
+    }
+
+    fn fail_all(&self, e: Error) {
+        let ops: Vec<_> = {
+            let mut q = self.q.lock();
+            q.registered = false;
+            q.waiting.drain(..).map(|(_, op)| op).collect()
+        };
+        for op in ops {
+            op.complete(Err(e.clone()));
+        }
+    }
+}
+
+impl Backlog for RingBacklog {
+    fn flush(&self) -> Flushed {
+        let mut done = Vec::new();
+        let mut wake = false;
+        let outcome = {
+            let mut q = self.q.lock();
+            while let Some(&(imm, _)) = q.waiting.front() {
+                let Some(w) = self.ring.try_push(imm) else { break };
+                wake |= w;
+                q.since = Instant::now();
+                done.extend(q.waiting.pop_front().map(|(_, op)| op));
+            }
+            if q.waiting.is_empty() {
+                q.registered = false;
+                None
+            } else if self.dead.load(Ordering::SeqCst) {
+                Some(Error::PeerLost(format!("shm connection to {} is closed", self.remote)))
+            } else if q.since.elapsed() >= RING_FULL_TIMEOUT {
+                Some(Error::Timeout(format!(
+                    "{}'s doorbell ring stayed full for {RING_FULL_TIMEOUT:?}: the receiver stopped taking writes",
+                    self.remote
+                )))
+            } else {
+                return self.finish(done, wake, Flushed::Waiting(None));
+            }
+        };
+        match outcome {
+            None => self.finish(done, wake, Flushed::Done),
+            Some(e) => {
+                let r = self.finish(done, wake, Flushed::Done);
+                self.fail_all(e);
+                r
+            }
+        }
+    }
+}
+
+impl RingBacklog {
+    fn finish(&self, done: Vec<Box<dyn WriteOp>>, wake: bool, r: Flushed) -> Flushed {
+        if wake {
+            self.doorbell.ring();
+        }
+        for op in done {
+            op.complete(Ok(()));
+        }
+        r
+    }
 }
 
 // SAFETY: `arena` is a shared mapping owned by this struct for its whole
@@ -93,24 +204,33 @@ impl ShmEndpoint {
             return Err(Error::Protocol(format!("shm handshake with {remote}: arena descriptor smaller than announced")));
         }
         let arena = map_shared(arena_fd.as_raw_fd(), arena_len)?;
+        let outbox = match Outbox::new(&stream, Duration::from_millis(CONTROL_SEND_TIMEOUT_MS), false) {
+            Ok(o) => o,
+            Err(e) => {
+                // SAFETY: exactly the mapping made above.
+                unsafe { libc::munmap(arena.cast(), arena_len) };
+                return Err(e);
+            }
+        };
+        let dead = Arc::new(AtomicBool::new(false));
+        let q = Pushes { waiting: VecDeque::new(), since: Instant::now(), registered: false };
+        let bells = Arc::new(RingBacklog { ring, doorbell, remote: remote.to_string(), dead: dead.clone(), q: Mutex::new(q) });
         let ep = Arc::new(ShmEndpoint {
             id: next_conn_id(),
             remote: remote.to_string(),
             stream,
-            write_lock: Mutex::new(()),
-            push_lock: Mutex::new(()),
+            outbox,
             arena,
             arena_len,
-            ring,
-            doorbell,
+            bells,
             peer_hello: body[8..].to_vec(),
-            dead: Arc::new(AtomicBool::new(false)),
+            dead,
             copier,
         });
         // The reader holds only a clone of the socket, so dropping the last
         // endpoint handle closes the connection (see Drop).
         let reader = ep.stream.try_clone()?;
-        let (id, dead) = (ep.id, ep.dead.clone());
+        let (id, dead, outbox) = (ep.id, ep.dead.clone(), ep.outbox.clone());
         std::thread::Builder::new()
             .name("rdev-shm-reader".into())
             .spawn(move || {
@@ -127,6 +247,9 @@ impl ShmEndpoint {
                         Err(e) => break e,
                     }
                 };
+                // Our own send side may have failed the connection (the
+                // peer read nothing): that is the reason, not the EOF.
+                let why = outbox.failure().unwrap_or(why);
                 dead.store(true, Ordering::SeqCst);
                 let _ = reader.shutdown(std::net::Shutdown::Both);
                 let _ = crate::error::catch_panic("reporting a disconnect", || events.on_disconnect(id, why));
@@ -177,48 +300,21 @@ impl Endpoint for ShmEndpoint {
             off += b.len();
         }
         drop(segs);
-        let wake = {
-            let _g = self.push_lock.lock();
-            let mut tries = 0u32;
-            let mut full_since: Option<Instant> = None;
-            loop {
-                if let Some(w) = self.ring.try_push(imm) {
-                    break w;
-                }
-                if self.dead.load(Ordering::SeqCst) {
-                    return done.complete(Err(self.lost()));
-                }
-                // Full ring: the receiver is behind. Back off gently, and
-                // give up on a receiver that stopped draining it.
-                tries += 1;
-                if tries == 100 {
-                    full_since = Some(Instant::now());
-                }
-                if full_since.is_some_and(|t| t.elapsed() >= RING_FULL_TIMEOUT) {
-                    return done.complete(Err(Error::Timeout(format!(
-                        "{}'s doorbell ring stayed full for {RING_FULL_TIMEOUT:?}: the receiver stopped taking writes",
-                        self.remote
-                    ))));
-                }
-                if tries < 100 {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::sleep(Duration::from_micros(50));
-                }
-            }
-        };
-        if wake {
-            self.doorbell.ring();
-        }
-        done.complete(Ok(()))
+        self.bells.push(imm, done, &self.remote);
     }
 
     fn send_msg(&self, msg: &[u8]) -> Result<()> {
         if self.dead.load(Ordering::SeqCst) {
             return Err(self.lost());
         }
-        let _g = self.write_lock.lock();
-        socket::send_frame(&self.stream, KIND_MSG, msg, &[])
+        self.outbox.send(msg)
+    }
+
+    fn post_msg(&self, msg: &[u8]) -> Result<()> {
+        if self.dead.load(Ordering::SeqCst) {
+            return Err(self.lost());
+        }
+        self.outbox.post(msg)
     }
 
     fn close(&self) {

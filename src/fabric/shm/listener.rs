@@ -11,8 +11,10 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
+use super::outbox::Outbox;
 use super::ring::{Doorbell, Ring};
 use super::socket::{self, KIND_ACCEPT, KIND_HELLO, KIND_MSG, KIND_REFUSE};
+use crate::constants::CONTROL_SEND_TIMEOUT_MS;
 use crate::error::{Error, Result};
 use crate::fabric::arena::Window;
 use crate::fabric::{next_conn_id, Arena, ConnId, FabricEvents, Listener};
@@ -20,14 +22,11 @@ use crate::fabric::{next_conn_id, Arena, ConnId, FabricEvents, Listener};
 /// How long an accepted socket may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Control messages held for a connection whose handshake reply is not
-/// sent yet (a few in practice: a keepalive probe, a Publish).
-const MAX_HELD: usize = 1024;
-
 struct RxConn {
     id: ConnId,
     stream: UnixStream,
-    write_lock: Mutex<()>,
+    /// Control messages to the sender (never waits; see outbox.rs).
+    outbox: Arc<Outbox>,
     ring: Ring,
     /// Set by the reader thread when the connection ends; the progress
     /// thread drains the ring once more and then reports the disconnect, so
@@ -50,10 +49,10 @@ struct Inner {
     events: Arc<dyn FabricEvents>,
     doorbell: Doorbell,
     conns: Mutex<HashMap<ConnId, Arc<RxConn>>>,
-    /// Connections the node accepted whose reply is not sent yet, with the
-    /// control messages the node sent on them meanwhile (any thread may,
-    /// from `on_accept` on): they follow the reply, in order.
-    accepting: Mutex<HashMap<ConnId, Vec<Vec<u8>>>>,
+    /// Connections the node accepted whose reply is not sent yet: their
+    /// outboxes are corked, so what the node sends on them meanwhile (any
+    /// thread may, from `on_accept` on) follows the reply, in order.
+    accepting: Mutex<HashMap<ConnId, Arc<Outbox>>>,
     /// Snapshot the progress thread polls without taking `conns`.
     polled: RwLock<Arc<Vec<Arc<RxConn>>>>,
     stop: AtomicBool,
@@ -106,23 +105,27 @@ impl ShmListener {
     }
 }
 
+impl ShmListener {
+    fn outbox(&self, conn: ConnId) -> Result<Arc<Outbox>> {
+        if let Some(o) = self.inner.accepting.lock().get(&conn) {
+            return Ok(o.clone());
+        }
+        let c = self.inner.conns.lock().get(&conn).map(|c| c.outbox.clone());
+        c.ok_or_else(|| Error::PeerLost(format!("connection {conn} is closed")))
+    }
+}
+
 impl Listener for ShmListener {
     fn local_addr(&self) -> String {
         self.inner.addr.clone()
     }
 
     fn send_msg(&self, conn: ConnId, msg: &[u8]) -> Result<()> {
-        if let Some(held) = self.inner.accepting.lock().get_mut(&conn) {
-            if held.len() >= MAX_HELD {
-                return Err(Error::ResourceExhausted(format!("connection {conn}: {MAX_HELD} control messages wait for its handshake")));
-            }
-            held.push(msg.to_vec());
-            return Ok(());
-        }
-        let c = self.inner.conns.lock().get(&conn).cloned();
-        let c = c.ok_or_else(|| Error::PeerLost(format!("connection {conn} is closed")))?;
-        let _g = c.write_lock.lock();
-        socket::send_frame(&c.stream, KIND_MSG, msg, &[])
+        self.outbox(conn)?.send(msg)
+    }
+
+    fn post_msg(&self, conn: ConnId, msg: &[u8]) -> Result<()> {
+        self.outbox(conn)?.post(msg)
     }
 
     fn grant(&self, conn: ConnId, off: u64, len: u64) -> Result<Option<u32>> {
@@ -208,6 +211,8 @@ fn serve_conn(inner: Arc<Inner>, stream: UnixStream) {
             Err(e) => break e,
         }
     };
+    // Our own send side may have failed the connection: that is the reason.
+    let why = conn.outbox.failure().unwrap_or(why);
     let _ = conn.stream.shutdown(std::net::Shutdown::Both);
     *conn.closed.lock() = Some(why);
     inner.doorbell.ring();
@@ -244,7 +249,8 @@ fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<R
         log::warn!("shm: page size {} does not divide slot alignment: senders share one view of the arena", crate::fabric::arena::page_size());
         None
     };
-    inner.accepting.lock().insert(id, Vec::new());
+    let outbox = Outbox::new(&stream, Duration::from_millis(CONTROL_SEND_TIMEOUT_MS), true)?;
+    inner.accepting.lock().insert(id, outbox.clone());
     let reply = match inner.events.on_accept(id, &hello) {
         Ok(r) => r,
         Err(e) => {
@@ -264,26 +270,19 @@ fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<R
         log::warn!("shm: no pidfd for sender pid {pid}: its slots are freed as soon as its connection ends");
     }
     let view = window.as_ref().map(|w| w.fd()).unwrap_or(inner.arena.fd());
-    let conn = Arc::new(RxConn { id, stream, write_lock: Mutex::new(()), ring, closed: Mutex::new(None), window, pidfd: Mutex::new(pidfd) });
-    // The reply, then what the node sent meanwhile, before any other
-    // message: the write lock is held from registering the connection on.
-    let sent = {
-        let _g = conn.write_lock.lock();
-        // Register before replying so the first write's doorbell is polled.
-        inner.conns.lock().insert(id, conn.clone());
-        refresh_polled(inner);
-        // A sleeping progress thread would not poll the new ring: wake it.
-        inner.doorbell.ring();
-        let mut sent = socket::send_frame(&conn.stream, KIND_ACCEPT, &body, &[view, conn.ring.fd(), inner.doorbell.fd()]);
-        let held = inner.accepting.lock().remove(&id).unwrap_or_default();
-        for m in held {
-            if sent.is_err() {
-                break;
-            }
-            sent = socket::send_frame(&conn.stream, KIND_MSG, &m, &[]);
-        }
-        sent
-    };
+    let conn = Arc::new(RxConn { id, stream, outbox, ring, closed: Mutex::new(None), window, pidfd: Mutex::new(pidfd) });
+    // Register before replying so the first write's doorbell is polled.
+    inner.conns.lock().insert(id, conn.clone());
+    inner.accepting.lock().remove(&id);
+    refresh_polled(inner);
+    // A sleeping progress thread would not poll the new ring: wake it.
+    inner.doorbell.ring();
+    // The reply, then what the node sent meanwhile (the outbox is corked
+    // until then), before any other message.
+    let sent = socket::send_frame(&conn.stream, KIND_ACCEPT, &body, &[view, conn.ring.fd(), inner.doorbell.fd()]);
+    if sent.is_ok() {
+        conn.outbox.uncork();
+    }
     if let Err(e) = sent {
         // The sender is gone; the progress thread reports the disconnect.
         *conn.closed.lock() = Some(e.clone());

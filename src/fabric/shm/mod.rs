@@ -13,6 +13,7 @@
 mod copy;
 mod endpoint;
 mod listener;
+mod outbox;
 pub(crate) mod ring;
 #[doc(hidden)]
 pub mod socket;
