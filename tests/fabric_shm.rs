@@ -26,3 +26,90 @@ fn shm_reaches_only_this_host() {
     assert!(f.reaches("127.0.0.1:1").is_ok());
     assert!(f.reaches("192.0.2.1:1").is_err(), "TEST-NET address is never local");
 }
+
+/// Forwards to a `Recorder`, except that `on_write_imm` blocks the
+/// receiver's progress thread until the gate opens (a stopped receiver).
+struct Gated {
+    inner: Arc<rdma_device::fabric::conformance::Recorder>,
+    open: parking_lot::Mutex<bool>,
+    cv: parking_lot::Condvar,
+}
+
+impl rdma_device::fabric::FabricEvents for Gated {
+    fn on_accept(&self, c: u64, h: &[u8]) -> rdma_device::Result<Vec<u8>> {
+        self.inner.on_accept(c, h)
+    }
+    fn on_write_imm(&self, c: u64, imm: u32) {
+        let mut g = self.open.lock();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !*g && !self.cv.wait_until(&mut g, deadline).timed_out() {}
+        drop(g);
+        self.inner.on_write_imm(c, imm)
+    }
+    fn on_message(&self, c: u64, m: &[u8]) {
+        self.inner.on_message(c, m)
+    }
+    fn on_disconnect(&self, c: u64, why: rdma_device::Error) {
+        self.inner.on_disconnect(c, why)
+    }
+}
+
+/// Issue 17: a receiver that takes no immediates fills the doorbell ring;
+/// the writes after that are queued, so the writing thread never waits
+/// (no spinning on the ring), and once the receiver drains again every
+/// write completes and every immediate arrives, in order.
+#[test]
+fn a_full_doorbell_ring_queues_writes_instead_of_blocking_the_writer() {
+    use rdma_device::fabric::conformance::{Ev, Recorder};
+    use rdma_device::fabric::{Arena, Fabric};
+    use std::sync::mpsc;
+    use std::time::Instant;
+
+    let fabric = ShmFabric::new(Duration::from_micros(50));
+    let arena = Arc::new(Arena::new("ring-full", 1 << 20).unwrap());
+    let rec = Recorder::new(b"r", None);
+    let gated = Arc::new(Gated { inner: rec.clone(), open: parking_lot::Mutex::new(false), cv: parking_lot::Condvar::new() });
+    let addr = harness_addr();
+    let listener = fabric.listen(&addr, arena.clone(), gated.clone()).unwrap();
+    let ep = fabric.connect(&addr, b"h", Recorder::new(b"", None), Duration::from_secs(10), true).unwrap();
+    let evs = rec.wait_for("accept", |e| e.iter().any(|x| matches!(x, Ev::Accept(..))));
+    let conn = evs.iter().find_map(|x| if let Ev::Accept(c, _) = x { Some(*c) } else { None }).unwrap();
+    let key = listener.grant(conn, 0, arena.len() as u64).unwrap().unwrap();
+
+    // One in the progress thread's hands (blocked), a ring's worth behind
+    // it, and 500 more than the ring holds.
+    let n = rdma_device::constants::RING_ENTRIES as u32 + 501;
+    let (tx, rx) = mpsc::channel();
+    let mut slowest = Duration::ZERO;
+    let t0 = Instant::now();
+    for i in 0..n {
+        let tx = tx.clone();
+        let t = Instant::now();
+        ep.write_imm((i as u64 % 256) * 64, key, vec![Box::new(vec![i as u8; 64])], i, Box::new(move |r| tx.send((i, r)).unwrap()));
+        slowest = slowest.max(t.elapsed());
+    }
+    let issued = t0.elapsed();
+    assert!(slowest < Duration::from_millis(200), "a write waited {slowest:?} for a full ring");
+    assert!(issued < Duration::from_secs(5), "{n} writes took {issued:?} to issue");
+    // The ones past the ring's capacity are queued: not complete yet.
+    std::thread::sleep(Duration::from_millis(200));
+    let early: Vec<_> = rx.try_iter().collect();
+    assert!(early.iter().all(|(_, r)| r.is_ok()), "a write failed while queued");
+    assert!(early.len() < n as usize, "all {n} writes completed while the receiver took none");
+    *gated.open.lock() = true;
+    gated.cv.notify_all();
+    let mut done = early.len();
+    while done < n as usize {
+        let (i, r) = rx.recv_timeout(Duration::from_secs(10)).expect("every write completes once the receiver drains");
+        r.unwrap_or_else(|e| panic!("write {i}: {e}"));
+        done += 1;
+    }
+    let evs = rec.wait_for("every immediate", |e| e.iter().filter(|x| matches!(x, Ev::Imm(..))).count() == n as usize);
+    let imms: Vec<u32> = evs.iter().filter_map(|x| if let Ev::Imm(_, i, _) = x { Some(*i) } else { None }).collect();
+    assert_eq!(imms, (0..n).collect::<Vec<_>>(), "immediates out of order");
+}
+
+fn harness_addr() -> String {
+    let p = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    format!("localhost:{p}")
+}
