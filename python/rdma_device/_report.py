@@ -49,6 +49,7 @@ def summary_md(res, machine):
             f"| {_ratio(rpc[0]['step_ms'], r['step_ms']) if rpc else '—'} "
             f"| {r['tensors_per_step']:.1f} | {r['bytes_per_step'] / 1e6:.2f} | {_kib(r['avg_tensor_bytes'])} "
             f"| {_kib(r['median_tensor_bytes'])} | {r['cpu_s_per_step'] * 1e3:.1f} |")
+    out += breakdown_md(rows)
     if res.get("sweep"):
         out += ["", "Transfer sweep (ps → worker, consumer `reduce_sum` reads every byte):", "",
                 "| size | mode | step ms | GB/s | CPU s/GB | memcpy GB/s |", "|---:|---|---:|---:|---:|---:|"]
@@ -59,6 +60,27 @@ def summary_md(res, machine):
         out += ["", "The rpc mode was not run: the installed transport has no RDMA_DEVICE_MODE setting."]
     out += ["", f"Suite wall time: {res['seconds']:.0f} s."]
     return "\n".join(out) + "\n"
+
+
+def breakdown_md(rows):
+    """The measured breakdown of the transport modes' traced steps (see
+    ``_breakdown``); stock gRPC is not traced."""
+    from rdma_device._breakdown import COMPONENTS, LABELS as PARTS
+
+    traced = [r for r in rows if r.get("breakdown")]
+    if not traced:
+        return []
+    out = ["", "Where a step's time goes, measured (`_breakdown`: a traced block of steps per transport mode after "
+           "the timed ones; medians of each component over the traced steps, ms; the critical partition is the "
+           "one that ended last; stock gRPC has no spans, see comm above):", "",
+           "| workload | workers | mode | traced step | " + " | ".join(PARTS[c] for c in COMPONENTS)
+           + " | critical partition |", "|---|---:|---|---:|" + "---:|" * len(COMPONENTS) + "---|"]
+    for r in traced:
+        b = r["breakdown"]
+        out.append(f"| {r['workload']} | {r['workers']} | {r['mode']} | {b['traced_step_ms']:.2f} | "
+                   + " | ".join(f"{b[c]:.2f}" for c in COMPONENTS)
+                   + f" | {b['critical_task'].replace('/job:', '')} |")
+    return out
 
 
 def machine():
@@ -87,8 +109,8 @@ def plots(res, out_dir):
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     written = []
 
-    def save(fig, name):
-        fig.tight_layout()
+    def save(fig, name, rect=(0, 0, 1, 1)):
+        fig.tight_layout(rect=rect)
         path = os.path.join(out_dir, name)
         fig.savefig(path, dpi=80)
         plt.close(fig)
@@ -113,24 +135,45 @@ def plots(res, out_dir):
     fig.suptitle("Training throughput by transport (higher is better)")
     save(fig, "throughput.png")
 
-    # 2. stacked communication / compute bars
-    fig, axes = plt.subplots(nr, nc, figsize=(max(4 * nc, 7), 3 * nr), squeeze=False)
+    # 2. where the step goes: measured components for the transport modes,
+    # compute + (step - compute) for stock gRPC, which has no spans
+    from rdma_device._breakdown import COMPONENTS, LABELS as PARTS
+
+    part_colours = {"client_master": "#9e9e9e", "dispatch": "#8172b3", "waiting_for_sender": "#dd8452",
+                    "in_transport": "#c44e52", "partition_other": "#2ca02c"}
+    fig, axes = plt.subplots(nr, nc, figsize=(max(4.5 * nc, 8), 3.2 * nr), squeeze=False)
     for ax, w in zip(axes.flat, workloads):
         n = at_workers(w)
-        rs = [(_by(rows, workload=w, workers=n, mode=m) or [None])[0] for m in modes]
-        comp = [r["compute_ms"] if r else 0 for r in rs]
-        comm = [r["comm_ms"] if r else 0 for r in rs]
-        x = range(len(modes))
-        ax.bar(x, comp, color="#2ca02c", label="compute")
-        ax.bar(x, comm, bottom=comp, color=[COLOURS[m] for m in modes], label="communication")
-        ax.set_xticks(x, [m.replace("grpc+", "grpc+\n") for m in modes], fontsize=8)
+        for x, m in enumerate(modes):
+            r = (_by(rows, workload=w, workers=n, mode=m) or [None])[0]
+            if not r:
+                continue
+            b = r.get("breakdown")
+            if b:
+                bottom = 0.0
+                for c in COMPONENTS:
+                    ax.bar(x, b[c], bottom=bottom, color=part_colours[c], edgecolor="black", linewidth=0.3)
+                    bottom += b[c]
+            else:
+                ax.bar(x, r["compute_ms"], color="#2ca02c", edgecolor="black", linewidth=0.3)
+                ax.bar(x, r["comm_ms"], bottom=r["compute_ms"], color="white", edgecolor=COLOURS[m],
+                       hatch="//", linewidth=0.8)
+            ax.plot([x - 0.45, x + 0.45], [r["step_ms"]] * 2, color="black", linewidth=1.2)
+        ax.set_xticks(range(len(modes)), [m.replace("grpc+", "grpc+\n") for m in modes], fontsize=8)
         ax.set_title(f"{w} ({n} workers)", fontsize=10)
-        ax.set_ylabel("step time (ms)")
+        ax.set_ylabel("ms per step")
     for ax in list(axes.flat)[len(workloads):]:
         ax.axis("off")
-    axes.flat[0].legend(["compute (green)", "communication (mode colour)"], fontsize=7)
-    fig.suptitle("Step time = compute (green) + communication (colour of the mode)", fontsize=11)
-    save(fig, "breakdown.png")
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=part_colours[c], edgecolor="black", label=PARTS[c]) for c in COMPONENTS]
+    handles += [Patch(facecolor="white", edgecolor=COLOURS["grpc"], hatch="//",
+                      label="stock gRPC, untraced: step − one-task compute"),
+                Patch(facecolor="black", label="untraced median step (line)")]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=7, frameon=False)
+    fig.suptitle("Where a step's time goes: measured from recorded spans (median traced step per component)",
+                 fontsize=11)
+    save(fig, "breakdown.png", rect=(0, 0.1, 1, 0.95))
 
     # 3. transfer sweep
     if res.get("sweep"):

@@ -176,6 +176,8 @@ def run_workload(tf, name, n, modes, clusters, compute_cluster, args):
             cpu[m] += cpu_seconds([own[m]]) - c0
             steps_run[m] += args.block + 1
     after = {m: _transport_count(clusters[m].stats()) for m in before}
+    # Then a few traced steps per transport mode: the measured breakdown.
+    parts = {m: traced_breakdown(clusters[m], *runs[m], args.block) for m in before}
     for s, _ in runs.values():
         s.close()
     compute_ms = statistics.median(times["compute"])
@@ -199,8 +201,26 @@ def run_workload(tf, name, n, modes, clusters, compute_cluster, args):
             "median_tensor_bytes": int(statistics.median(sizes)) if sizes else 0,
             "cpu_s_per_step": round(cpu[mode] / (args.reps * args.block), 5),
             "tensors_source": src, "tensor_sizes": sizes,
+            "breakdown": parts.get(mode),
         })
     return rows
+
+
+def traced_breakdown(cluster, sess, op, n):
+    """``n`` steps with the transport's timeline on in every task: where
+    each step's time went (``_breakdown``), from the recorded spans."""
+    from rdma_device import _breakdown
+
+    cluster.trace(True)
+    runs = []
+    try:
+        for _ in range(n):
+            t0 = time.time_ns()
+            sess.run(op)
+            runs.append((t0 / 1e3, time.time_ns() / 1e3))
+    finally:
+        cluster.trace(False)
+    return _breakdown.breakdown(cluster.trace_take(), runs)
 
 
 def plan(args):

@@ -43,6 +43,20 @@ def test_suite_tiny(tmp_path, plugin_built):
     ours = next(r for r in rows if r["mode"] == "grpc+rdma_device")
     assert ours["tensors_source"] == "transport counters"
     assert ours["tensors_per_step"] >= graph["tensors_per_step"], (ours, graph)
+    # The breakdown of the transport modes comes from recorded spans: every
+    # traced step had its partitions and its tensors' spans, and the
+    # components (medians over 2 steps: their means) add up to the step.
+    for r in rows:
+        b = r["breakdown"]
+        if r["mode"] == "grpc":
+            assert b is None, r
+            continue
+        assert b is not None and b["steps"] == 2, r
+        assert b["in_transport"] > 0, b
+        total = sum(b[c] for c in ("client_master", "dispatch", "waiting_for_sender", "in_transport",
+                                   "partition_other"))
+        assert abs(total - b["traced_step_ms"]) <= 0.02 * b["traced_step_ms"] + 0.01, b
+    assert "Where a step's time goes, measured" in (out / "summary.md").read_text()
     sweep = json.loads((out / "transfer.json").read_text())
     assert sorted(s["mode"] for s in sweep) == sorted(modes)
     assert all(s["size"] == 256 << 10 and s["gbps"] > 0 and s["cpu_s_per_gb"] > 0 for s in sweep)
