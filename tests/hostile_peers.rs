@@ -38,7 +38,7 @@ fn pair() -> (Node, Node, String) {
 
 fn evil(b_addr: &str) -> (Arc<dyn Endpoint>, Arc<Recorder>) {
     let ev = Recorder::new(b"", None);
-    let hello = Hello { task: EVIL.into(), incarnation: 7, target: task(1), rpc: false }.encode();
+    let hello = Hello { task: EVIL.into(), incarnation: 7, target: task(1), rpc: false, proof: vec![] }.encode();
     let ep = ShmFabric::new(Duration::ZERO).connect(b_addr, &hello, ev.clone(), Duration::from_secs(5), true).unwrap();
     (ep, ev)
 }
@@ -100,7 +100,7 @@ fn raw_handshake(b_addr: &str) -> UnixStream {
     let name = format!("rdma_device.{}.{port}", unsafe { libc::getuid() });
     let mut s = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name.as_bytes()).unwrap()).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let hello = Hello { task: EVIL.into(), incarnation: 9, target: task(1), rpc: false }.encode();
+    let hello = Hello { task: EVIL.into(), incarnation: 9, target: task(1), rpc: false, proof: vec![] }.encode();
     write_frame(&mut s, 1, &hello);
     let mut head = [0u8; 5];
     s.read_exact(&mut head).unwrap();
@@ -246,7 +246,7 @@ fn a_listener_refuses_a_process_of_another_user() {
     let port = b_addr.rsplit(':').next().unwrap();
     // SAFETY: getuid has no preconditions.
     let (sa, len) = abstract_addr(format!("rdma_device.{}.{port}", unsafe { libc::getuid() }).as_bytes());
-    let hello = Hello { task: EVIL.into(), incarnation: 5, target: task(1), rpc: false }.encode();
+    let hello = Hello { task: EVIL.into(), incarnation: 5, target: task(1), rpc: false, proof: vec![] }.encode();
     let mut frame = ((hello.len() + 1) as u32).to_le_bytes().to_vec();
     frame.push(1);
     frame.extend_from_slice(&hello);
@@ -312,7 +312,7 @@ fn a_connector_refuses_a_listener_of_another_user() {
     let mut x = [0u8; 1];
     // SAFETY: reading one byte from our pipe.
     assert_eq!(unsafe { libc::read(pipe[0], x.as_mut_ptr().cast(), 1) }, 1, "squatter did not start");
-    let hello = Hello { task: task(0), incarnation: 1, target: task(1), rpc: false }.encode();
+    let hello = Hello { task: task(0), incarnation: 1, target: task(1), rpc: false, proof: vec![] }.encode();
     let r = ShmFabric::new(Duration::ZERO).connect(&format!("localhost:{port}"), &hello, Recorder::new(b"", None), Duration::from_secs(3), true);
     let e = r.err().expect("connecting to a listener of another uid must fail");
     assert!(e.to_string().contains("uid"), "{e}");
@@ -344,7 +344,7 @@ fn wait_until(what: &str, timeout: Duration, f: impl Fn() -> bool) {
 fn raw_sender(b_addr: &str) -> (UnixStream, *mut u8, usize) {
     use rdma_device::fabric::shm::socket;
     let s = socket::connect(&socket::socket_name(b_addr).unwrap()).unwrap();
-    let hello = Hello { task: EVIL.into(), incarnation: 5, target: task(1), rpc: false }.encode();
+    let hello = Hello { task: EVIL.into(), incarnation: 5, target: task(1), rpc: false, proof: vec![] }.encode();
     socket::send_frame(&s, socket::KIND_HELLO, &hello, &[]).unwrap();
     let (kind, body, fds) = socket::recv_frame(&s).unwrap();
     assert_eq!(kind, socket::KIND_ACCEPT);

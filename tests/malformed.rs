@@ -57,7 +57,7 @@ fn still_serves(f: &Fixture, step: u64) {
 
 fn evil(f: &Fixture) -> (Arc<dyn Endpoint>, Arc<Recorder>) {
     let ev = Recorder::new(b"", None);
-    let hello = Hello { task: "/job:evil/replica:0/task:0".into(), incarnation: 7, target: task(1), rpc: false }.encode();
+    let hello = Hello { task: "/job:evil/replica:0/task:0".into(), incarnation: 7, target: task(1), rpc: false, proof: vec![] }.encode();
     let ep = evil_fabric().connect(&f.b_addr, &hello, ev.clone(), Duration::from_secs(5), true).unwrap();
     (ep, ev)
 }
@@ -154,9 +154,9 @@ fn hostile_inputs_are_rejected_without_panics() {
     let fab = evil_fabric();
     for hello in [
         b"garbage".to_vec(),
-        Hello { task: "x".into(), incarnation: 1, target: "/job:someone/else".into(), rpc: false }.encode(),
-        { let mut h = Hello { task: "x".into(), incarnation: 1, target: String::new(), rpc: false }.encode(); h[4] = 9; h },
-        Hello { task: "x".into(), incarnation: 1, target: String::new(), rpc: true }.encode(),
+        Hello { task: "x".into(), incarnation: 1, target: "/job:someone/else".into(), rpc: false, proof: vec![] }.encode(),
+        { let mut h = Hello { task: "x".into(), incarnation: 1, target: String::new(), rpc: false, proof: vec![] }.encode(); h[4] = 9; h },
+        Hello { task: "x".into(), incarnation: 1, target: String::new(), rpc: true, proof: vec![] }.encode(),
     ] {
         let r = fab.connect(&f.b_addr, &hello, Recorder::new(b"", None), Duration::from_secs(5), true);
         assert!(r.is_err(), "a bad handshake must be refused");

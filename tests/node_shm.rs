@@ -6,6 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use rdma_device::config::Config;
 use rdma_device::node::Node;
 use rdma_device::rendezvous::{TensorMeta, FLAG_DEAD};
 use rdma_device::stats::Stats;
@@ -407,4 +408,40 @@ fn receiver_learns_quickly_that_the_sender_will_not_push() {
     assert!(matches!(e, Error::NotViable(_)), "the shim pulls over gRPC on NotViable: {e}");
     assert!(e.message().contains("RDMA_DEVICE_TRANSPORTS"), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+}
+
+/// Issue 18: with `RDMA_DEVICE_CLUSTER_TOKEN`, only tasks that prove the
+/// same token connect; a task with another token, or none, is refused
+/// both ways (NotViable naming the setting: its tensors go by gRPC), and
+/// tasks with the same token move bit-exact tensors as before.
+#[test]
+fn only_tasks_with_the_cluster_token_connect() {
+    let with = |t: &str| Config { cluster_token: t.into(), ..small_config() };
+    let node = |cfg: Config, i: usize| {
+        let p = free_port();
+        (Node::new(cfg, &task(i), &addr(p)).unwrap(), addr(p))
+    };
+    // Same token: works.
+    let (a, aa) = node(with("s3cret"), 0);
+    let (b, ba) = node(with("s3cret"), 1);
+    assert!(a.add_peer(&task(1), &ba).transport.is_some());
+    assert!(b.add_peer(&task(0), &aa).transport.is_some());
+    let r = recv_async(&b, &task(0), "k", 1);
+    send_wait(&a, &task(1), "k", 1, meta(&[3]), vec![1, 2, 3]).unwrap();
+    assert_eq!(r.recv_timeout(Duration::from_secs(10)).unwrap().unwrap().bytes(), &[1, 2, 3]);
+    // Another token, no token at the sender, no token at the receiver.
+    for (tx_token, rx_token) in [("s3cret", "other"), ("", "s3cret"), ("s3cret", "")] {
+        let (c, ca) = node(with(tx_token), 2);
+        let (d, da) = node(with(rx_token), 3);
+        assert!(c.add_peer(&task(3), &da).transport.is_some());
+        assert!(d.add_peer(&task(2), &ca).transport.is_some());
+        let (r, done) = send_async(&c, &task(3), "k", 1, vec![9u8; 16]);
+        let e = match r {
+            Ok(()) => done.recv_timeout(Duration::from_secs(10)).expect("done runs").unwrap_err(),
+            Err(e) => e,
+        };
+        assert!(matches!(e, Error::NotViable(_)), "{tx_token:?} -> {rx_token:?}: {e}");
+        assert!(e.message().contains("RDMA_DEVICE_CLUSTER_TOKEN"), "{tx_token:?} -> {rx_token:?}: {e}");
+        assert_eq!(d.counters().tensors_received, 0);
+    }
 }

@@ -396,6 +396,8 @@ impl FabricEvents for Events {
             }
         }
         let h = Hello::decode(hello)?;
+        // Before anything about the peer is believed: a stranger stops here.
+        rendezvous::proof::check_hello(&n.cfg.cluster_token, &h.task, &h.target, h.incarnation, &h.proof)?;
         if !h.target.is_empty() && h.target != n.task {
             return Err(Error::InvalidArgument(format!("this is {}, not {}", n.task, h.target)));
         }
@@ -416,7 +418,8 @@ impl FabricEvents for Events {
         n.links.lock().insert(conn, LinkRef::Rx(self.kind));
         n.locked(|r| r.add_rx_link(conn, &h.task, h.incarnation));
         log::info!("{}: {} connected over {} (incarnation {:#x})", n.task, h.task, self.kind.name(), h.incarnation);
-        Ok(Hello { task: n.task.clone(), incarnation: n.incarnation, target: String::new(), rpc: n.cfg.rpc_mode }.encode())
+        let proof = rendezvous::proof::reply(&n.cfg.cluster_token, &n.task, &h.proof);
+        Ok(Hello { task: n.task.clone(), incarnation: n.incarnation, target: String::new(), rpc: n.cfg.rpc_mode, proof }.encode())
     }
 
     fn on_write_imm(&self, conn: ConnId, imm: u32) {

@@ -152,7 +152,9 @@ impl Inner {
             .iter()
             .find(|f| f.kind() == kind)
             .ok_or_else(|| Error::Internal(format!("{} backend missing", kind.name())))?;
-        let hello = Hello { task: self.task.clone(), incarnation: self.incarnation, target: peer.to_string(), rpc: self.cfg.rpc_mode }.encode();
+        let token = &self.cfg.cluster_token;
+        let my_proof = crate::rendezvous::proof::hello(token, &self.task, peer, self.incarnation);
+        let hello = Hello { task: self.task.clone(), incarnation: self.incarnation, target: peer.to_string(), rpc: self.cfg.rpc_mode, proof: my_proof.clone() }.encode();
         let events: Arc<dyn FabricEvents> = Arc::new(Events { node: self.me.clone(), kind });
         // A peer we were connected to and lost gets a short grace: if it has
         // restarted we reach its new life; if it is dead we fail soon rather
@@ -169,7 +171,15 @@ impl Inner {
             Duration::from_millis(self.cfg.connect_timeout_ms)
         };
         let connected = f.connect(&addr, &hello, events, timeout, lost).and_then(|ep| match Hello::decode(ep.peer_hello()) {
-            Ok(reply) if reply.task == peer && reply.rpc == self.cfg.rpc_mode => Ok(ep),
+            Ok(reply) if reply.task == peer && reply.rpc == self.cfg.rpc_mode => {
+                match crate::rendezvous::proof::check_reply(token, &reply.task, &my_proof, &reply.proof) {
+                    Ok(()) => Ok(ep),
+                    Err(e) => {
+                        ep.close();
+                        Err(e)
+                    }
+                }
+            }
             Ok(reply) if reply.task == peer => {
                 ep.close();
                 Err(Error::NotViable(format!(

@@ -16,6 +16,7 @@
 //! That rule is what makes re-placement safe with one-sided writes.
 
 pub mod alloc;
+pub mod proof;
 mod rpc;
 mod rx;
 pub mod stream;

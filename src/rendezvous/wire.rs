@@ -382,6 +382,9 @@ pub struct Hello {
     pub target: String,
     /// `RDMA_DEVICE_MODE=rpc` on this task (both ends must agree).
     pub rpc: bool,
+    /// Proof of the cluster token (`proof::hello`/`proof::reply`; empty
+    /// without a token).
+    pub proof: Vec<u8>,
 }
 
 impl Hello {
@@ -390,6 +393,7 @@ impl Hello {
         w.u32(MAGIC); w.u32(PROTOCOL_VERSION);
         w.bytes(self.task.as_bytes()); w.u64(self.incarnation); w.bytes(self.target.as_bytes());
         w.u8(self.rpc as u8);
+        w.bytes(&self.proof);
         w.0.into_vec()
     }
 
@@ -408,8 +412,9 @@ impl Hello {
             1 => true,
             m => return Err(Error::Protocol(format!("unknown transport mode {m} in handshake"))),
         };
+        let proof = r.bytes(64)?.to_vec();
         r.end()?;
-        Ok(Hello { task, incarnation, target, rpc })
+        Ok(Hello { task, incarnation, target, rpc, proof })
     }
 }
 
@@ -594,7 +599,7 @@ mod tests {
 
     #[test]
     fn hello_checks_version() {
-        let h = Hello { task: "/job:w/task:0".into(), incarnation: 42, target: "x".into(), rpc: true };
+        let h = Hello { task: "/job:w/task:0".into(), incarnation: 42, target: "x".into(), rpc: true, proof: vec![9; 32] };
         assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
         let mut b = h.encode(); b[4] = 99;
         let e = Hello::decode(&b).unwrap_err();
