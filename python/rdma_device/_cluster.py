@@ -170,6 +170,13 @@ class LocalCluster:
     def device(self, job, index):
         return f"/job:{job}/replica:0/task:{index}"
 
+    def task_stats(self, job, index):
+        """Transport counters of one task."""
+        p = self.procs[(job, index)]
+        p.stdin.write("stats\n")
+        p.stdin.flush()
+        return json.loads(p.stdout.readline() or "{}")
+
     def _ask(self, cmd):
         out = {}
         for key, p in self.procs.items():

@@ -153,17 +153,26 @@ def soak(args):
     sess = tf.compat.v1.Session(cluster.target("worker", 0), graph=g)
     try:
         for step in range(steps):
-            if step == kill_at and step > 0:
+            mid = step == kill_at and step > 0 and args.kill_mid_stream
+            if step == kill_at and step > 0 and not mid:
                 cluster.kill(*VICTIM)
                 cluster.restart(*VICTIM)
                 res["restarted_at_step"] = step
             picked = rng.sample(DTYPES, args.lanes)
             shapes = {name: (_random_shape(rng) if name in picked else [0]) for name in DTYPES}
+            if mid:
+                # The largest tensors, so that they stream through a small
+                # arena while worker:1 dies.
+                shapes = {name: ([1 << 21] if name in picked else [0]) for name in DTYPES}
             feed = {lanes[n][0]: shapes[n] for n in DTYPES}
             fetch = [lanes[n][1] for n in DTYPES]
             for attempt in range(args.retries + 1):
                 try:
-                    out = sess.run(fetch, feed, options=options)
+                    if mid and attempt == 0:
+                        res["restarted_at_step"] = step
+                        out = _run_killing_mid_stream(cluster, sess, fetch, feed, options, res)
+                    else:
+                        out = sess.run(fetch, feed, options=options)
                     break
                 except tf.errors.OpError as e:
                     res["failed_attempts"] += 1
@@ -245,9 +254,53 @@ def soak(args):
               f"(private memory alone: {res['rss_anon_growth_pct']}%)")
         print(f"  transport: pushed {res['tensors_pushed']}, inline {res['inline_tensors']}, "
               f"fallback {res['fallback_tensors']}, arena in use at the end {res['arena_bytes_in_use_end']} B")
+        if "kill" in res:
+            k = res["kill"]
+            print(f"  worker:1 killed inside step {res['restarted_at_step']}, after the ps had written "
+                  f"{k['ps_stream_chunks_before_kill']} stream chunks of that step (step still running: "
+                  f"{k['step_still_running']})")
         for e in res["errors"]:
             print(f"  failed attempt: {e}")
     return res
+
+
+def _run_killing_mid_stream(cluster, sess, fetch, feed, options, res):
+    """Run one step and SIGKILL worker:1 while the ps streams a tensor to
+    it: once the ps's ``stream_chunks`` counter has moved since the step
+    began (the ps -> worker:1 hop is the ps's only send), then restart it.
+    Records the chunks the ps had written by then in ``res["kill"]``."""
+    import threading
+
+    def chunks():
+        return cluster.task_stats("ps", 0).get("counters", {}).get("stream_chunks", 0)
+
+    before = chunks()
+    out, err = {}, {}
+
+    def run():
+        try:
+            out["v"] = sess.run(fetch, feed, options=options)
+        except Exception as e:  # noqa: BLE001 (re-raised on the caller's thread)
+            err["e"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    deadline = time.time() + 60
+    now = before
+    while t.is_alive() and time.time() < deadline:
+        now = chunks()
+        if now > before:
+            break
+    running = t.is_alive()
+    cluster.kill(*VICTIM)
+    res["kill"] = {"ps_stream_chunks_before_kill": now - before, "step_still_running": running}
+    cluster.restart(*VICTIM)
+    t.join(timeout=options.timeout_in_ms / 1e3 + 30)
+    if t.is_alive():
+        raise RuntimeError("the step running while worker:1 was killed never returned")
+    if "e" in err:
+        raise err["e"]
+    return out["v"]
 
 
 def add_parser(sub):
@@ -261,6 +314,9 @@ def add_parser(sub):
                    help="step at which worker:1 is killed and restarted (default N/2; -1: never)")
     s.add_argument("--protocol", default="grpc+rdma_device",
                    help="the tasks' protocol; \"grpc\" runs the same soak on stock gRPC as a baseline")
+    s.add_argument("--kill-mid-stream", action="store_true",
+                   help="kill worker:1 inside the kill step, while the ps streams a tensor to it (use a small --arena so "
+                        "that tensors stream)")
     s.add_argument("--arena", default=None, help="RDMA_DEVICE_ARENA_BYTES for the tasks (default: the library's)")
     s.add_argument("--progress", type=int, default=0, help="print a line every this many steps")
     s.add_argument("--json", action="store_true")

@@ -104,3 +104,26 @@ def test_soak_random_tensors_with_worker_restart(plugin_built):
     assert r["tensors_pushed"] >= r["hops"]
     assert r["fallback_tensors"] == 0
     assert r["arena_bytes_in_use_end"] > 0
+
+
+def test_soak_worker_killed_mid_stream(plugin_built):
+    """Issue 18: worker:1 is SIGKILLed while the ps streams a tensor to it
+    (an 8 MiB arena, so 16 MiB tensors stream in chunks): the step that
+    meets it fails and is retried, nothing is lost or corrupted, no
+    survivor crashes (the soak goes on to its last step), nothing falls
+    back to gRPC."""
+    steps = 60
+    p = subprocess.run([sys.executable, "-m", "rdma_device.bench", "soak", "--steps", str(steps), "--json",
+                        "--arena", "8M", "--kill-mid-stream", "--step-timeout-ms", "30000"],
+                       env=dict(_env(), RDMA_DEVICE_LOG="error"), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["lost"] == 0 and r["corrupt"] == 0, r["errors"]
+    assert r["tensors"] == steps * r["lanes"]
+    assert r["restarted_at_step"] == steps // 2
+    # Killed inside the step, after the ps had begun streaming to it.
+    assert r["kill"]["step_still_running"], r["kill"]
+    assert r["kill"]["ps_stream_chunks_before_kill"] >= 1, r["kill"]
+    assert 1 <= r["failed_attempts"] <= 3, r["errors"]
+    assert r["inline_tensors"] > 0, "nothing streamed: the arena was not small enough"
+    assert r["fallback_tensors"] == 0
