@@ -58,9 +58,11 @@ Errors are :class:`RdevError` subclasses carrying the library's status
 are non-empty strings without NUL or ``;``.
 """
 
+import atexit
 import math
 import socket
 import threading
+import weakref
 import zlib
 
 import numpy as np
@@ -80,6 +82,19 @@ DEFAULT_TIMEOUT = 60.0
 # Steps are per context in the library (end of step, aborts), so each slot
 # gets a range of its own; the top bit stays clear (u64::MAX is reserved).
 _SEQ_BITS = 32
+
+
+_open = weakref.WeakSet()  # endpoints to close before the interpreter goes
+
+
+@atexit.register
+def _close_all():
+    # Library threads must not call into a finalizing interpreter.
+    for ep in list(_open):
+        try:
+            ep.close(timeout=2.0)
+        except Exception:
+            pass
 
 
 def supported_dtypes():
@@ -149,6 +164,7 @@ class Endpoint:
         self._tx = {}  # (peer, slot) -> _Slot
         self._rx = {}  # (peer, slot) -> _Slot
         self._bases = {}  # receiver step range -> (peer, slot)
+        _open.add(self)
 
     # -- the context's lifetime ------------------------------------------
 
@@ -215,6 +231,11 @@ class Endpoint:
             self._exit()
         self._peers[name] = (address, transport)
         return transport
+
+    @staticmethod
+    def stats():
+        """The transport's counters (process-wide, as ``rdma_device.stats()``)."""
+        return stats()
 
     def peers(self):
         """{name: (address, transport)} of the peers added."""
