@@ -36,23 +36,31 @@ class Future:
 
     def __init__(self, what):
         self._what = what
-        self._event = threading.Event()
+        # Held until the outcome is in: a bare lock is the cheapest
+        # one-shot event (threading.Event allocates a lock per wait).
+        self._gate = threading.Lock()
+        self._gate.acquire()
+        self._finished = False
         self._value = None
         self._error = None
         self._convert = None  # caller-side conversion of the raw value, once
         self._lock = threading.Lock()
 
     def done(self):
-        return self._event.is_set()
+        return self._finished
 
     def _set(self, value=None, error=None):
         self._value, self._error = value, error
-        self._event.set()
+        self._finished = True
+        self._gate.release()
 
     def _wait(self, timeout):
-        if not self._event.wait(min(timeout, threading.TIMEOUT_MAX)):
+        if self._finished:
+            return
+        if not self._gate.acquire(timeout=min(timeout, threading.TIMEOUT_MAX)):
             raise _capi.DeadlineExceeded(_capi.TIMEOUT, f"{self._what}: no outcome within "
                                                         f"{timeout:.3g} s")
+        self._gate.release()  # for any other waiter
 
     def exception(self, timeout=60.0):
         self._wait(timeout)

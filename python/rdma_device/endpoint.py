@@ -125,6 +125,7 @@ class _Slot:
 
     def __init__(self, key, base):
         self.key, self.base = key, base
+        self.peer = b""  # the peer's name, encoded
         self.seq = 0  # next sequence number to send or to post a receive for
         self.lock = threading.Lock()
         self.expect = None  # receiver: (dtype, shape) it was placed for
@@ -178,7 +179,8 @@ class Endpoint:
     def _exit(self):
         with self._state:
             self._active -= 1
-            self._state.notify_all()
+            if self._closed:
+                self._state.notify_all()
 
     def close(self, timeout=10.0):
         """Fail pending operations (Aborted), close connections, free the
@@ -270,6 +272,7 @@ class Endpoint:
         s = self._rx.get((peer, slot))
         if s is None:
             s = self._rx[(peer, slot)] = _Slot(key, base)
+            s.peer = p
             self._bases[base] = (peer, slot)
         s.expect = (dtype, shape)
         placed = _capi.ctypes.c_bool(False)
@@ -315,7 +318,7 @@ class Endpoint:
 
     def _post(self, peer, slot, s):
         """Post the receive of ``s``'s next array (``s.lock`` held)."""
-        p = self._peer(peer)
+        p = s.peer
         seq, step = s.seq, s.step()
         fut = Future(f"receive {peer}/{slot} #{seq}")
         expect = s.expect
@@ -359,11 +362,13 @@ class Endpoint:
         code = _dtypes.code_of(dtype)
         if arr.dtype != dtype or not arr.flags.c_contiguous:
             arr = np.ascontiguousarray(arr, dtype=dtype)
-        p = self._peer(peer)
-        key, base = _edge(self.name, peer, _name("slot name", slot))
         s = self._tx.get((peer, slot))
         if s is None:
-            s = self._tx.setdefault((peer, slot), _Slot(key, base))
+            self._peer(peer)
+            s = self._tx.setdefault((peer, slot), _Slot(*_edge(self.name, peer,
+                                                               _name("slot name", slot))))
+            s.peer = peer.encode()
+        p, key = s.peer, s.key
         dims = (_capi.ctypes.c_int64 * max(1, arr.ndim))(*arr.shape)
         meta = _capi.TensorMeta(code, 0, arr.ndim, dims)
         data = arr.ctypes.data if arr.nbytes else None
