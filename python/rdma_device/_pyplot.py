@@ -62,6 +62,7 @@ def plot(rows, path):
         ax1.plot(sizes, [pts[s] for s in sizes], style, color=COLORS.get(name), label=label)
     ax1.set_xscale("log", base=2)
     ax1.set_xticks(sizes, [_human(s) for s in sizes])
+    ax1.set_yscale("log")
     ax1.set_xlabel("array size")
     ax1.set_ylabel("GB/s (median; consumer touches every byte)")
     ax1.set_title("stream of arrays, process to process")

@@ -220,3 +220,18 @@ def test_bench_py_smoke():
         assert set(r) >= {"size", "baseline", "ours_gbps", "baseline_gbps", "ratio"}, r
         assert r["ours_gbps"] > 0 and r["baseline_gbps"] > 0, r
         assert abs(r["ratio"] - r["ours_gbps"] / r["baseline_gbps"]) < 1e-6 * r["ratio"] + 1e-9
+
+
+def test_param_server_example_runs_bit_identical():
+    """examples/param_server.py, small: both transports train the same
+    weights bit for bit."""
+    import rdma_device
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(rdma_device.__file__))] + sys.path))
+    out = subprocess.run([sys.executable, os.path.join(repo, "examples", "param_server.py"),
+                          "--params", "64K", "--steps", "4", "--block", "2"],
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "bit-identical across transports: True" in out.stdout, out.stdout
