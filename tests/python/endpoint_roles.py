@@ -52,14 +52,23 @@ def _dtypes_sender(ep, peer, args):
 
 
 def _dtypes_receiver(ep, peer, args):
-    bad, in_place = [], 0
+    bad, in_place, dlpack, no_dlpack = [], 0, 0, set()
     for slot, dt, shape, seed in cases():
         with ep.recv(peer, slot, timeout=WAIT) as r:
             want = payload(seed, dt, shape)
             if r.dtype != want.dtype or r.shape != want.shape or r.array.tobytes() != want.tobytes():
                 bad.append(f"{slot}: got {r.dtype}{list(r.shape)}")
             in_place += r.in_place
-    return {"bad": bad, "in_place": in_place}
+            try:
+                d = np.from_dlpack(r)
+            except (BufferError, TypeError):
+                no_dlpack.add(r.dtype.name)
+                continue
+            same = d.nbytes == 0 or d.ctypes.data == r.array.ctypes.data
+            if not same or d.tobytes() != want.tobytes() or d.flags.writeable:
+                bad.append(f"{slot}: DLPack export differs (same memory {same})")
+            dlpack += 1
+    return {"bad": bad, "in_place": in_place, "dlpack": dlpack, "no_dlpack": sorted(no_dlpack)}
 
 
 def _sizes_sender(ep, peer, args):

@@ -97,6 +97,13 @@ def test_every_dtype_and_shape_bit_identical(pair):
     assert (rx["stats"]["tensors_received"], rx["stats"]["bytes_received"]) == (sent, nbytes)
     assert tx["stats"]["fallback_tensors"] == rx["stats"]["fallback_tensors"] == 0
     assert rx["in_place"] == sent
+    # DLPack (numpy.from_dlpack: zero-copy, read-only) for every type
+    # NumPy's exporter has a DLPack code for: all of TensorFlow's numeric
+    # types but bfloat16 (an ml_dtypes extension), not dates or long double.
+    print(f"DLPack: {rx['dlpack']} exported, none for {rx['no_dlpack']}")
+    tf_types = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                "float16", "float32", "float64", "complex64", "complex128"}
+    assert rx["dlpack"] == 6 * len(tf_types) and not tf_types & set(rx["no_dlpack"]), rx
     assert not tx["tensorflow_imported"] and not rx["tensorflow_imported"]
 
 
