@@ -14,7 +14,6 @@ import ctypes
 import itertools
 import threading
 import time
-import weakref
 
 import numpy as np
 
@@ -156,21 +155,22 @@ def _report(e):
         pass
 
 
-def _release(ptr):
-    lib = _capi._lib
-    if lib is not None:
-        lib.rdev_buffer_release(ptr)
-
-
 class _Lease:
     """Owns one ``rdev_buffer``: released (its slot back to the sender) when
     the last reference, from a Received or from any view of it, goes."""
 
-    __slots__ = ("ptr", "__weakref__")
+    __slots__ = ("ptr",)
 
     def __init__(self, ptr):
         self.ptr = ptr
-        weakref.finalize(self, _release, ptr)
+
+    def __del__(self):
+        # Cheaper than weakref.finalize on the receive path. At interpreter
+        # exit the library may be gone: the process's end frees the slot.
+        try:
+            _capi._lib.rdev_buffer_release(self.ptr)
+        except Exception:
+            pass
 
 
 class Received:

@@ -158,7 +158,7 @@ class Endpoint:
         _capi.check(self._lib.rdev_context_new(n, len(n), a, len(a), _capi.ctypes.byref(out)),
                     f"endpoint {name} at {address}")
         self._ctx = out.value
-        self._state = threading.Condition()
+        self._state = threading.Condition(threading.Lock())
         self._active = 0  # calls into the context in progress
         self._closed = False
         self._peers = {}
