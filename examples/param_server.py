@@ -179,8 +179,10 @@ def main(argv=None):
             p.join(10)
             if p.is_alive():
                 p.kill()
-    mib = cfg["params"] * 4 / (1 << 20)
-    print(f"parameter server, 2 processes: {cfg['params']} float32 weights ({mib:.0f} MiB) out, "
+    from rdma_device._pyplot import _human
+
+    print(f"parameter server, 2 processes: {cfg['params']} float32 weights "
+          f"({_human(cfg['params'] * 4)}) out, "
           f"the same-sized gradient back, batch {cfg['batch']}; {cfg['steps']} counted steps per "
           f"transport in blocks of {cfg['block']}, interleaved")
     med = {t: statistics.median(ps["times"][t]) for t in TRANSPORTS}
