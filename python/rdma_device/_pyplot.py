@@ -58,7 +58,7 @@ def plot(rows, path):
         series.setdefault(r["baseline"], {})[r["size"]] = r["baseline_gbps"]
     for name, pts in series.items():
         style = "--" if name == "memcpy" else "-o"
-        label = "memcpy (one thread, in process)" if name == "memcpy" else name
+        label = "memcpy (one thread, np.copyto)" if name == "memcpy" else name
         ax1.plot(sizes, [pts[s] for s in sizes], style, color=COLORS.get(name), label=label)
     ax1.set_xscale("log", base=2)
     ax1.set_xticks(sizes, [_human(s) for s in sizes])
@@ -79,6 +79,7 @@ def plot(rows, path):
         ax2.bar(xs, [pts[s] for s in psizes], width, color=COLORS.get(name), label=name)
     ax2.set_xticks([j + width * (len(lat) - 1) / 2 for j in range(len(psizes))],
                    [_human(s) for s in psizes])
+    ax2.set_yscale("log")
     ax2.set_ylabel("one-way latency, us (half a round trip, median)")
     ax2.set_title("ping-pong")
     ax2.legend()

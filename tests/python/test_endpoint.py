@@ -209,20 +209,25 @@ def test_errors_carry_status_and_message(monkeypatch):
         Endpoint("bad-config")
 
 
-def test_bench_py_smoke():
+def test_bench_py_smoke(tmp_path):
     """python -m rdma_device.bench py, a few seconds: JSON rows with the
-    documented keys for every size and baseline."""
+    documented keys for every size and baseline, and the plot."""
     import json
 
     import rdma_device
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(rdma_device.__file__))] + sys.path))
-    out = subprocess.run([sys.executable, "-m", "rdma_device.bench", "py", "--json", "--quick"],
+    plot = tmp_path / "py.png"
+    out = subprocess.run([sys.executable, "-m", "rdma_device.bench", "py", "--json", "--quick",
+                          "--plot", str(plot)],
                          env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-4000:]
+    assert plot.stat().st_size > 10000
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert {r["baseline"] for r in rows} >= {"shared_memory+pipe"}, rows
+    assert {(r["kind"], r["size"]) for r in rows} == {("ping", 64), ("ping", 4096),
+                                                      ("stream", 4096), ("stream", 1 << 20)}
     for r in rows:
         assert set(r) >= {"size", "baseline", "ours_gbps", "baseline_gbps", "ratio"}, r
         assert r["ours_gbps"] > 0 and r["baseline_gbps"] > 0, r
