@@ -81,10 +81,10 @@ def plot(rows, path):
                    [_human(s) for s in psizes])
     ax2.set_yscale("log")
     top = max(v for pts in lat.values() for v in pts.values())
-    ax2.set_ylim(top=top * 8)  # room for the legend above the bars
+    ax2.set_ylim(top=top * 30)  # room for the legend above the bars
     ax2.set_ylabel("one-way latency, us (half a round trip, median)")
     ax2.set_title("ping-pong")
-    ax2.legend(loc="upper left", fontsize=8, ncol=len(lat))
+    ax2.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
