@@ -17,6 +17,12 @@ receiver gets a zero-copy view of the slot::
         total += r.array.sum()                   # r.array: read-only view
         t = torch.from_dlpack(r)                 # same memory, no copy
 
+Start-up: ``add_peer`` waits (``timeout``, default 60 s) until the peer's
+endpoint is up, so processes may start in any order; but a slot must be
+placed before its sender's first send to it (a placement racing with that
+send waits for the receive and can time out), so senders wait for a word
+from the receiver (any channel) before they start.
+
 Transports, settings and counters are the TensorFlow plugin's: shm between
 processes of one host, RDMA verbs across hosts, chosen per peer by
 :meth:`Endpoint.add_peer`; ``RDMA_DEVICE_*`` environment variables
@@ -60,14 +66,13 @@ are non-empty strings without NUL or ``;``.
 
 import atexit
 import math
-import socket
 import threading
 import weakref
 import zlib
 
 import numpy as np
 
-from rdma_device import _capi, _dtypes, _ops
+from rdma_device import _capi, _dtypes, _ops, _ready
 from rdma_device._capi import (Aborted, ConfigError, DeadlineExceeded, InvalidArgument, NotViable,
                                PeerLost, ProtocolError, RdevError, ResourceExhausted)
 from rdma_device._loader import config, reset_stats, stats
@@ -140,24 +145,27 @@ class _Slot:
 class Endpoint:
     """This process's transport endpoint (see the module docs).
 
-    ``address``: ``"host:port"`` where peers reach it (the port also names
-    its shared-memory socket, so it must be unique on the host). None: on
-    127.0.0.1 with a port reserved for the endpoint's lifetime."""
+    ``address``: ``"host:port"`` where peers reach it; the endpoint listens
+    on it (TCP, readiness only: see :meth:`add_peer`), and the port also
+    names its shared-memory socket. None or port 0: 127.0.0.1 or the host
+    given, on a free port (``address`` then says which)."""
 
     def __init__(self, name, address=None):
         self.name = _name("endpoint name", name)
-        self._reserved = None
-        if address is None:
-            self._reserved = socket.socket()
-            self._reserved.bind(("127.0.0.1", 0))
-            address = f"127.0.0.1:{self._reserved.getsockname()[1]}"
+        sock, address = _ready.bind(address or "127.0.0.1:0")
         self.address = address
         self._lib = _capi.lib()
         out = _capi.ctypes.c_void_p()
         n, a = self.name.encode(), address.encode()
-        _capi.check(self._lib.rdev_context_new(n, len(n), a, len(a), _capi.ctypes.byref(out)),
-                    f"endpoint {name} at {address}")
+        try:
+            _capi.check(self._lib.rdev_context_new(n, len(n), a, len(a), _capi.ctypes.byref(out)),
+                        f"endpoint {name} at {address}")
+        except BaseException:
+            sock.close()
+            raise
         self._ctx = out.value
+        # Listening says "this endpoint's transport is up" (see _ready).
+        self._ready = _ready.Listener(sock)
         self._state = threading.Condition(threading.Lock())
         self._active = 0  # calls into the context in progress
         self._closed = False
@@ -202,8 +210,7 @@ class Endpoint:
         # Callbacks of the failed operations may still run on the library's
         # thread; their state stays registered until they have.
         _ops.wait_idle(self, timeout)
-        if self._reserved is not None:
-            self._reserved.close()
+        self._ready.close()
 
     def __enter__(self):
         return self
@@ -213,11 +220,21 @@ class Endpoint:
 
     # -- peers -------------------------------------------------------------
 
-    def add_peer(self, name, address):
-        """Tell the endpoint where peer ``name`` is; returns the transport
-        that will carry arrays to and from it ("shm" or "verbs"). Raises
-        NotViable, with the reason, when none does."""
+    def add_peer(self, name, address, timeout=60.0):
+        """Tell the endpoint where peer ``name`` is, and wait (at most
+        ``timeout`` s; 0: not at all) until the peer's endpoint is up;
+        returns the transport that will carry arrays to and from it ("shm"
+        or "verbs"). Raises NotViable, with the reason, when none does,
+        and DeadlineExceeded when the peer did not come up in time.
+
+        Contacting a peer whose endpoint does not exist yet (sending to
+        it, placing a slot it sends) makes the transport treat it as one
+        that does not run the transport, for good: the wait here is what
+        prevents that."""
         _name("peer name", name)
+        if timeout and not _ready.wait_for(address, timeout):
+            raise DeadlineExceeded(_capi.TIMEOUT, f"peer {name} at {address} did not come up "
+                                                  f"within {timeout} s")
         n, a = name.encode(), address.encode()
         kind = _capi.ctypes.c_int(0)
         ctx = self._enter()

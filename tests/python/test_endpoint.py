@@ -195,18 +195,53 @@ def test_errors_carry_status_and_message(monkeypatch):
             ep.send("nobody", "x", np.zeros(3))
         with pytest.raises(ValueError, match="not placed"):
             ep.recv("nobody", "x", timeout=1)
-        assert ep.add_peer("p", "127.0.0.1:1") == "shm"
+        assert ep.add_peer("p", "127.0.0.1:1", timeout=0) == "shm"
         with pytest.raises(TypeError, match="cannot travel"):
             ep.send("p", "x", np.array(["a"], dtype=object))
     monkeypatch.setenv("RDMA_DEVICE_TRANSPORTS", "verbs")  # no RDMA device here
     with Endpoint("verbs-only") as ep:
         with pytest.raises(NotViable) as e:
-            ep.add_peer("p", "127.0.0.1:1")
+            ep.add_peer("p", "127.0.0.1:1", timeout=0)
         assert isinstance(e.value, RdevError) and e.value.status_name == "RDEV_NOT_VIABLE"
         assert "verbs" in e.value.message
     monkeypatch.setenv("RDMA_DEVICE_SLOTS_PER_EDGE", "0")
     with pytest.raises(ConfigError, match="RDMA_DEVICE_SLOTS_PER_EDGE"):
         Endpoint("bad-config")
+
+
+def test_add_peer_waits_for_a_late_peer():
+    """Endpoints may start in any order: add_peer waits until the peer's
+    endpoint is up (first contact with an absent one would demote it for
+    good), and gives up at its deadline."""
+    import threading
+
+    from rdma_device.endpoint import DeadlineExceeded, Endpoint
+
+    (port,) = free_ports(1)
+    made = {}
+    later = threading.Timer(0.5, lambda: made.setdefault("b", Endpoint("b", f"127.0.0.1:{port}")))
+    with Endpoint("a") as a:
+        later.start()
+        t0 = time.monotonic()
+        try:
+            assert a.add_peer("b", f"127.0.0.1:{port}", timeout=30) == "shm"
+            waited = time.monotonic() - t0
+            b = made["b"]
+            b.add_peer("a", a.address)
+            b.place("a", "x", (3,), np.int16)
+            a.send("b", "x", np.array([1, -2, 3], np.int16)).result(10)
+            with b.recv("a", "x", timeout=10) as r:
+                assert r.array.tolist() == [1, -2, 3]
+        finally:
+            later.join()
+            if "b" in made:
+                made["b"].close()
+        assert 0.4 <= waited < 10, waited
+        (nobody,) = free_ports(1)
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded, match="did not come up"):
+            a.add_peer("c", f"127.0.0.1:{nobody}", timeout=0.3)
+        assert 0.3 <= time.monotonic() - t0 < 1.5
 
 
 def test_bench_py_smoke(tmp_path):
