@@ -52,7 +52,9 @@ placement.
 
 Peer failure. When a peer's process dies or its connection breaks, its
 pending and later receives and sends fail with :class:`PeerLost` (or
-:class:`Aborted`), within the transport's detection time: at once when the
+:class:`Aborted`; a send that starts after the loss first tries the peer
+again for a short grace, 1.5 s, in case it restarted, and then fails with
+:class:`DeadlineExceeded`), within the transport's detection time: at once when the
 socket closes on one host; the verbs ACK timeout across hosts (see
 ``RDMA_DEVICE_VERBS_ACK_TIMEOUT``). A slot whose receive failed this way
 has lost its place in the sequence: place it again with a new name (or

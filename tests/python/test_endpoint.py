@@ -153,7 +153,9 @@ def test_killed_receiver_fails_sends_within_bound(pair):
     p.conn["a"].send(time.time())
     tx = p.result("a")
     print(f"sender: {tx['outcome']} {tx['after_s']:.3f} s after the SIGKILL")
-    assert tx["outcome"].startswith(("PeerLost", "Aborted")), tx
+    # A send that starts after the link dropped tries to reach the peer
+    # again (it may have restarted) for a 1.5 s grace: DeadlineExceeded.
+    assert tx["outcome"].startswith(("PeerLost", "Aborted", "DeadlineExceeded")), tx
     assert tx["after_s"] < PEER_LOSS_BOUND_S, tx
 
 
