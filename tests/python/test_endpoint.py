@@ -211,6 +211,38 @@ def test_errors_carry_status_and_message(monkeypatch):
         Endpoint("bad-config")
 
 
+def test_conversions_mismatch_and_release():
+    """Non-contiguous and big-endian arrays arrive as their values; an
+    array that does not match the placed slot is an InvalidArgument naming
+    both; a released receive refuses access, a view taken before keeps
+    its bytes; a closed endpoint refuses calls."""
+    from rdma_device.endpoint import Aborted, Endpoint, InvalidArgument
+
+    with Endpoint("a") as a, Endpoint("b") as b:
+        a.add_peer("b", b.address)
+        b.add_peer("a", a.address)
+        b.place("a", "t", (3, 4), np.float64)
+        b.place("a", "be", (5,), np.int32)
+        b.place("a", "m", (2,), np.float32)
+        x = np.arange(12, dtype=np.float64).reshape(4, 3)
+        a.send("b", "t", x.T).result(10)  # Fortran order: copied first
+        a.send("b", "be", np.arange(5, dtype=">i4")).result(10)
+        a.send("b", "m", np.zeros(3, np.float32)).result(10)
+        with b.recv("a", "t", timeout=10) as r:
+            assert r.array.tobytes() == np.ascontiguousarray(x.T).tobytes()
+            assert not r.array.flags.writeable
+            kept = r.array
+        assert kept.tolist() == x.T.tolist()  # a view outlives release()
+        with pytest.raises(ValueError, match="released"):
+            r.array
+        with b.recv("a", "be", timeout=10) as r:
+            assert r.dtype == np.dtype("=i4") and r.array.tolist() == [0, 1, 2, 3, 4]
+        with pytest.raises(InvalidArgument, match=r"placed for float32\[2\].*sent float32\[3\]"):
+            b.recv("a", "m", timeout=10)
+    with pytest.raises(Aborted, match="closed"):
+        a.send("b", "t", x)
+
+
 def test_add_peer_waits_for_a_late_peer():
     """Endpoints may start in any order: add_peer waits until the peer's
     endpoint is up (first contact with an absent one would demote it for
