@@ -36,9 +36,10 @@ is no order between slots or between senders. Up to
 ``RDMA_DEVICE_SLOTS_PER_EDGE`` (default 2) arrays per slot can be in the
 receiver's memory at once; a further send waits, in the library and not
 in the caller, for the receiver to release one. A slot whose arrays do
-not fit in the receive arena (``RDMA_DEVICE_ARENA_BYTES``) or change size
-still works, through the transport's chunked path (``Received.in_place``
-is then False).
+not fit in the receive arena (``RDMA_DEVICE_ARENA_BYTES``; ``place``
+returns False) still works, through the transport's chunked path
+(``Received.in_place`` is then False). An array whose dtype or shape is
+not the slot's fails its receive with :class:`InvalidArgument`.
 
 Completion and deadlines. :meth:`Endpoint.send` never blocks on the
 network: it returns a :class:`Future` that completes once the bytes are in
@@ -54,8 +55,8 @@ Peer failure. When a peer's process dies or its connection breaks, its
 pending and later receives and sends fail with :class:`PeerLost` (or
 :class:`Aborted`; a send that starts after the loss first tries the peer
 again for a short grace, 1.5 s, in case it restarted, and then fails with
-:class:`DeadlineExceeded`), within the transport's detection time: at once when the
-socket closes on one host; the verbs ACK timeout across hosts (see
+:class:`DeadlineExceeded`), within the transport's detection time: at
+once when the socket closes on one host; the verbs ACK timeout across hosts (see
 ``RDMA_DEVICE_VERBS_ACK_TIMEOUT``). A slot whose receive failed this way
 has lost its place in the sequence: place it again with a new name (or
 make new endpoints) to talk to a restarted peer. Closing an endpoint fails

@@ -243,6 +243,27 @@ def test_conversions_mismatch_and_release():
         a.send("b", "t", x)
 
 
+def test_slot_larger_than_the_arena_goes_chunked(monkeypatch):
+    """An array that does not fit in the receive arena: place() says so
+    (False) and the array still arrives, through the chunked path."""
+    from rdma_device.endpoint import Endpoint, reset_stats, stats
+
+    monkeypatch.setenv("RDMA_DEVICE_ARENA_BYTES", "1M")
+    x = roles.payload(3, np.uint8, (4 << 20,))
+    with Endpoint("a") as a, Endpoint("b") as b:
+        a.add_peer("b", b.address)
+        b.add_peer("a", a.address)
+        reset_stats()
+        assert b.place("a", "big", x.shape, x.dtype) is False
+        for _ in range(2):
+            sent = a.send("b", "big", x)
+            with b.recv("a", "big", timeout=30) as r:
+                assert not r.in_place and r.array.tobytes() == x.tobytes()
+            sent.result(30)
+        c = stats()["counters"]
+        assert c["tensors_received"] == 2 and c["stream_messages"] > 0, c
+
+
 def test_add_peer_waits_for_a_late_peer():
     """Endpoints may start in any order: add_peer waits until the peer's
     endpoint is up (first contact with an absent one would demote it for
