@@ -19,6 +19,13 @@ order rotates every repetition):
 ``gloo``                  torch.distributed send/recv over gloo (TCP on
                           loopback) into a preallocated tensor, when torch
                           is importable (else skipped, with the reason).
+``tensorpipe_rpc``        PyTorch RPC (torch.distributed.rpc over
+                          TensorPipe, its own choice of transport: shm and
+                          cma on one host): the producer calls a function
+                          of the consumer with the tensor as argument,
+                          all of a block's calls in flight at once; the
+                          function touches the tensor (when torch is
+                          importable).
 
 Stream: the producer sends ``n`` arrays of one size back to back; the
 consumer touches every byte of each (a uint64 sum) and answers one small
@@ -36,6 +43,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import threading
 import time
 import traceback
 
@@ -44,6 +52,7 @@ import numpy as np
 OURS = "rdma_device"
 SHM = "shared_memory+pipe"
 GLOO = "gloo"
+TENSORPIPE = "tensorpipe_rpc"
 PING_SIZES = (64, 4096)
 WAIT = 120.0
 
@@ -55,6 +64,7 @@ def add_parser(sub):
     p.add_argument("--pings", type=int, default=200, help="round trips per ping-pong block")
     p.add_argument("--quick", action="store_true", help="smoke run: 4K and 1M, 2 reps, 20 pings")
     p.add_argument("--no-gloo", action="store_true", help="skip the gloo baseline")
+    p.add_argument("--no-rpc", action="store_true", help="skip the PyTorch RPC baseline")
     p.add_argument("--plot", default="rdma_device_py.png", help="plot file ('' for none)")
     p.add_argument("--json", action="store_true", help="one JSON row per size and baseline")
     return run
@@ -73,6 +83,33 @@ def _count(size):
 
 def _touch(view):
     return int(view.view(np.uint64).sum())
+
+
+_RPC_DONE = threading.Event()
+
+
+def _rpc_take(t):
+    """PyTorch RPC baseline, in the consumer: touch the tensor."""
+    _touch(t.numpy())
+
+
+def _rpc_echo(t):
+    _touch(t.numpy())
+    return t
+
+
+def _rpc_done():
+    _RPC_DONE.set()
+
+
+def _rpc_missing():
+    try:
+        import torch.distributed.rpc as rpc
+    except ImportError as e:
+        return f"torch is not importable ({e})"
+    if not rpc.is_available():
+        return "this torch has no RPC"
+    return None
 
 
 def _gloo_missing():
@@ -117,6 +154,16 @@ class _Side:
                                     rank=rank, world_size=2)
             self.torch, self.dist = torch, dist
             self.gloo = torch.empty(self.block, dtype=torch.uint8)
+        self.rpc = None
+        if TENSORPIPE in cfg["baselines"]:
+            import torch
+            import torch.distributed.rpc as rpc
+
+            opts = rpc.TensorPipeRpcBackendOptions(
+                init_method=f"tcp://127.0.0.1:{cfg['rpc_port']}", num_worker_threads=8,
+                rpc_timeout=WAIT)
+            rpc.init_rpc(me, rank=rank, world_size=2, rpc_backend_options=opts)
+            self.torch, self.rpc = torch, rpc
 
     def place(self):
         if self.rank == 1:
@@ -166,6 +213,25 @@ class _Side:
             _touch(self.blocks[i % 2][:size])
             self.data_w.send_bytes(b"e")
 
+    def _stream_tensorpipe_rpc(self, size, n, src):
+        if self.rank == 0:
+            t = self.torch.from_numpy(src)
+            t0 = time.perf_counter()
+            futs = [self.rpc.rpc_async("c", _rpc_take, args=(t,)) for _ in range(n)]
+            for f in futs:
+                f.wait()
+            elapsed = time.perf_counter() - t0
+            self.rpc.rpc_sync("c", _rpc_done)
+            return elapsed
+        self._rpc_block_end()
+
+    def _rpc_block_end(self):
+        """Consumer: the producer's calls run on RPC threads; wait for the
+        block's end."""
+        if not _RPC_DONE.wait(WAIT):
+            raise TimeoutError("the producer's RPC block did not end")
+        _RPC_DONE.clear()
+
     def _stream_gloo(self, size, n, src):
         dist, torch = self.dist, self.torch
         if self.rank == 0:
@@ -186,6 +252,16 @@ class _Side:
 
     def ping(self, baseline, size, k, src):
         rtts = []
+        if baseline == TENSORPIPE:
+            if self.rank == 1:
+                return self._rpc_block_end()
+            t = self.torch.from_numpy(src)
+            for _ in range(k):
+                t0 = time.perf_counter()
+                _touch(self.rpc.rpc_sync("c", _rpc_echo, args=(t,)).numpy())
+                rtts.append(time.perf_counter() - t0)
+            self.rpc.rpc_sync("c", _rpc_done)
+            return statistics.median(rtts)
         for _ in range(k):
             t0 = time.perf_counter()
             if baseline == OURS:
@@ -207,7 +283,7 @@ class _Side:
                     _touch(self.blocks[0][:size])
                     np.copyto(self.blocks[1][:size], src)
                     self.data_w.send_bytes(b"f")
-            else:
+            elif baseline == GLOO:
                 t, buf = self.torch.from_numpy(src), self.gloo[:size]
                 if self.rank == 0:
                     self.dist.send(t, dst=1)
@@ -272,6 +348,8 @@ def _side_main(rank, cfg, conn):
         side.ep.close()
         if side.gloo is not None:
             side.dist.destroy_process_group()
+        if side.rpc is not None:
+            side.rpc.shutdown()
         side.shm.close()
         conn.send({"rows": rows, "stats": stats})
     except BaseException:
@@ -285,9 +363,9 @@ def measure(cfg):
     from rdma_device._cluster import free_ports
 
     ctx = mp.get_context("spawn")
-    ports = free_ports(3)
+    ports = free_ports(4)
     cfg = dict(cfg, addr={"p": f"127.0.0.1:{ports[0]}", "c": f"127.0.0.1:{ports[1]}"},
-               gloo_port=ports[2], block=max(list(cfg["sizes"]) + list(PING_SIZES)))
+               gloo_port=ports[2], rpc_port=ports[3], block=max(list(cfg["sizes"]) + list(PING_SIZES)))
     shm = shared_memory.SharedMemory(create=True, size=2 * cfg["block"])
     p2c_r, p2c_w = ctx.Pipe(duplex=False)
     c2p_r, c2p_w = ctx.Pipe(duplex=False)
@@ -377,6 +455,11 @@ def run(args):
         print(f"gloo baseline SKIPPED: {why}", file=sys.stderr)
     else:
         cfg["baselines"].append(GLOO)
+    why = "--no-rpc" if args.no_rpc else _rpc_missing()
+    if why:
+        print(f"PyTorch RPC baseline SKIPPED: {why}", file=sys.stderr)
+    else:
+        cfg["baselines"].append(TENSORPIPE)
     prod, cons = measure(cfg)
     rows = summarize(prod, cons)
     if args.json:

@@ -1,7 +1,7 @@
 """Table and plot of ``python -m rdma_device.bench py`` (see _pybench)."""
 
 COLORS = {"rdma_device": "#d62728", "shared_memory+pipe": "#1f77b4", "gloo": "#2ca02c",
-          "memcpy": "#7f7f7f"}
+          "tensorpipe_rpc": "#9467bd", "memcpy": "#7f7f7f"}
 
 
 def _human(n):
