@@ -7,7 +7,9 @@ below are module-level ctypes objects, so they outlive every callback; an
 operation's state (the array being sent, the future) sits in ``_pending``
 under an integer token until its callback has run. A callback only stores
 the outcome and sets an event: it never blocks, never calls back into the
-library's blocking functions, and runs no user code.
+library's blocking functions, and runs no user code. It does need the
+GIL: a Python thread that computes without releasing it delays the
+context's callback thread by up to ``sys.getswitchinterval()`` (5 ms).
 """
 
 import ctypes
