@@ -90,10 +90,10 @@ def ps_main(cfg, conn, pipe):
                 if counted:
                     times[t].append(time.perf_counter() - t0)
                     cpu[t].append(time.process_time() - c0)
-            stats = ep.stats()["counters"]
-        conn.send({"times": times, "cpu": cpu, "stats": stats,
-                   "identical": w["rdma_device"].tobytes() == w["pipe"].tobytes(),
-                   "weights_norm": float(np.linalg.norm(w["pipe"]))})
+            conn.send({"times": times, "cpu": cpu, "stats": ep.stats()["counters"],
+                       "identical": w["rdma_device"].tobytes() == w["pipe"].tobytes(),
+                       "weights_norm": float(np.linalg.norm(w["pipe"]))})
+            conn.poll(WAIT) and conn.recv()  # close once the peer is done too
     except BaseException:
         conn.send({"error": traceback.format_exc()})
 
@@ -128,7 +128,10 @@ def worker_main(cfg, conn, pipe):
                     pipe.send_bytes(g)
                 if counted:
                     cpu[t].append(time.process_time() - c0)
-        conn.send({"cpu": cpu})
+            conn.send({"cpu": cpu})
+            # A receiver still claiming arrays from a closed endpoint fails
+            # them: close once the ps has its last gradient.
+            conn.poll(WAIT) and conn.recv()
     except BaseException:
         conn.send({"error": traceback.format_exc()})
 
@@ -174,6 +177,8 @@ def main(argv=None):
             for c in conns:
                 c.send(then)
         ps, wk = _expect(conns[0], 3600), _expect(conns[1], 3600)
+        for c in conns:
+            c.send("bye")
     finally:
         for p in procs:
             p.join(10)

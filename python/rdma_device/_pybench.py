@@ -348,14 +348,16 @@ def _side_main(rank, cfg, conn):
                 value = side.stream(base, size, n, src[size])
             rows.append({"kind": kind, "baseline": base, "size": size, "n": n, "value": value,
                          "cpu": time.process_time() - c0})
-        stats = side.ep.stats()["counters"]
+        conn.send({"rows": rows, "stats": side.ep.stats()["counters"]})
+        # Close once the other process is done too (a receiver still
+        # claiming arrays from a closed endpoint fails them).
+        conn.poll(WAIT) and conn.recv()
         side.ep.close()
         if side.gloo is not None:
             side.dist.destroy_process_group()
         if side.rpc is not None:
             side.rpc.shutdown()
         side.shm.close()
-        conn.send({"rows": rows, "stats": stats})
     except BaseException:
         conn.send({"error": traceback.format_exc()})
 
@@ -392,6 +394,8 @@ def measure(cfg):
                     msg = _expect(c, WAIT)
                     assert msg == reply, msg
         out = [_expect(c, 1800) for c in conns]
+        for c in conns:
+            c.send("bye")
         return out
     finally:
         for p in procs:

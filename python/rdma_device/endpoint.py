@@ -60,7 +60,12 @@ once when the socket closes on one host; the verbs ACK timeout across hosts (see
 ``RDMA_DEVICE_VERBS_ACK_TIMEOUT``). A slot whose receive failed this way
 has lost its place in the sequence: place it again with a new name (or
 make new endpoints) to talk to a restarted peer. Closing an endpoint fails
-its pending operations with :class:`Aborted`.
+its pending operations with :class:`Aborted`. Close only once the peers
+are done with it: a receiver that still has to claim arrays an endpoint
+wrote before it closed (or exited) can fail those receives with
+:class:`NotViable` (its transport takes the vanished listener for a peer
+that does not run the transport), so end with an application-level
+"done" from the receivers.
 
 Errors are :class:`RdevError` subclasses carrying the library's status
 (``status``, ``status_name``) and message. Names of endpoints and slots

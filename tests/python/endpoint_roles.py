@@ -4,8 +4,8 @@ Endpoint and reports a JSON-able dict to the parent over a pipe.
 A child makes its endpoint, adds its peer, says "ready", waits for "go"
 (so both endpoints exist before anything is placed), places its slots,
 says "placed", waits for "start" (so both sides have placed before either
-sends), runs its role and sends {"result": ...} or {"error": ...}. Every
-wait has a deadline.
+sends), runs its role, sends {"result": ...} or {"error": ...} and closes
+its endpoint on "bye" (once both are done). Every wait has a deadline.
 """
 
 import os
@@ -212,6 +212,10 @@ def child(role, conn, me, peer, places, args):
             result["stats"] = stats()["counters"]
             result["tensorflow_imported"] = "tensorflow" in sys.modules
             result["pid"] = os.getpid()
-        conn.send({"result": result})
+            conn.send({"result": result})
+            # Close only once the peer is done too: a receiver still
+            # claiming arrays from a closed sender fails them (NotViable).
+            if conn.poll(WAIT):
+                conn.recv()
     except BaseException:
         conn.send({"error": traceback.format_exc()})

@@ -64,6 +64,11 @@ class Pair:
         return msg["result"]
 
     def close(self):
+        for conn in self.conn.values():
+            try:
+                conn.send("bye")
+            except OSError:
+                pass  # a killed child
         for p in self.proc.values():
             p.join(10)
             if p.is_alive():
