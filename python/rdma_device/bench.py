@@ -6,6 +6,11 @@
     python -m rdma_device.bench soak     [--steps 1000] [--json]   (see rdma_device.soak)
     python -m rdma_device.bench allreduce [--sizes 1M,4M,16M,64M] [--workers 2,3] [--json]
     python -m rdma_device.bench trace    [--out t.json] [--sizes 4K,1M,16M] [--tensorboard DIR]
+    python -m rdma_device.bench py       [--sizes 4K,64K,1M,16M,64M] [--quick] [--plot F] [--json]
+
+``py``: the endpoint API (rdma_device.endpoint, no TensorFlow) between two
+processes against multiprocessing.shared_memory with a pipe and against
+torch.distributed gloo, interleaved (see rdma_device._pybench).
 
 ``suite``: six workloads (AlexNet- and ResNet-class CNNs, an LSTM language
 model, a Transformer encoder, wide & deep with sparse embedding lookups, a
@@ -344,12 +349,13 @@ def main(argv=None):
     a.add_argument("--block", type=int, default=4, help="counted all-reduces per block")
     a.add_argument("--json", action="store_true", help="one JSON object per size and worker count")
     a.add_argument("--no-strict", dest="strict", action="store_false")
-    from rdma_device import _trace, soak
+    from rdma_device import _pybench, _trace, soak
     run_soak = soak.add_parser(sub)
     _trace.add_parser(sub)
+    run_py = _pybench.add_parser(sub)
     args = ap.parse_args(argv)
     {"transfer": transfer, "train": train, "suite": suite, "soak": run_soak,
-     "allreduce": allreduce, "trace": trace}[args.cmd](args)
+     "allreduce": allreduce, "trace": trace, "py": run_py}[args.cmd](args)
 
 
 def trace(args):
