@@ -28,5 +28,8 @@ bash tests/softroce/run.sh
 echo "== verbs between two VMs (two rxe devices on one virtual L2, SIGKILL of either side)"
 bash tests/softroce/two_hosts.sh
 
+echo "== python -m rdma_device doctor on Soft-RoCE (two VMs: host checks, --listen/--peer over verbs)"
+bash tests/softroce/doctor.sh
+
 echo "== the node, multi-process and hostile-input suites over verbs (Soft-RoCE VM)"
 bash tests/softroce/suites_over_verbs.sh
