@@ -16,6 +16,9 @@ cargo check --quiet --lib --bins
 echo "== coverage-guided fuzzing of every peer-fed decoder and the protocol state machine (60 s)"
 bash tests/fuzz/run.sh 60
 
+echo "== the wheel: built, installed into a fresh venv without build tools, a 2-task job with RDMA_DEVICE_STRICT=1"
+RDMA_DEVICE_CMAKE_BUILD_DIR="$ROOT/build/python-package" bash .ci/wheel.sh
+
 echo "== TensorFlow cluster tests (pytest)"
 "$VENV/bin/python" -m pytest -q tests/python
 

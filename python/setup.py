@@ -60,7 +60,9 @@ class BuildNative(build_py):
         super().run()
         jobs = str(max(1, min(4, os.cpu_count() or 1)))
         _run(["cargo", "build", "--release", "--lib"] + _cargo_features())
-        build_dir = os.path.join(REPO, "build", "python-package")
+        # RDMA_DEVICE_CMAKE_BUILD_DIR: reuse a configured build (an in-place
+        # build, CI's) instead of compiling the shim again.
+        build_dir = os.environ.get("RDMA_DEVICE_CMAKE_BUILD_DIR") or os.path.join(REPO, "build", "python-package")
         lib_dir = os.path.join(REPO, "target", "release")
         _run(["cmake", "-S", REPO, "-B", build_dir,
               f"-DPython_EXECUTABLE={sys.executable}",
@@ -80,7 +82,39 @@ class BinaryDistribution(Distribution):
         return True
 
 
+VERSION = "0.1.0"
+
+
+_WHICH_TF = r"""
+import base64, hashlib, importlib.metadata as m, os, tensorflow as tf
+lib = os.path.join(tf.sysconfig.get_lib(), "libtensorflow_framework.so.2")
+with open(lib, "rb") as f:
+    digest = "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(f.read()).digest()).rstrip(b"=").decode()
+# The distribution whose record holds this very file: tensorflow and
+# tensorflow-cpu both ship tensorflow/, and both may be installed.
+for d in m.distributions():
+    for f in d.files or []:
+        if f.name == "libtensorflow_framework.so.2" and f.hash and f"{f.hash.mode}={f.hash.value}" == digest:
+            print(d.metadata["Name"], tf.__version__)
+            raise SystemExit(0)
+print("tensorflow", tf.__version__)
+"""
+
+
+def _tensorflow_requirement():
+    """(distribution, version) of the TensorFlow the libraries are built
+    against: the one the build's Python imports."""
+    out = subprocess.check_output([sys.executable, "-c", _WHICH_TF], env=_clean_env(), text=True,
+                                  stderr=subprocess.DEVNULL)
+    name, version = out.split()[-2:]
+    return name.replace("_", "-").lower(), version
+
+
+TF_DIST, TF_VERSION = _tensorflow_requirement()
+
 setup(
+    version=f"{VERSION}+tf{TF_VERSION}",
+    install_requires=[f"{TF_DIST}=={TF_VERSION}"],
     cmdclass={"build_py": BuildNative},
     distclass=BinaryDistribution,
     # Build products go under the repository's (ignored) build/ directory.

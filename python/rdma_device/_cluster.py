@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from rdma_device import _quiet
+
 _TASK_MAIN = r"""
 import json, os, sys
 cluster, job, index, protocol = json.loads(sys.argv[1])
@@ -108,7 +110,8 @@ class LocalCluster:
             self.spec.setdefault(job, []).append(f"localhost:{port}")
         self.procs = {}
         self._env = dict(os.environ)
-        self._env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        if not _quiet.verbose():
+            self._env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         self._env.update(env or {})
         self._log_dir = log_dir
         self._name = name

@@ -53,6 +53,7 @@ def load(directory=None):
 
         shim = _path(_SHIM, directory)
         _check_built_for(_running_build(tf), os.path.dirname(shim))
+        _load_tf_libraries(tf)
         tf.load_library(shim)
         error = ctypes.CDLL(shim).rdma_device_tf_load_error
         error.restype = ctypes.c_char_p
@@ -61,6 +62,17 @@ def load(directory=None):
             raise RuntimeError(message.decode("utf-8", "replace"))
         _loaded_shim = shim
         return shim
+
+
+def _load_tf_libraries(tf):
+    """Makes TensorFlow's two shared libraries, from this environment's
+    ``tf.sysconfig.get_lib()``, resolvable by soname before the shim loads:
+    its rpath names only relative directories, and a library already
+    loaded is found by soname whatever the path."""
+    for name in ("libtensorflow_framework.so.2", "libtensorflow_cc.so.2"):
+        path = os.path.join(tf.sysconfig.get_lib(), name)
+        if os.path.exists(path):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
 
 def _abi_flags(joined):

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+from rdma_device import _quiet
 from rdma_device._cluster import free_ports, stop_tasks
 
 
@@ -175,7 +176,8 @@ class MwmsCluster:
         self.protocol = protocol
         self.workers = [f"localhost:{p}" for p in free_ports(n)]
         e = dict(os.environ)
-        e.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        if not _quiet.verbose():
+            e.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         e["CUDA_VISIBLE_DEVICES"] = "-1"
         e.update(env or {})
         self._logs = []

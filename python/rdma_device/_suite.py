@@ -28,8 +28,9 @@ import statistics
 import sys
 import time
 
-from rdma_device import _workloads
+from rdma_device import _quiet, _workloads
 from rdma_device._cluster import LocalCluster
+from rdma_device._progress import Progress
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -50,28 +51,6 @@ def _config_rows(rdma_device):
     except Exception:  # noqa: BLE001 - an old transport without config(): two modes
         return []
     return cfg if isinstance(cfg, list) else [{"name": k} for k in cfg]
-
-
-class Progress:
-    """One line on stderr, rewritten: ``[####....] 12/40 what``."""
-
-    def __init__(self, total, out=None):
-        self.out = out or sys.stderr
-        self.total, self.done, self.enabled = max(total, 1), 0, self.out.isatty()
-        self.t0 = time.time()
-
-    def step(self, what):
-        self.done += 1
-        if not self.enabled:
-            print(f"[{self.done}/{self.total}] {what}", file=self.out, flush=True)
-            return
-        n = 30 * self.done // self.total
-        line = f"\r[{'#' * n}{'.' * (30 - n)}] {self.done}/{self.total} {time.time() - self.t0:5.0f}s {what}"
-        print(f"{line[:110]:<110}", end="", file=self.out, flush=True)
-
-    def close(self):
-        if self.enabled:
-            print(file=self.out, flush=True)
 
 
 def cpu_seconds(clusters):
@@ -238,7 +217,7 @@ def run(args):
     redirected there while the suite runs; progress goes to the terminal."""
     logs = os.path.join(args.out, "logs")  # the tasks' TensorFlow logs, off the terminal
     os.makedirs(logs, exist_ok=True)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    _quiet.quiet_env()
     sys.stderr.flush()
     saved = os.dup(2)
     term = os.fdopen(os.dup(saved), "w")

@@ -48,6 +48,11 @@ median timeline of a step per size.
 gradient steps on a worker) under both protocols, interleaved; prints
 median step times, the ratio, and whether the final weights are
 bit-identical.
+
+Every subcommand takes ``--verbose``: without it, TensorFlow's C++ log
+lines (its own and its task processes') are kept off the terminal
+(``TF_CPP_MIN_LOG_LEVEL=2`` and a filter for the lines written before that
+applies); progress goes to stderr, results to stdout.
 """
 
 import argparse
@@ -57,7 +62,9 @@ import statistics
 import sys
 import time
 
+from rdma_device import _quiet
 from rdma_device._cluster import LocalCluster
+from rdma_device._progress import Progress
 from rdma_device._suite import cpu_seconds
 
 PROTOCOLS = ("grpc", "grpc+rdma_device")
@@ -102,6 +109,7 @@ def transfer(args):
     clusters = {p: LocalCluster(p, {"worker": 2}, env=env) for p in PROTOCOLS}
     clusters[TRACED] = LocalCluster("grpc+rdma_device", {"worker": 2}, env=dict(env, **TRACED_ENV))
     results = []
+    prog = Progress(len(sizes))
     try:
         for size in sizes:
             sessions = {}
@@ -147,8 +155,10 @@ def transfer(args):
                 "first_step_rdma_device_traced_ms": round(first[TRACED], 3),
             }
             results.append(r)
+            prog.step(f"{_human(size)}: grpc {r['grpc_ms']:.2f} ms, grpc+rdma_device {r['rdma_device_ms']:.2f} ms")
             if args.json:
                 print(json.dumps(r), flush=True)
+        prog.close()
         stats = clusters["grpc+rdma_device"].stats()
     finally:
         for c in clusters.values():
@@ -185,7 +195,9 @@ def allreduce(args):
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     env = {"RDMA_DEVICE_STRICT": "1"} if args.strict else {}
     results, stats = [], {}
-    for n in [int(w) for w in args.workers.split(",")]:
+    counts = [int(w) for w in args.workers.split(",")]
+    prog = Progress(len(counts) * len(sizes))
+    for n in counts:
         clusters = {}
         try:
             for p in PROTOCOLS:
@@ -212,6 +224,8 @@ def allreduce(args):
                      "grpc_cpu_ms": round(cpu["grpc"] / calls * 1e3, 2),
                      "rdma_cpu_ms": round(cpu["grpc+rdma_device"] / calls * 1e3, 2)}
                 results.append(r)
+                prog.step(f"{_human(size)} on {n} workers: grpc {r['grpc_ms']:.2f} ms, "
+                          f"grpc+rdma_device {r['rdma_ms']:.2f} ms")
                 if args.json:
                     print(json.dumps(r), flush=True)
             stats[n] = clusters["grpc+rdma_device"].stats()
@@ -273,13 +287,17 @@ def train(args):
             runs[p] = (s, op, loss, ws)
         times = {p: [] for p in PROTOCOLS}
         losses = {p: [] for p in PROTOCOLS}
-        for _ in range(args.steps):
+        prog = Progress(args.steps)
+        for k in range(args.steps):
+            if (k + 1) % max(1, args.steps // 10) == 0 or k + 1 == args.steps:
+                prog.step(f"step {k + 1} of {args.steps} under both protocols", done=k + 1)
             for p in PROTOCOLS:
                 s, op, loss, _ = runs[p]
                 t = time.perf_counter()
                 _, l = s.run([op, loss])
                 times[p].append((time.perf_counter() - t) * 1e3)
                 losses[p].append(l)
+        prog.close()
         finals = {p: runs[p][0].run(runs[p][3]) for p in PROTOCOLS}
         identical = all(np.array_equal(a, b) for a, b in zip(finals["grpc"], finals["grpc+rdma_device"]))
         stats = clusters["grpc+rdma_device"].stats()
@@ -353,6 +371,11 @@ def main(argv=None):
     run_soak = soak.add_parser(sub)
     _trace.add_parser(sub)
     run_py = _pybench.add_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--verbose" in argv:  # anywhere on the line, for every subcommand
+        argv.remove("--verbose")
+        _quiet.set_verbose(True)
+    _quiet.filter_stderr()
     args = ap.parse_args(argv)
     {"transfer": transfer, "train": train, "suite": suite, "soak": run_soak,
      "allreduce": allreduce, "trace": trace, "py": run_py}[args.cmd](args)

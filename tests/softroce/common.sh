@@ -158,6 +158,7 @@ done
 rdma link show
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose,msize=512000 hostroot /host || echo "9p mount failed"
 mount -t proc proc /host/proc; mount -t sysfs sys /host/sys; mount -t devtmpfs dev /host/dev
+mkdir -p /host/dev/shm  # devtmpfs has no shm directory
 mount -t tmpfs tmp /host/tmp; mount -t tmpfs run /host/run; mount -t tmpfs shm /host/dev/shm
 ulimit -l unlimited
 echo "=== SOFTROCE-READY $(cut -d' ' -f1 /proc/uptime)"
