@@ -52,16 +52,19 @@ void AbortTransfers(const std::shared_ptr<Transport>& transport,
   std::vector<tf::StatusCallback> sends;
   std::vector<uint64_t> ids = steps->Abort(s, first, &sends);
   if (!*first) return;
-  VLOG(1) << "rdma_device: collective executor aborts " << ids.size() << " transport steps and "
+  VLOG(1) << "rdma_device: collective executor aborts " << ids.size() << " local steps and "
           << sends.size() << " sends: " << s;
-  Schedule([transport, ids = std::move(ids), sends = std::move(sends), s] {
+  const uint64_t sentinel = steps->sentinel_step();
+  Schedule([transport, ids = std::move(ids), sends = std::move(sends), s, sentinel] {
     // Sends the transport still holds end now; their bytes stay referenced
     // by the transport until it lets go, and whatever it still delivers is
     // for a step the receivers drop.
     for (const auto& done : sends) done(s);
-    if (transport != nullptr) {
-      for (uint64_t step : ids) transport->AbortStep(step, s, /*propagate=*/true);
-    }
+    if (transport == nullptr) return;
+    // Peers first (their executors abort, failing their receives), then
+    // this task's own transfers, locally.
+    transport->AbortStep(sentinel, s, /*propagate=*/true);
+    for (uint64_t step : ids) transport->AbortStep(step, s, /*propagate=*/false);
   });
 }
 

@@ -96,17 +96,20 @@ class Counts {
 //
 // Transport steps: the n-th use of a key is step mix(seed, instance) + n;
 // the seed mixes the executor's step id and how often it was aborted
-// here (Generations). Aborting the executor aborts, with propagation,
-// every step of its recent instances and the next use of each, so
-// receivers waiting on chunks from us fail. Receivers waiting on an
-// instance we never saw (the abort came before we started it) learn it
-// from the sentinel: every executor waits, per peer it exchanges chunks
-// with, on a receive of `sentinel_step()` that no peer ever sends. It
-// fails when that peer aborts its executor (it aborts the sentinel step
-// with propagation) or when the transport loses the peer, and its failure
-// aborts this executor: the same reach as stock TF, where a peer's aborted
-// BufRendezvous fails every RecvBuf sent to it, and a dead peer fails them
-// all.
+// here (Generations). Aborting the executor fails its own transfers in
+// flight here (the latest use of each key, without propagation) and
+// aborts, with propagation, one step: the sentinel. Every executor waits,
+// per peer it exchanges chunks with, on a receive of `sentinel_step()`
+// that no peer ever sends, posted before its first transfer with that
+// peer. It fails when that peer aborts its executor or when the transport
+// loses the peer, and its failure aborts this executor, which fails its
+// own receives in turn: so a peer waiting on a chunk from us, of an
+// instance we ran or one we never reached, fails, with one abort message
+// per link and executor (aborting every key's steps with propagation, as
+// before, sent 2 messages per remembered key on every link, and every
+// peer repeated it). The same reach as stock TF, where a peer's aborted
+// BufRendezvous fails every RecvBuf sent to it, and a dead peer fails
+// them all.
 class Steps {
  public:
   Steps(int64_t exec_step, uint64_t generation)
@@ -131,20 +134,20 @@ class Steps {
   }
 
   // Marks the executor aborted (`*first`: by this call); returns the
-  // steps to abort with propagation (see the class comment) and the sends
-  // still in flight, to complete with the abort.
+  // steps of its transfers that may be in flight here (the latest use of
+  // each key), to fail locally, and the sends still in flight, to complete
+  // with the abort. Peers learn of it from the sentinel step alone (see
+  // the class comment): one message per link, whatever the number of keys.
   std::vector<uint64_t> Abort(const absl::Status& status, bool* first,
                               std::vector<tf::StatusCallback>* sends) {
     tf::mutex_lock l(mu_);
     *first = aborted_.ok();
     if (!*first) return {};
     aborted_ = status;
-    std::vector<uint64_t> steps{sentinel_};
+    std::vector<uint64_t> steps;
     for (const Counts& counts : uses_) {
       counts.ForEach([&](const std::string& key, uint64_t uses) {
-        const uint64_t base = Mix(seed_ ^ Fnv1a(Split(key).instance));
-        steps.push_back(base + uses - 1);  // the latest use (maybe in flight)
-        steps.push_back(base + uses);      // the next (a peer may wait for it)
+        steps.push_back(Mix(seed_ ^ Fnv1a(Split(key).instance)) + uses - 1);
       });
     }
     std::sort(steps.begin(), steps.end());
@@ -203,8 +206,9 @@ class Steps {
 };
 
 // Aborts the executor's transfers: completes its sends in flight, fails
-// its receives and (propagate) peers' receives of its steps. From any
-// thread; the work runs on the plugin's pool.
+// its receives, and aborts its sentinel step on the peers (which abort
+// their executors). From any thread; the work runs on the plugin's
+// data-path pool.
 void AbortTransfers(const std::shared_ptr<Transport>& transport,
                     const std::shared_ptr<Steps>& steps, const absl::Status& s, bool* first);
 

@@ -184,3 +184,37 @@ def make_strategy_for(cluster, index, protocol):
     return tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver(),
         communication_options=options)
+
+
+def abort_messages(spec, ready):
+    """`calls` all-reduces (each a new instance: keys the executor
+    remembers), then worker 0 aborts collectives (abort_collective_ops)
+    while every worker runs one more all-reduce. Reports the abort control
+    messages this task sent (trace spans "Abort"), how the last
+    all-reduce failed, and how long after its start."""
+    import rdma_device
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    strategy = _strategy(spec)
+    ready()
+    calls = [_allreduce_fn(strategy, tf, 1024) for _ in range(spec.get("calls", 20))]
+    for fn in calls:
+        fn()
+    last = _allreduce_fn(strategy, tf, 1024)
+    rdma_device.trace_take()  # drop what was recorded so far
+    rdma_device.trace_enable(True)
+    t0 = time.monotonic()
+    if spec["task"] == 0:
+        time.sleep(1.0)  # the others are inside `last` by now
+        context.context().abort_collective_ops(14, "aborted by the test")  # UNAVAILABLE
+    try:
+        last()
+        error = None
+    except Exception as e:  # what the training loop sees
+        error = type(e).__name__
+    took = time.monotonic() - t0
+    time.sleep(1.0)  # messages the peers' aborts caused
+    events = rdma_device.trace_take()
+    aborts = sum(1 for e in events if e.get("ph") == "X" and e.get("name") == "Abort")
+    return {"aborts_sent": aborts, "error": error, "seconds": took}

@@ -200,3 +200,31 @@ def test_changed_server_def_keeps_collectives_on_the_transport(mode, log_dir, pl
     # The calls after the change went over the transport, both ways: a ring
     # of 2 moves each worker's half twice per call (reduce-scatter, gather).
     check_counters(results, exact_total=3 * 2 * (n - 1) * size * 4)
+
+
+def test_collective_abort_sends_one_message_per_link(log_dir, plugin_built):
+    """After 20 all-reduces (keys the executors remember), worker 0 aborts
+    collectives while all 3 workers run one more: every worker's all-reduce
+    fails within 10 s, and each worker sends at most two abort messages per
+    link (the executor's sentinel step, and the failed function's step),
+    on its at most 2 (n - 1) links (one each way per peer): not messages
+    per remembered key (before: 126-176 per worker here)."""
+    n = 3
+    cluster = {"worker": harness.make_cluster({"worker": n})["worker"]}
+    tasks = [harness.Task(dict(role="mwms_scenarios.abort_messages", cluster=cluster,
+                               job="worker", task=i, calls=20, protocol=harness.PROTOCOL_RDMA),
+                          log_dir, STRICT) for i in range(n)]
+    try:
+        for t in tasks:
+            t.wait_ready()
+        try:
+            results = [t.result(DEADLINE) for t in tasks]
+        except TimeoutError:
+            pytest.fail("an aborted all-reduce hung\n" + "\n".join(t.dump_stacks() for t in tasks))
+    finally:
+        for t in tasks:
+            t.close()
+    print(results)
+    for r in results:
+        assert r["error"] is not None and r["seconds"] < 10.0, results
+        assert 0 < r["aborts_sent"] <= 2 * 2 * (n - 1), results
