@@ -19,7 +19,10 @@
 //
 // TF1 sessions do not come here: their workers run POST_PARTITIONING with
 // is_function_graph false, and are handled at RegisterGraph (worker.h).
+#include <pthread.h>
+
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -58,9 +61,19 @@ class ShapeAnnotationPass : public tf::GraphOptimizationPass {
 };
 
 
-// How long instantiating a multi-task function waits for its edges'
-// placement (the same bound as RegisterGraph's, worker.cc).
+// How long a caller's thread instantiating a multi-task function waits for
+// its edges' placement (the same bound as RegisterGraph's, worker.cc).
 constexpr int64_t kFunctionPlacementWaitMs = 2000;
+
+// True on a thread of a TF (tsl) thread pool, the plugin's included: they
+// are started by tsl's Env, which names each "tf_<pool name>" (the inter-op
+// pool's "tf_Compute", tf.data's, the plugin's "tf_rdev_plugin"). A thread
+// whose name cannot be read counts as a pool thread (it never waits).
+bool OnTfPoolThread() {
+  char name[16] = {};
+  if (pthread_getname_np(pthread_self(), name, sizeof(name)) != 0) return true;
+  return std::strncmp(name, "tf_", 3) == 0;
+}
 
 class FunctionPlacementPass : public tf::GraphOptimizationPass {
  public:
@@ -72,8 +85,10 @@ class FunctionPlacementPass : public tf::GraphOptimizationPass {
     // asks the other tasks to place theirs.
     std::shared_ptr<Transport> here = Transport::AnyWithStaticPlacement();
     if (here == nullptr) return absl::OkStatus();
-    // Every partition's placement runs at once on the plugin's pool; this
-    // thread (the one instantiating the function) waits for them, bounded.
+    // Every partition's placement runs at once on the plugin's control
+    // pool; this thread (the one instantiating the function) waits for
+    // them, bounded, unless it is a TF pool thread (see the file comment).
+    const bool wait = !OnTfPoolThread();
     const auto deadline =
         std::chrono::steady_clock::now() + std::chrono::milliseconds(kFunctionPlacementWaitMs);
     std::vector<PlacementRun> runs;
@@ -96,6 +111,11 @@ class FunctionPlacementPass : public tf::GraphOptimizationPass {
           local != nullptr && local->static_placement() ? local : here;
       runs.push_back(PlaceStaticEdges(
           transport, edges, absl::StrCat(transport->self_task(), " function partition on ", task)));
+    }
+    if (!wait) {
+      VLOG(1) << "rdma_device: function " << options.debug_filename_prefix
+              << " instantiated on a TF pool thread: placement goes on in the background";
+      return absl::OkStatus();
     }
     for (const PlacementRun& run : runs) {
       if (!run.WaitUntil(deadline)) {

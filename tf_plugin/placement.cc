@@ -38,7 +38,7 @@ namespace {
 constexpr uint64_t kPlaceTimeoutMs = 5000;
 
 // Placements in flight at once towards one task. Each waits one round trip
-// on a thread of the plugin's pool (pool.h); 16 brings a 200-edge graph
+// on a thread of the plugin's control pool (pool.h); 16 brings a 200-edge graph
 // from ~50 ms of sequential round trips to a few ms here.
 constexpr size_t kPlaceConcurrency = 16;
 
@@ -310,14 +310,14 @@ PlacementRun PlaceStaticEdges(std::shared_ptr<Transport> transport,
       by_contact[st->Contact(e)].push_back(e);
     }
   }
-  // One part per contacted task: it connects (on the pool: a connect may
-  // wait up to the connect timeout), then fans its edges out to up to
+  // One part per contacted task: it connects (on the control pool: a
+  // connect may wait up to the connect timeout), then fans its edges out to up to
   // kPlaceConcurrency parts, each placing one edge at a time (a placement
   // waits one round trip). No part waits for another.
   st->completion.Add(static_cast<int>(by_contact.size()) + 1);
   for (auto& [peer, list] : by_contact) {
     auto mine = std::make_shared<std::vector<SendEdge>>(std::move(list));
-    Schedule([st, peer = peer, mine] {
+    ScheduleControl([st, peer = peer, mine] {
       absl::Status s = st->transport->ConnectPeer(peer);
       if (!s.ok()) {
         LOG(WARNING) << "rdma_device: " << st->what << ": cannot reach " << peer
@@ -331,7 +331,7 @@ PlacementRun PlaceStaticEdges(std::shared_ptr<Transport> transport,
       const int parts = static_cast<int>(std::min(mine->size(), kPlaceConcurrency));
       st->completion.Add(parts - 1);  // this part becomes one of them
       for (int i = 1; i < parts; ++i) {
-        Schedule([st, mine, next, peer_failed] {
+        ScheduleControl([st, mine, next, peer_failed] {
           st->PlaceSome(mine, next, peer_failed);
           st->PartDone();
         });

@@ -64,7 +64,8 @@ struct SendEdge {
 absl::Status FindSendEdges(const tensorflow::Graph& graph, const std::string& sender_task,
                            std::vector<SendEdge>* out);
 
-// A placement started by PlaceStaticEdges, running on the plugin's pool.
+// A placement started by PlaceStaticEdges, running on the plugin's
+// control pool.
 class PlacementRun {
  public:
   struct State;
@@ -73,7 +74,8 @@ class PlacementRun {
   // Waits until every edge has its outcome or `deadline` passes (true: all
   // done). Placement goes on in the background after a deadline; an edge
   // whose first step comes first is placed then (a send waits for a
-  // placement in flight, it does not race it). Never call from the pool.
+  // placement in flight, it does not race it). Never call from a plugin
+  // pool.
   bool WaitUntil(std::chrono::steady_clock::time_point deadline) const;
 
  private:
@@ -81,7 +83,7 @@ class PlacementRun {
 };
 
 // Starts placing every static edge of `edges` through `transport`, on the
-// plugin's pool, and returns at once: directly when its task is the sender
+// plugin's control pool, and returns at once: directly when its task is the sender
 // (and serves the receiver), else by asking the sender to (when `transport`
 // serves the sender). Never fails: problems are logged and leave edges to
 // be traced. `what` names the graph in logs.

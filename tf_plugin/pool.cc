@@ -15,4 +15,11 @@ void Schedule(std::function<void()> fn) {
   pool->Schedule(std::move(fn));
 }
 
+void ScheduleControl(std::function<void()> fn) {
+  // Leaked on purpose, as above.
+  static tsl::thread::ThreadPool* const pool =
+      new tsl::thread::ThreadPool(tsl::Env::Default(), "rdev_control", kControlThreads);
+  pool->Schedule(std::move(fn));
+}
+
 }  // namespace rdma_device

@@ -4,26 +4,28 @@
 // inter-op and executor pools, gRPC handler threads) ever waits for work
 // queued on its own pool, or for a network round trip without a deadline:
 // - work that waits on the network (placement round trips, connects) runs
-//   here, on the plugin's pool, never on a TF pool;
+//   on the plugin's control pool, never on a TF pool, and never on the
+//   data-path pool where completions and aborts run;
 // - a TF thread that must wait for such work (RegisterGraph waiting for
 //   placement) waits with a short, documented deadline
 //   (kRegisterPlacementWaitMs in worker.cc); what is not done by then is
 //   simply done later (its edges are placed on first use);
-// - a task on the plugin's pool never waits for another task of the pool:
+// - a task on a plugin pool never waits for another task of a pool:
 //   work that fans out schedules its parts and counts them down
 //   (Completion), and only threads outside the pool wait for the count;
 // - TF's Rendezvous::Send never blocks (the transport queues the push and
 //   connects in the background), and RecvFromRemoteAsync never waits.
 //
-// Blocking calls in the shim and the threads they run on:
+// Every thread and pool, what runs on it and what it may wait on:
+// THREADS.md. Blocking calls in the shim and the threads they run on:
 // | call | thread | bound |
 // |---|---|---|
-// | Transport::PlaceEdge / RequestPlacement (rdev_place_edge, rdev_request_placement) | plugin pool | kPlaceTimeoutMs (placement.cc) |
-// | Transport::ConnectPeer (rdev_connect_peer) | plugin pool | RDMA_DEVICE_CONNECT_TIMEOUT_MS |
-// | PlacementRun::WaitUntil | RegisterGraph caller; the tf.function pass's caller | kRegisterPlacementWaitMs |
+// | Transport::PlaceEdge / RequestPlacement (rdev_place_edge, rdev_request_placement) | control pool | kPlaceTimeoutMs (placement.cc) |
+// | Transport::ConnectPeer (rdev_connect_peer) | control pool | RDMA_DEVICE_CONNECT_TIMEOUT_MS |
+// | PlacementRun::WaitUntil | RegisterGraph caller; the tf.function pass's caller unless it is a TF pool thread (passes.cc) | kRegisterPlacementWaitMs |
 // | shape inference of a registered partition (CPU only) | RegisterGraph caller | graph size |
 // | Transport::Call for RunGraph / CleanupGraph (worker_rpc.h: rdev_call) | TF's master thread | writes the request to the connection's socket (never waits for the reply) |
-// | Transport::Reply to a served call | plugin pool | writes the reply to the connection's socket |
+// | Transport::Reply to a served call | data-path pool | writes the reply to the connection's socket |
 // Everything else in tf_plugin/ returns without waiting: Send, Recv,
 // StartAbort (its transport call only fails waiters), StepDone, and the
 // collectives' PostToPeer/RecvFromPeer/StartAbort (collectives.h).
@@ -37,14 +39,24 @@
 
 namespace rdma_device {
 
-// Runs `fn` on the plugin's pool: a fixed set of named threads
+// Runs `fn` on the plugin's data-path pool: a fixed set of named threads
 // ("rdev_plugin"), created on first use and kept for the process's life
 // (so no task can ever run while the pool is being destroyed), with an
-// unbounded queue in front. Never blocks the caller.
+// unbounded queue in front. Never blocks the caller. For work that
+// finishes without waiting on the network: completions (copies into TF's
+// tensors, TF's `done`), receive cancellations, aborts, worker RPC replies.
 void Schedule(std::function<void()> fn);
 
-// How many threads the pool has: the most tasks that wait at once.
+// Runs `fn` on the plugin's control pool ("rdev_control"), made like the
+// data-path pool but apart from it: for work that waits on the network
+// (connects, placement round trips), so that a slow or dead peer never
+// holds up a completion or an abort. Never blocks the caller.
+void ScheduleControl(std::function<void()> fn);
+
+// How many threads each pool has: the most of its tasks that wait at once
+// (the control pool's tasks wait; the data path's only run).
 inline constexpr int kPoolThreads = 16;
+inline constexpr int kControlThreads = 16;
 
 // A count of outstanding parts of one piece of work. Parts may add parts
 // (Add before their own Done, so the count never touches zero early).
@@ -63,7 +75,7 @@ class Completion {
     return true;
   }
   // Waits until every part is done or `deadline` passes; true when done.
-  // Never call this from the plugin's pool.
+  // Never call this from a plugin pool.
   bool WaitUntil(std::chrono::steady_clock::time_point deadline) {
     std::unique_lock<std::mutex> l(mu_);
     return cv_.wait_until(l, deadline, [this] { return left_ <= 0; });

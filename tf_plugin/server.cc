@@ -75,12 +75,17 @@ class RdmaServer : public tf::GrpcServer {
   // Every worker cache TF builds (the server's own, each session's, each
   // eager context's) sees the cluster of that session: the peers' addresses
   // come from here, so clients that join later (eager) are known too.
-  // TF rebuilds its stock collective manager here (not ours): say so.
+  // TF installs its stock collective manager here, on this task only: put
+  // a handle on ours back (collectives.h), reaching the new cluster.
   absl::Status UpdateServerDef(const tf::ServerDef& server_def) override {
     TF_RETURN_IF_ERROR(GrpcServer::UpdateServerDef(server_def));
     transport_->AddPeers(server_def.cluster());
-    LOG(WARNING) << "rdma_device: the server definition changed after start; collectives "
-                    "(MultiWorkerMirroredStrategy) use stock gRPC from now on";
+    if (collectives_ == nullptr) return absl::OkStatus();
+    tf::WorkerCacheInterface* cache = nullptr;
+    TF_RETURN_IF_ERROR(WorkerCacheFactory(tf::WorkerCacheFactoryOptions(server_def), &cache));
+    collectives_->UseWorkerCache(std::unique_ptr<tf::WorkerCacheInterface>(cache));
+    worker_env()->collective_executor_mgr = collectives_->NewHandle();
+    master_env()->collective_executor_mgr = worker_env()->collective_executor_mgr.get();
     return absl::OkStatus();
   }
 
@@ -112,11 +117,21 @@ class RdmaServer : public tf::GrpcServer {
       return std::unique_ptr<tf::GrpcWorker>(new RdmaWorker(env, config, transport));
     };
     // Collectives (MultiWorkerMirroredStrategy): chunks pushed through the
-    // transport instead of RecvBuf RPCs (collectives.h).
-    opts.collective_mgr_func = [transport = transport_](const tf::ConfigProto& config,
-                                                        const tf::WorkerEnv* env,
-                                                        tf::WorkerCacheInterface* worker_cache) {
-      return NewCollectiveExecutorMgr(config, env, worker_cache, transport);
+    // transport instead of RecvBuf RPCs (collectives.h). The manager is
+    // ours for the server's life; worker_env holds a handle on it. It gets
+    // its own worker cache: TF's default one goes when the cluster changes.
+    opts.collective_mgr_func =
+        [this](const tf::ConfigProto& config, const tf::WorkerEnv* env,
+               tf::WorkerCacheInterface*) -> tf::CollectiveExecutorMgrInterface* {
+      tf::WorkerCacheInterface* cache = nullptr;
+      absl::Status s = WorkerCacheFactory(tf::WorkerCacheFactoryOptions(server_def()), &cache);
+      if (!s.ok()) {
+        LOG(ERROR) << "rdma_device: no worker cache for collectives: " << s;
+        return nullptr;  // GrpcServer::Init fails
+      }
+      collectives_ = Collectives::Create(
+          config, env, std::unique_ptr<tf::WorkerCacheInterface>(cache), transport_);
+      return collectives_ == nullptr ? nullptr : collectives_->NewHandle().release();
     };
     TF_RETURN_IF_ERROR(GrpcServer::Init(opts));
     const tf::ServerDef& def = server_def();
@@ -142,6 +157,8 @@ class RdmaServer : public tf::GrpcServer {
   }
 
   const std::shared_ptr<Transport> transport_;
+  // Set in Init (collective_mgr_func), kept across UpdateServerDef.
+  std::shared_ptr<Collectives> collectives_;
 };
 
 class RdmaServerFactory : public tf::ServerFactory {

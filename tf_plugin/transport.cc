@@ -1,5 +1,6 @@
 #include "transport.h"
 
+#include <chrono>
 #include <climits>
 #include <cstring>
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include "tensorflow/core/platform/logging.h"
 
 #include "rdma_device.h"
+#include "transport_status.h"
 
 namespace rdma_device {
 
@@ -23,67 +25,10 @@ namespace tf = ::tensorflow;
 
 namespace {
 
-// Marks a status as "the peer does not take this transport from us".
-constexpr char kNotViablePayload[] = "type.googleapis.com/rdma_device.NotViable";
-
-// The one mapping from the transport's status codes to TensorFlow's.
-absl::Status FromRdev(rdev_status status, absl::string_view msg) {
-  if (status == RDEV_OK) return absl::OkStatus();
-  std::string text = absl::StrCat("rdma_device: ", msg.empty() ? rdev_status_str(status) : msg);
-  switch (status) {
-    case RDEV_INVALID_ARGUMENT:
-      return absl::InvalidArgumentError(text);
-    case RDEV_NOT_VIABLE: {
-      absl::Status s = absl::FailedPreconditionError(text);
-      s.SetPayload(kNotViablePayload, absl::Cord("1"));
-      return s;
-    }
-    case RDEV_PEER_LOST:
-    case RDEV_IO:
-      return absl::UnavailableError(text);
-    case RDEV_ABORTED:
-      return absl::AbortedError(text);
-    case RDEV_RESOURCE_EXHAUSTED:
-      return absl::ResourceExhaustedError(text);
-    case RDEV_CONFIG:
-      return absl::InvalidArgumentError(text);
-    case RDEV_TIMEOUT:
-      return absl::DeadlineExceededError(text);
-    case RDEV_PROTOCOL:
-      return absl::DataLossError(text);
-    case RDEV_INTERNAL:
-    case RDEV_PANIC:
-    default:
-      return absl::InternalError(text);
-  }
-}
-
-// A failed transfer with `peer`, worded as TF's gRPC errors are: its
-// fault handling (ClusterCoordinator) tells a ps failure from a worker
-// failure by "GRPC error information from remote target /job:ps/...", and
-// retries only Unavailable/Aborted errors. NotViable refusals stay as they
-// are (the shim routes around them).
-absl::Status WithPeer(absl::Status status, const std::string& peer) {
-  if (status.ok() || Transport::IsNotViable(status)) return status;
-  absl::Status out(status.code(),
-                   absl::StrCat(status.message(), "\nAdditional GRPC error information from remote "
-                                "target ", peer, " while calling the rdma_device transport"));
-  status.ForEachPayload([&out](absl::string_view url, const absl::Cord& payload) {
-    out.SetPayload(url, payload);
-  });
-  return out;
-}
-
-std::string LastError() {
-  char buf[1024];
-  size_t n = rdev_last_error(buf, sizeof(buf));
-  return std::string(buf, n < sizeof(buf) ? n : sizeof(buf) - 1);
-}
-
-// Status of a synchronous call that just returned `status`.
-absl::Status CallStatus(rdev_status status) {
-  return status == RDEV_OK ? absl::OkStatus() : FromRdev(status, LastError());
-}
+// How long AddPeers waits for the routes another call is choosing: a
+// choice resolves the peer's name and may probe it (rdma_cm: up to 500 ms),
+// which is what the waiting caller would otherwise have done itself.
+constexpr int64_t kAddPeersWaitMs = 5000;
 
 struct BufferRelease {
   void operator()(rdev_buffer* buf) const { rdev_buffer_release(buf); }
@@ -262,6 +207,7 @@ absl::Status Transport::Start(const std::string& self_task, const std::string& a
     ctx_.store(ctx);
     addrs_.erase(self_task);
     peers = addrs_;
+    for (const auto& [task, unused] : peers) adding_.insert(task);
   }
   LOG(INFO) << "rdma_device: " << self_task << " transport at " << addr
             << (rdev_context_strict(ctx) ? " (strict)" : "")
@@ -278,22 +224,45 @@ absl::Status Transport::Start(const std::string& self_task, const std::string& a
 
 void Transport::AddPeers(const tf::ClusterDef& cluster) {
   std::vector<std::pair<std::string, std::string>> changed;
+  std::vector<std::string> others;  // being added by another call
   {
     tf::mutex_lock l(mu_);
+    const bool started = ctx_.load() != nullptr;
     for (const auto& job : cluster.job()) {
       for (const auto& [index, addr] : job.tasks()) {
+        // Replica 0: TF's own worker caches name every task so (its gRPC
+        // channel cache refuses any other replica).
         std::string task = TaskName(job.name(), 0, index);
         if (task == self_task_ || addr.empty()) continue;
         auto it = addrs_.find(task);
-        if (it != addrs_.end() && it->second == addr) continue;
+        if (it != addrs_.end() && it->second == addr) {
+          if (adding_.count(task) > 0) others.push_back(std::move(task));
+          continue;
+        }
         addrs_[task] = addr;
+        if (started) adding_.insert(task);
         changed.emplace_back(std::move(task), addr);
       }
     }
-    if (ctx_.load() == nullptr) return;  // Start() adds them
+    if (!started) return;  // Start() adds them
   }
   // Outside the lock: choosing a transport may probe the network.
   for (const auto& [task, addr] : changed) AddPeer(task, addr);
+  if (others.empty()) return;
+  tf::mutex_lock l(mu_);
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(kAddPeersWaitMs);
+  for (const std::string& task : others) {
+    while (adding_.count(task) > 0) {
+      const auto left = deadline - std::chrono::steady_clock::now();
+      if (left <= std::chrono::steady_clock::duration::zero() ||
+          added_.wait_for(l, left) == std::cv_status::timeout) {
+        LOG(WARNING) << "rdma_device: " << self_task_ << ": the route to " << task
+                     << " is still being chosen after " << kAddPeersWaitMs << " ms";
+        return;
+      }
+    }
+  }
 }
 
 void Transport::AddPeer(const std::string& task, const std::string& addr) {
@@ -317,6 +286,8 @@ void Transport::AddPeer(const std::string& task, const std::string& addr) {
             << (kind == RDEV_TRANSPORT_SHM ? "shm" : "verbs");
   }
   routes_[task] = std::move(route);
+  adding_.erase(task);
+  added_.notify_all();
 }
 
 bool Transport::IsNotViable(const absl::Status& status) {
@@ -479,100 +450,6 @@ void Transport::StepDone(int64_t step_id) {
   if (ctx == nullptr) return;
   rdev_status st = rdev_step_done(ctx, static_cast<uint64_t>(step_id));
   if (st != RDEV_OK) LOG(WARNING) << "rdma_device: end of step " << step_id << ": " << LastError();
-}
-
-namespace {
-
-struct CallState {
-  std::string peer;
-  Transport::CallDone done;
-};
-
-// On the transport's callback thread: TF's status, worded as gRPC's.
-void OnCallDone(void* userdata, uint32_t code, const uint8_t* body, size_t len) {
-  std::unique_ptr<CallState> state(static_cast<CallState*>(userdata));
-  std::string bytes(reinterpret_cast<const char*>(body), len);
-  if (code == 0) {
-    state->done(absl::OkStatus(), std::move(bytes));
-    return;
-  }
-  absl::Status s(static_cast<absl::StatusCode>(code), bytes);
-  state->done(WithPeer(s, state->peer), std::string());
-}
-
-struct Served {
-  Transport::ServeCall call;
-  Transport::ServeCancel cancel;
-};
-
-void OnServeCall(void* userdata, uint64_t handle, uint32_t method, const uint8_t* body,
-                 size_t len) {
-  static_cast<Served*>(userdata)->call(handle, method,
-                                       std::string(reinterpret_cast<const char*>(body), len));
-}
-
-void OnServeCancel(void* userdata, uint64_t handle) {
-  auto* served = static_cast<Served*>(userdata);
-  if (served->cancel) served->cancel(handle);
-}
-
-}  // namespace
-
-absl::Status Transport::Call(const std::string& peer_task, uint32_t method,
-                             const std::string& body, int64_t timeout_ms, CallDone done,
-                             uint64_t* id) {
-  rdev_context* ctx = ctx_.load();
-  if (ctx == nullptr) return FromRdev(RDEV_NOT_VIABLE, "transport not started");
-  auto* state = new CallState{peer_task, std::move(done)};
-  rdev_status rc = rdev_call(ctx, peer_task.data(), peer_task.size(), method,
-                             reinterpret_cast<const uint8_t*>(body.data()), body.size(),
-                             timeout_ms > 0 ? static_cast<uint64_t>(timeout_ms) : 0, &OnCallDone,
-                             state, id);
-  if (rc != RDEV_OK) {
-    delete state;  // the callback will not run
-    return CallStatus(rc);
-  }
-  return absl::OkStatus();
-}
-
-void Transport::CancelCall(uint64_t id) {
-  rdev_context* ctx = ctx_.load();
-  if (ctx != nullptr) rdev_call_cancel(ctx, id);
-}
-
-void Transport::Serve(ServeCall call, ServeCancel cancel) {
-  rdev_context* ctx = ctx_.load();
-  if (ctx == nullptr || serving_.exchange(true)) return;
-  // Never freed: a callback queued on the transport's callback thread may
-  // still run after the context is freed (servers live as long as the
-  // process anyway).
-  auto* served = new Served{std::move(call), std::move(cancel)};
-  rdev_serve(ctx, &OnServeCall, &OnServeCancel, served);
-}
-
-void Transport::Reply(uint64_t handle, const absl::Status& status, const std::string& body) {
-  rdev_context* ctx = ctx_.load();
-  if (ctx == nullptr) return;
-  if (status.ok()) {
-    rdev_serve_reply(ctx, handle, 0, reinterpret_cast<const uint8_t*>(body.data()), body.size());
-  } else {
-    const std::string msg(status.message());
-    rdev_serve_reply(ctx, handle, static_cast<uint32_t>(status.code()),
-                     reinterpret_cast<const uint8_t*>(msg.data()), msg.size());
-  }
-}
-
-void Transport::RecordWorkerRpcOverGrpc() { rdev_record_worker_rpc_over_grpc(); }
-
-void Transport::RecordFallback(uint64_t bytes, const std::string& reason) {
-  rdev_record_fallback(bytes, reason.data(), reason.size());
-}
-
-void Transport::RecordCollective(CollectiveEvent event, uint64_t bytes, const std::string& reason) {
-  uint32_t e = RDEV_COLLECTIVE_RECEIVED;
-  if (event == CollectiveEvent::kSent) e = RDEV_COLLECTIVE_SENT;
-  if (event == CollectiveEvent::kFallback) e = RDEV_COLLECTIVE_FALLBACK;
-  rdev_record_collective(e, bytes, reason.data(), reason.size());
 }
 
 }  // namespace rdma_device

@@ -1,8 +1,10 @@
 // The C++ face of the Rust transport (include/rdma_device.h).
 //
 // Owns one rdev_context per TensorFlow server and translates between TF
-// types (Tensor, Status, task names) and the C ABI. This is the only file
-// pair that includes rdma_device.h; protocol decisions (slots, credits,
+// types (Tensor, Status, task names) and the C ABI. Only transport*.cc and
+// transport_status.h include rdma_device.h (transport.cc: the context,
+// peers, routes, tensors; transport_calls.cc: calls and counters;
+// transport_status.cc: statuses); protocol decisions (slots, credits,
 // routes) stay in Rust.
 #ifndef RDMA_DEVICE_TF_PLUGIN_TRANSPORT_H_
 #define RDMA_DEVICE_TF_PLUGIN_TRANSPORT_H_
@@ -12,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/status/status.h"
@@ -59,7 +62,10 @@ class Transport : public std::enable_shared_from_this<Transport> {
 
   // Records every task of `cluster` (but this one) as a peer; idempotent.
   // Called for each worker cache TF builds, so clusters that grow (eager
-  // clients joining) are seen too.
+  // clients joining) are seen too. Returns once every peer of `cluster`
+  // has its route, including those another call is choosing at the same
+  // time (at most kAddPeersWaitMs for those), so that no caller sees a
+  // route missing and sends over gRPC what its peer expects pushed.
   void AddPeers(const tensorflow::ClusterDef& cluster);
 
   // RDMA_DEVICE_STRICT: any fallback to gRPC is an error.
@@ -196,6 +202,10 @@ class Transport : public std::enable_shared_from_this<Transport> {
   std::map<std::string, std::string> addrs_ TF_GUARDED_BY(mu_);
   // Peer task -> route chosen by the transport.
   std::map<std::string, Route> routes_ TF_GUARDED_BY(mu_);
+  // Peers whose route AddPeer is choosing (a concurrent AddPeers waits for
+  // them), and the signal that one more has its route.
+  std::set<std::string> adding_ TF_GUARDED_BY(mu_);
+  tensorflow::condition_variable added_;
 };
 
 }  // namespace rdma_device

@@ -153,12 +153,13 @@ class Task:
         return "".join(lines[-n:])
 
 
-def start_tasks(specs, log_dir, env=None):
-    """Starts every spec, then waits until all are READY."""
+def start_tasks(specs, log_dir, env=None, timeout=START_TIMEOUT):
+    """Starts every spec, then waits until all are READY (each within
+    `timeout` seconds of the wait for it)."""
     tasks = [Task(s, log_dir, env) for s in specs]
     try:
         for t in tasks:
-            t.wait_ready()
+            t.wait_ready(timeout)
     except BaseException:
         for t in tasks:
             t.kill()

@@ -106,3 +106,38 @@ def local_cluster(spec, ready):
                 digest.add(sess.run([loss, train], options=options)[0])
             digest.add(sess.run(w, options=options))
     return {"digest": digest.hexdigest(), "stats": _stats(spec)}
+
+
+def servers_in_one_process(spec, ready):
+    """Every task of spec["cluster"] as a server in this one process (a
+    reference run that imports TensorFlow once); then the replicas.py
+    workload spec["workload"] on every worker's server at once, each worker
+    in its own thread with its own session, as the worker processes do.
+    Returns their digests, by worker."""
+    import threading
+
+    import tensorflow as tf
+
+    import replicas
+
+    cluster = spec["cluster"]
+    servers = {(job, i): tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job,
+                                              task_index=i, protocol=spec["protocol"], start=True)
+               for job in cluster for i in range(len(cluster[job]))}
+    ready()
+    n = len(cluster["worker"])
+    replies = [None] * n
+
+    def run(i):
+        try:
+            replies[i] = getattr(replicas, spec["workload"])(
+                servers[("worker", i)], dict(spec, job="worker", task=i), spec["args"])
+        except Exception as e:  # the test reports it
+            replies[i] = {"error": f"{type(e).__name__}: {e}"}
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"replies": replies}

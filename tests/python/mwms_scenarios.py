@@ -116,3 +116,105 @@ def until_killed(spec, ready):
             sys.stdout.flush()
     except Exception as e:  # what the training loop sees
         return {"steps": n, "type": type(e).__name__, "at": time.time(), "message": str(e)[-1500:]}
+
+
+def _allreduce_fn(strategy, tf, n):
+    """A fresh tf.function: one all-reduce (SUM) of n float32 per worker,
+    each worker's values distinct, so the sum checks every byte."""
+    task = int(strategy.cluster_resolver.task_id)
+    values = np.arange(n, dtype=np.float32) * (task + 1) + task
+
+    @tf.function
+    def step():
+        def fn():
+            return tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, tf.constant(values))
+        return strategy.run(fn)
+
+    return lambda: step().numpy()
+
+
+def reconnect(spec, ready):
+    """Connect, all-reduce; the server definition changes (spec["mode"]):
+    "twice": every worker creates its MWMS again with the cluster plus
+    spec["extra"] (jobs); "one": worker 0 alone applies that changed cluster
+    (as a dynamic cluster or a second connect does on one task) and every
+    worker keeps its strategy. Then all-reduce again, for `reps` calls,
+    Prints RECONNECT when the first all-reduce is done: the test's
+    deadline runs from there."""
+    import tensorflow as tf
+    from tensorflow.core.protobuf import tensorflow_server_pb2
+    from tensorflow.python.eager import context
+
+    n = spec.get("n", 4096)
+    strategy = _strategy(spec)
+    ready()
+    before = _allreduce_fn(strategy, tf, n)()
+    task = spec["task"]
+    changed = dict(spec["cluster"], **spec["extra"])
+    _reset(spec)
+    sys.stdout.write("RECONNECT\n")
+    sys.stdout.flush()
+    t0 = time.monotonic()
+    if spec["mode"] == "twice":
+        strategy = make_strategy_for(changed, task, spec["protocol"])
+    elif task == len(spec["cluster"]["worker"]) - 1:
+        server_def = tensorflow_server_pb2.ServerDef(
+            cluster=tf.train.ClusterSpec(changed).as_cluster_def(),
+            default_session_config=context.context().config, job_name="worker",
+            task_index=task, protocol=spec["protocol"])
+        context.context().enable_collective_ops(server_def)
+    after = []
+    for _ in range(spec.get("reps", 3)):
+        after.append(_allreduce_fn(strategy, tf, n)())
+    return {"before": before.tobytes().hex(), "after": [a.tobytes().hex() for a in after],
+            "seconds": time.monotonic() - t0, "stats": _stats(spec)}
+
+
+def make_strategy_for(cluster, index, protocol):
+    """An MWMS over `cluster` (jobs -> addresses, "worker" among them)."""
+    import os
+
+    import tensorflow as tf
+
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": cluster, "task": {"type": "worker", "index": index}, "rpc_layer": protocol})
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+    return tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver(),
+        communication_options=options)
+
+
+def abort_messages(spec, ready):
+    """`calls` all-reduces (each a new instance: keys the executor
+    remembers), then worker 0 aborts collectives (abort_collective_ops)
+    while every worker runs one more all-reduce. Reports the abort control
+    messages this task sent (trace spans "Abort"), how the last
+    all-reduce failed, and how long after its start."""
+    import rdma_device
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    strategy = _strategy(spec)
+    ready()
+    calls = [_allreduce_fn(strategy, tf, 1024) for _ in range(spec.get("calls", 20))]
+    for fn in calls:
+        fn()
+    last = _allreduce_fn(strategy, tf, 1024)
+    rdma_device.trace_take()  # drop what was recorded so far
+    rdma_device.trace_enable(True)
+    t0 = time.monotonic()
+    if spec["task"] == 0:
+        time.sleep(1.0)  # the others are inside `last` by now
+        context.context().abort_collective_ops(14, "aborted by the test")  # UNAVAILABLE
+    try:
+        last()
+        error = None
+    except Exception as e:  # what the training loop sees
+        error = type(e).__name__
+    took = time.monotonic() - t0
+    time.sleep(1.0)  # messages the peers' aborts caused
+    events = rdma_device.trace_take()
+    aborts = sum(1 for e in events if e.get("ph") == "X" and e.get("name") == "Abort")
+    return {"aborts_sent": aborts, "error": error, "seconds": took}

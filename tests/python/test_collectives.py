@@ -151,3 +151,80 @@ def test_sigkilled_worker_fails_the_others_within_5s(victim, log_dir, plugin_bui
         assert r["at"] - killed_at < 5.0, results
         assert r["type"] in ("UnavailableError", "AbortedError", "CancelledError",
                              "InternalError"), r
+
+
+RECONNECT_DEADLINE = 30  # seconds from the first all-reduce's end to the last result
+
+
+@pytest.mark.parametrize("mode", ["twice", "one"])
+def test_changed_server_def_keeps_collectives_on_the_transport(mode, log_dir, plugin_built):
+    """A dynamic cluster: connect, all-reduce, the server definition changes
+    (a ps task joins the cluster), all-reduce again. "twice": every worker
+    creates its MWMS again; "one": the last worker alone applies the change
+    (its peers keep pushing chunks through the transport). It finishes
+    within 30 s, bit-exact, over the transport with zero fallback (strict
+    mode). Before the server kept its collective manager, "twice" went
+    silently over stock gRPC and "one" hung."""
+    n, size = 2, 4096
+    jobs = harness.make_cluster({"worker": n, "ps": 1})
+    cluster, extra = {"worker": jobs["worker"]}, {"ps": jobs["ps"]}
+    ps = harness.Task(dict(role="server", cluster=jobs, job="ps", task=0,
+                           protocol=harness.PROTOCOL_RDMA), log_dir, STRICT)
+    tasks = [harness.Task(dict(role="mwms_scenarios.reconnect", cluster=cluster, extra=extra,
+                               job="worker", task=i, mode=mode, n=size,
+                               protocol=harness.PROTOCOL_RDMA), log_dir, STRICT)
+             for i in range(n)]
+    try:
+        for t in [ps] + tasks:
+            t.wait_ready()
+        for t in tasks:
+            t.expect("RECONNECT", DEADLINE)
+        deadline = time.monotonic() + RECONNECT_DEADLINE
+        results = []
+        for t in tasks:
+            try:
+                results.append(t.result(max(0.1, deadline - time.monotonic())))
+            except TimeoutError:
+                pytest.fail(f"{mode}: the all-reduce after the change hung\n" +
+                            "\n".join(s.dump_stacks() for s in tasks))
+    finally:
+        for t in tasks + [ps]:
+            t.close()
+    import numpy as np
+
+    want = sum(np.arange(size, dtype=np.float32) * (i + 1) + i for i in range(n))
+    for r in results:
+        assert r["before"] == want.tobytes().hex()
+        assert r["after"] == [want.tobytes().hex()] * 3, r["after"]
+        print(f"{mode}: reconnect and 3 all-reduces in {r['seconds']:.2f} s")
+    # The calls after the change went over the transport, both ways: a ring
+    # of 2 moves each worker's half twice per call (reduce-scatter, gather).
+    check_counters(results, exact_total=3 * 2 * (n - 1) * size * 4)
+
+
+def test_collective_abort_sends_one_message_per_link(log_dir, plugin_built):
+    """After 20 all-reduces (keys the executors remember), worker 0 aborts
+    collectives while all 3 workers run one more: every worker's all-reduce
+    fails within 10 s, and each worker sends at most two abort messages per
+    link (the executor's sentinel step, and the failed function's step),
+    on its at most 2 (n - 1) links (one each way per peer): not messages
+    per remembered key (before: 126-176 per worker here)."""
+    n = 3
+    cluster = {"worker": harness.make_cluster({"worker": n})["worker"]}
+    tasks = [harness.Task(dict(role="mwms_scenarios.abort_messages", cluster=cluster,
+                               job="worker", task=i, calls=20, protocol=harness.PROTOCOL_RDMA),
+                          log_dir, STRICT) for i in range(n)]
+    try:
+        for t in tasks:
+            t.wait_ready()
+        try:
+            results = [t.result(DEADLINE) for t in tasks]
+        except TimeoutError:
+            pytest.fail("an aborted all-reduce hung\n" + "\n".join(t.dump_stacks() for t in tasks))
+    finally:
+        for t in tasks:
+            t.close()
+    print(results)
+    for r in results:
+        assert r["error"] is not None and r["seconds"] < 10.0, results
+        assert 0 < r["aborts_sent"] <= 2 * 2 * (n - 1), results

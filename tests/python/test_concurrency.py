@@ -24,7 +24,8 @@ STRICT = {"RDMA_DEVICE_STRICT": "1"}
 class Replicas:
     """A ps/worker cluster whose workers run replicas.py workloads."""
 
-    def __init__(self, jobs, log_dir, protocol, env=None, ps_protocol=None):
+    def __init__(self, jobs, log_dir, protocol, env=None, ps_protocol=None,
+                 start_timeout=harness.START_TIMEOUT):
         self.cluster = harness.make_cluster(jobs)
         specs = []
         for job, n in jobs.items():
@@ -32,23 +33,23 @@ class Replicas:
                 proto = ps_protocol if (job == "ps" and ps_protocol) else protocol
                 specs.append(dict(role="server", cluster=self.cluster, job=job, task=task,
                                   protocol=proto))
-        self.tasks = harness.start_tasks(specs, log_dir, env)
+        self.tasks = harness.start_tasks(specs, log_dir, env, start_timeout)
         self.workers = [t for t, s in zip(self.tasks, specs) if s["job"] == "worker"]
         self.ps = [t for t, s in zip(self.tasks, specs) if s["job"] == "ps"]
 
-    def round(self, workload, args, workers=None):
+    def round(self, workload, args, workers=None, deadline_s=ROUND_DEADLINE_S):
         """Runs `workload` on the given workers at once; their replies."""
         workers = self.workers if workers is None else workers
         for w in workers:
             w.send("run", workload=workload, args=args)
-        deadline = time.monotonic() + ROUND_DEADLINE_S
+        deadline = time.monotonic() + deadline_s
         replies = []
         try:
             for w in workers:
                 replies.append(w.expect("REPLY", max(1.0, deadline - time.monotonic())))
         except TimeoutError:
             stacks = "\n\n".join(f"##### {t.name}\n{t.dump_stacks()}" for t in self.tasks)
-            pytest.fail(f"{workload} round {args.get('round')} missed its {ROUND_DEADLINE_S}s "
+            pytest.fail(f"{workload} round {args.get('round')} missed its {deadline_s}s "
                         f"deadline (a hang)\n{stacks}")
         for w, r in zip(workers, replies):
             assert "error" not in r, (w.name, r["error"], w.log_tail())

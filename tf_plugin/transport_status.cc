@@ -1,0 +1,61 @@
+#include "transport_status.h"
+
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
+#include "transport.h"
+
+namespace rdma_device {
+
+absl::Status FromRdev(rdev_status status, absl::string_view msg) {
+  if (status == RDEV_OK) return absl::OkStatus();
+  std::string text = absl::StrCat("rdma_device: ", msg.empty() ? rdev_status_str(status) : msg);
+  switch (status) {
+    case RDEV_INVALID_ARGUMENT:
+      return absl::InvalidArgumentError(text);
+    case RDEV_NOT_VIABLE: {
+      absl::Status s = absl::FailedPreconditionError(text);
+      s.SetPayload(kNotViablePayload, absl::Cord("1"));
+      return s;
+    }
+    case RDEV_PEER_LOST:
+    case RDEV_IO:
+      return absl::UnavailableError(text);
+    case RDEV_ABORTED:
+      return absl::AbortedError(text);
+    case RDEV_RESOURCE_EXHAUSTED:
+      return absl::ResourceExhaustedError(text);
+    case RDEV_CONFIG:
+      return absl::InvalidArgumentError(text);
+    case RDEV_TIMEOUT:
+      return absl::DeadlineExceededError(text);
+    case RDEV_PROTOCOL:
+      return absl::DataLossError(text);
+    case RDEV_INTERNAL:
+    case RDEV_PANIC:
+    default:
+      return absl::InternalError(text);
+  }
+}
+
+absl::Status WithPeer(absl::Status status, const std::string& peer) {
+  if (status.ok() || Transport::IsNotViable(status)) return status;
+  absl::Status out(status.code(),
+                   absl::StrCat(status.message(), "\nAdditional GRPC error information from remote "
+                                "target ", peer, " while calling the rdma_device transport"));
+  status.ForEachPayload([&out](absl::string_view url, const absl::Cord& payload) {
+    out.SetPayload(url, payload);
+  });
+  return out;
+}
+
+std::string LastError() {
+  char buf[1024];
+  size_t n = rdev_last_error(buf, sizeof(buf));
+  return std::string(buf, n < sizeof(buf) ? n : sizeof(buf) - 1);
+}
+
+absl::Status CallStatus(rdev_status status) {
+  return status == RDEV_OK ? absl::OkStatus() : FromRdev(status, LastError());
+}
+
+}  // namespace rdma_device
