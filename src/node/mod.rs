@@ -399,7 +399,12 @@ impl FabricEvents for Events {
         // Before anything about the peer is believed: a stranger stops here.
         rendezvous::proof::check_hello(&n.cfg.cluster_token, &h.task, &h.target, h.incarnation, &h.proof)?;
         if !h.target.is_empty() && h.target != n.task {
-            return Err(Error::InvalidArgument(format!("this is {}, not {}", n.task, h.target)));
+            // The sender knows this address under another name (a renamed
+            // job after ClusterSpec propagation, a stale cluster): it is
+            // not the peer it wants, so it goes by gRPC, which names tasks
+            // its own way; on every backend alike (shm already turns every
+            // refusal into NotViable, verbs carries the code).
+            return Err(Error::NotViable(format!("this is {}, not {}", n.task, h.target)));
         }
         if n.routes_over_grpc(&h.task) {
             // Both ends must agree, or pushes would go to a task that pulls.
