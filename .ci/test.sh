@@ -19,6 +19,11 @@ bash tests/fuzz/run.sh 60
 echo "== TensorFlow cluster tests (pytest)"
 "$VENV/bin/python" -m pytest -q tests/python
 
+echo "== bench report --quick: every benchmark the README quotes, once, small (tables to a temporary dir, not committed)"
+report_dir=$(mktemp -d)
+"$VENV/bin/python" -m rdma_device.bench report --quick --out "$report_dir"
+rm -rf "$report_dir"
+
 echo "== verbs on Soft-RoCE (qemu VM)"
 bash tests/softroce/run.sh
 

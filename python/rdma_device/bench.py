@@ -6,6 +6,13 @@
     python -m rdma_device.bench soak     [--steps 1000] [--json]   (see rdma_device.soak)
     python -m rdma_device.bench allreduce [--sizes 1M,4M,16M,64M] [--workers 2,3] [--json]
     python -m rdma_device.bench trace    [--out t.json] [--sizes 4K,1M,16M] [--tensorboard DIR]
+    python -m rdma_device.bench report   [--quick] [--runs 3] [--out DIR]   (see rdma_device._bench_report)
+
+``report``: every benchmark the README quotes (fabric, transfer, train,
+allreduce, suite, soak), N runs each in randomised interleaved order;
+medians and ranges, machine, date and commit; rewrites the README's
+generated tables and docs/eval plots (``--quick``: fewer runs and smaller
+settings, written only to DIR).
 
 ``suite``: six workloads (AlexNet- and ResNet-class CNNs, an LSTM language
 model, a Transformer encoder, wide & deep with sparse embedding lookups, a
@@ -344,10 +351,13 @@ def main(argv=None):
     a.add_argument("--block", type=int, default=4, help="counted all-reduces per block")
     a.add_argument("--json", action="store_true", help="one JSON object per size and worker count")
     a.add_argument("--no-strict", dest="strict", action="store_false")
-    from rdma_device import _trace, soak
+    from rdma_device import _bench_report, _trace, soak
     run_soak = soak.add_parser(sub)
     _trace.add_parser(sub)
+    run_report = _bench_report.add_parser(sub)
     args = ap.parse_args(argv)
+    if args.cmd == "report":
+        return run_report(args)
     {"transfer": transfer, "train": train, "suite": suite, "soak": run_soak,
      "allreduce": allreduce, "trace": trace}[args.cmd](args)
 
