@@ -47,7 +47,8 @@ tasks (see rdma_device._trace); writes a Chrome trace and prints the
 median timeline of a step per size.
 
 ``train``: a short parameter-server training run (variables on a PS task,
-gradient steps on a worker) under both protocols, interleaved; prints
+gradient steps on a worker) under both protocols, interleaved in blocks (in a
+random order per round; the first step after a switch is not counted); prints
 median step times, the ratio, and whether the final weights are
 bit-identical.
 """
@@ -55,6 +56,7 @@ bit-identical.
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -121,8 +123,11 @@ def transfer(args):
                     s.close()
             times = {p: [] for p in PROTOCOLS}
             cpu = {p: 0.0 for p in PROTOCOLS}
+            rng = random.Random(size)
             for _ in range(args.reps):
-                for p in PROTOCOLS:  # interleaved, in blocks of --block steps
+                # Interleaved, in blocks of --block steps, in a random order
+                # per round (no protocol always runs right after the other).
+                for p in rng.sample(PROTOCOLS, len(PROTOCOLS)):
                     s, out = sessions[p]
                     s.run(out)  # the block's first step absorbs the switch: not counted
                     c0 = cpu_seconds([clusters[p]])
@@ -197,8 +202,10 @@ def allreduce(args):
                 cpu = {p: 0.0 for p in PROTOCOLS}
                 for p, c in clusters.items():
                     c.command("allreduce", size=size, reps=1)  # trace, connect, place
+                rng = random.Random(size * 10 + n)
                 for _ in range(args.reps):
-                    for p, c in clusters.items():  # interleaved, in blocks
+                    for p in rng.sample(PROTOCOLS, len(PROTOCOLS)):  # interleaved, in blocks, random order
+                        c = clusters[p]
                         c.command("allreduce", size=size, reps=1)  # absorbs the switch: not counted
                         c0 = cpu_seconds([c])
                         per_worker = [r["ms"] for r in c.command("allreduce", size=size, reps=args.block)]
@@ -275,13 +282,19 @@ def train(args):
             runs[p] = (s, op, loss, ws)
         times = {p: [] for p in PROTOCOLS}
         losses = {p: [] for p in PROTOCOLS}
-        for _ in range(args.steps):
-            for p in PROTOCOLS:
+        rng = random.Random(args.steps)
+        while len(times["grpc"]) < args.steps:
+            # Blocks of --block steps per protocol, in a random order per
+            # round; the first step after a switch runs but is not counted.
+            # Both protocols run the same steps, so their weights compare.
+            for p in rng.sample(PROTOCOLS, len(PROTOCOLS)):
                 s, op, loss, _ = runs[p]
-                t = time.perf_counter()
-                _, l = s.run([op, loss])
-                times[p].append((time.perf_counter() - t) * 1e3)
-                losses[p].append(l)
+                for i in range(args.block + 1):
+                    t = time.perf_counter()
+                    _, l = s.run([op, loss])
+                    if i:
+                        times[p].append((time.perf_counter() - t) * 1e3)
+                    losses[p].append(l)
         finals = {p: runs[p][0].run(runs[p][3]) for p in PROTOCOLS}
         identical = all(np.array_equal(a, b) for a, b in zip(finals["grpc"], finals["grpc+rdma_device"]))
         stats = clusters["grpc+rdma_device"].stats()
@@ -292,7 +305,7 @@ def train(args):
             c.close()
     med = {p: statistics.median(v) for p, v in times.items()}
     r = {
-        "steps": args.steps,
+        "steps": len(times["grpc"]),
         "grpc_step_ms": round(med["grpc"], 3),
         "rdma_device_step_ms": round(med["grpc+rdma_device"], 3),
         "ratio": round(med["grpc"] / med["grpc+rdma_device"], 2),
@@ -304,7 +317,7 @@ def train(args):
         print(json.dumps(r))
     else:
         print(f"parameter-server training (PS holds 3 MiB of weights; the worker reads them and pushes gradients every step), "
-              f"{args.steps} interleaved steps")
+              f"{len(times['grpc'])} counted steps per protocol in interleaved blocks of {args.block} (+1 uncounted)")
         print(f"  median step: grpc {r['grpc_step_ms']:.2f} ms, grpc+rdma_device {r['rdma_device_step_ms']:.2f} ms, ratio {r['ratio']:.2f}")
         print(f"  final loss: grpc {r['final_loss_grpc']:.6f}, grpc+rdma_device {r['final_loss_rdma_device']:.6f}; "
               f"weights bit-identical: {r['weights_bit_identical']}")
@@ -328,7 +341,10 @@ def main(argv=None):
     t.add_argument("--no-strict", dest="strict", action="store_false",
                    help="allow fallback to gRPC (default: RDMA_DEVICE_STRICT=1 in the tasks)")
     r = sub.add_parser("train", help="short parameter-server training run under both protocols")
-    r.add_argument("--steps", type=int, default=100)
+    r.add_argument("--steps", type=int, default=100, help="counted steps per protocol")
+    r.add_argument("--block", type=int, default=10,
+                   help="counted steps per protocol before switching (the first step after each switch "
+                        "is run but not counted)")
     r.add_argument("--json", action="store_true")
     r.add_argument("--no-strict", dest="strict", action="store_false")
     u = sub.add_parser("suite", help="workloads x modes x workers, breakdown, tensor sizes, plots")
