@@ -10,8 +10,8 @@ bash .ci/setup.sh
 
 echo "== Rust tests (cargo test --features verbs; verbs device tests run in the VM below)"
 cargo test --features verbs
-echo "== the shm-only build (no rdma-core needed) still compiles"
-cargo check --quiet --lib --bins
+echo "== the shm-only build (no rdma-core needed): its own tests (cargo test, no features)"
+cargo test
 
 echo "== coverage-guided fuzzing of every peer-fed decoder and the protocol state machine (60 s)"
 bash tests/fuzz/run.sh 60
@@ -21,6 +21,11 @@ RDMA_DEVICE_CMAKE_BUILD_DIR="$ROOT/build/python-package" bash .ci/wheel.sh
 
 echo "== TensorFlow cluster tests (pytest)"
 "$VENV/bin/python" -m pytest -q tests/python
+
+echo "== bench report --quick: every benchmark the README quotes, once, small (tables to a temporary dir, not committed)"
+report_dir=$(mktemp -d)
+"$VENV/bin/python" -m rdma_device.bench report --quick --out "$report_dir"
+rm -rf "$report_dir"
 
 echo "== verbs on Soft-RoCE (qemu VM)"
 bash tests/softroce/run.sh

@@ -29,7 +29,7 @@ fn selected() -> bool {
 /// Selected but no device: a failure, not a skip.
 fn fabric_with(opts: VerbsOptions) -> Option<Arc<VerbsFabric>> {
     if !selected() {
-        eprintln!("RDMA_DEVICE_TEST_VERBS is not 1: skipping the device test");
+        common::skipped("RDMA_DEVICE_TEST_VERBS is not 1 (tests/softroce/run.sh sets it in the Soft-RoCE VM)");
         return None;
     }
     let f = VerbsFabric::new(opts);
@@ -239,7 +239,10 @@ fn not_viable_without_device_names_the_reason() {
         return;
     }
     match f.is_viable() {
-        Ok(()) => eprintln!("an RDMA device is present on this host; nothing to check"),
+        Ok(()) => {
+            common::skipped("an RDMA device is present but RDMA_DEVICE_TEST_VERBS is not 1: the no-device path cannot be checked here");
+            return;
+        }
         Err(Error::NotViable(m)) => {
             println!("verbs not viable: {m}");
             assert!(m.contains("RDMA") || m.contains("memlock"), "{m}");
@@ -248,19 +251,18 @@ fn not_viable_without_device_names_the_reason() {
     }
     // Never panics, never aborts: listen/connect say why too.
     let a = Arc::new(Arena::new("t", 4096).unwrap());
-    if f.is_viable().is_err() {
-        assert!(matches!(f.listen("127.0.0.1:0", a, Rec::new(false)), Err(Error::NotViable(_))));
-        assert!(matches!(
-            f.connect("127.0.0.1:1", b"", Rec::new(false), Duration::from_millis(10), true),
-            Err(Error::NotViable(_))
-        ));
-    }
+    assert!(matches!(f.listen("127.0.0.1:0", a, Rec::new(false)), Err(Error::NotViable(_))));
+    assert!(matches!(
+        f.connect("127.0.0.1:1", b"", Rec::new(false), Duration::from_millis(10), true),
+        Err(Error::NotViable(_))
+    ));
 }
 
 #[test]
 #[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
 fn bad_override_is_not_viable() {
     if !selected() {
+        common::skipped("RDMA_DEVICE_TEST_VERBS is not 1 (tests/softroce/run.sh sets it in the Soft-RoCE VM)");
         return;
     }
     let f = VerbsFabric::new(VerbsOptions { device: Some("nosuchdev9".into()), ..Default::default() });
@@ -431,7 +433,8 @@ fn node_chooses_verbs_for_a_remote_peer() {
     use rdma_device::node::Node;
     let mut cfg = common::small_config();
     cfg.arena_bytes = 8 << 20;
-    let (ip, viable) = match fabric() {
+    // (Not a skip without a device: the choice of gRPC is checked then.)
+    let (ip, viable) = match if selected() { fabric() } else { None } {
         Some(f) => (local_ip(&f), true),
         None => ("127.0.0.1".to_string(), VerbsFabric::new(VerbsOptions::default()).is_viable().is_ok()),
     };
@@ -500,6 +503,7 @@ fn node_pair_over_verbs_only() {
 #[ignore = "a child process role of the two-process tests, run by them"]
 fn child_receiver() {
     if std::env::var("RDMA_DEVICE_TEST_CHILD").as_deref() != Ok("receiver") {
+        common::skipped("a child process's role: its parent test runs it with RDMA_DEVICE_TEST_CHILD=receiver");
         return;
     }
     let f = fabric().expect("child needs the device");
@@ -543,6 +547,7 @@ fn child_receiver() {
 #[ignore = "a child process role of the two-process tests, run by them"]
 fn child_sender() {
     if std::env::var("RDMA_DEVICE_TEST_CHILD").as_deref() != Ok("sender") {
+        common::skipped("a child process's role: its parent test runs it with RDMA_DEVICE_TEST_CHILD=sender");
         return;
     }
     let f = fabric().expect("child needs the device");
@@ -693,6 +698,7 @@ impl AsRef<[u8]> for SharedBuf {
 #[ignore = "a measurement, not a test: SOFTROCE_MEASURE=1 tests/softroce/run.sh"]
 fn measure_send_strategies() {
     if std::env::var("RDMA_DEVICE_TEST_VERBS_MEASURE").as_deref() != Ok("1") {
+        common::skipped("a measurement: SOFTROCE_MEASURE=1 tests/softroce/run.sh sets RDMA_DEVICE_TEST_VERBS_MEASURE=1");
         return;
     }
     let Some(f) = fabric() else { return };
@@ -766,6 +772,7 @@ fn busy_ticks() -> u64 {
 #[ignore = "a measurement, not a test: SOFTROCE_MEASURE=1 tests/softroce/run.sh"]
 fn measure_write_cpu() {
     if std::env::var("RDMA_DEVICE_TEST_VERBS_MEASURE").as_deref() != Ok("1") {
+        common::skipped("a measurement: SOFTROCE_MEASURE=1 tests/softroce/run.sh sets RDMA_DEVICE_TEST_VERBS_MEASURE=1");
         return;
     }
     let modes: [(&str, VerbsOptions); 2] = [
@@ -1429,6 +1436,7 @@ const MEMLOCK_CHILD_LIMIT: u64 = 24 << 20;
 #[ignore = "a child process role of memlock_fallback_goes_through_staging, run by it"]
 fn child_memlock() {
     if std::env::var("RDMA_DEVICE_TEST_CHILD").as_deref() != Ok("memlock") {
+        common::skipped("a child process's role: its parent test runs it with RDMA_DEVICE_TEST_CHILD=memlock");
         return;
     }
     const MB: usize = 1 << 20;

@@ -232,7 +232,7 @@ fn skip_unless_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     if !root {
-        eprintln!("not root: cannot start a process of another user; the uid tests need root (CI runs as root)");
+        skipped("not root: cannot start a process of another user; the uid tests need root (CI runs as root)");
     }
     !root
 }

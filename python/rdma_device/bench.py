@@ -7,10 +7,17 @@
     python -m rdma_device.bench allreduce [--sizes 1M,4M,16M,64M] [--workers 2,3] [--json]
     python -m rdma_device.bench trace    [--out t.json] [--sizes 4K,1M,16M] [--tensorboard DIR]
     python -m rdma_device.bench py       [--sizes 4K,64K,1M,16M,64M] [--quick] [--plot F] [--json]
+    python -m rdma_device.bench report   [--quick] [--runs 3] [--out DIR]   (see rdma_device._bench_report)
 
 ``py``: the endpoint API (rdma_device.endpoint, no TensorFlow) between two
 processes against multiprocessing.shared_memory with a pipe and against
 torch.distributed gloo, interleaved (see rdma_device._pybench).
+
+``report``: every benchmark the README quotes (fabric, transfer, train,
+allreduce, suite, soak), N runs each in randomised interleaved order;
+medians and ranges, machine, date and commit; rewrites the README's
+generated tables and docs/eval plots (``--quick``: fewer runs and smaller
+settings, written only to DIR).
 
 ``suite``: six workloads (AlexNet- and ResNet-class CNNs, an LSTM language
 model, a Transformer encoder, wide & deep with sparse embedding lookups, a
@@ -45,7 +52,8 @@ tasks (see rdma_device._trace); writes a Chrome trace and prints the
 median timeline of a step per size.
 
 ``train``: a short parameter-server training run (variables on a PS task,
-gradient steps on a worker) under both protocols, interleaved; prints
+gradient steps on a worker) under both protocols, interleaved in blocks (in a
+random order per round; the first step after a switch is not counted); prints
 median step times, the ratio, and whether the final weights are
 bit-identical.
 
@@ -58,6 +66,7 @@ applies); progress goes to stderr, results to stdout.
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -127,8 +136,11 @@ def transfer(args):
                     s.close()
             times = {p: [] for p in PROTOCOLS}
             cpu = {p: 0.0 for p in PROTOCOLS}
+            rng = random.Random(size)
             for _ in range(args.reps):
-                for p in PROTOCOLS:  # interleaved, in blocks of --block steps
+                # Interleaved, in blocks of --block steps, in a random order
+                # per round (no protocol always runs right after the other).
+                for p in rng.sample(PROTOCOLS, len(PROTOCOLS)):
                     s, out = sessions[p]
                     s.run(out)  # the block's first step absorbs the switch: not counted
                     c0 = cpu_seconds([clusters[p]])
@@ -207,8 +219,10 @@ def allreduce(args):
                 cpu = {p: 0.0 for p in PROTOCOLS}
                 for p, c in clusters.items():
                     c.command("allreduce", size=size, reps=1)  # trace, connect, place
+                rng = random.Random(size * 10 + n)
                 for _ in range(args.reps):
-                    for p, c in clusters.items():  # interleaved, in blocks
+                    for p in rng.sample(PROTOCOLS, len(PROTOCOLS)):  # interleaved, in blocks, random order
+                        c = clusters[p]
                         c.command("allreduce", size=size, reps=1)  # absorbs the switch: not counted
                         c0 = cpu_seconds([c])
                         per_worker = [r["ms"] for r in c.command("allreduce", size=size, reps=args.block)]
@@ -287,16 +301,22 @@ def train(args):
             runs[p] = (s, op, loss, ws)
         times = {p: [] for p in PROTOCOLS}
         losses = {p: [] for p in PROTOCOLS}
+        rng = random.Random(args.steps)
         prog = Progress(args.steps)
-        for k in range(args.steps):
-            if (k + 1) % max(1, args.steps // 10) == 0 or k + 1 == args.steps:
-                prog.step(f"step {k + 1} of {args.steps} under both protocols", done=k + 1)
-            for p in PROTOCOLS:
+        while len(times["grpc"]) < args.steps:
+            prog.step(f"{len(times['grpc'])} of {args.steps} counted steps under both protocols",
+                      done=len(times["grpc"]))
+            # Blocks of --block steps per protocol, in a random order per
+            # round; the first step after a switch runs but is not counted.
+            # Both protocols run the same steps, so their weights compare.
+            for p in rng.sample(PROTOCOLS, len(PROTOCOLS)):
                 s, op, loss, _ = runs[p]
-                t = time.perf_counter()
-                _, l = s.run([op, loss])
-                times[p].append((time.perf_counter() - t) * 1e3)
-                losses[p].append(l)
+                for i in range(args.block + 1):
+                    t = time.perf_counter()
+                    _, l = s.run([op, loss])
+                    if i:
+                        times[p].append((time.perf_counter() - t) * 1e3)
+                    losses[p].append(l)
         prog.close()
         finals = {p: runs[p][0].run(runs[p][3]) for p in PROTOCOLS}
         identical = all(np.array_equal(a, b) for a, b in zip(finals["grpc"], finals["grpc+rdma_device"]))
@@ -308,7 +328,7 @@ def train(args):
             c.close()
     med = {p: statistics.median(v) for p, v in times.items()}
     r = {
-        "steps": args.steps,
+        "steps": len(times["grpc"]),
         "grpc_step_ms": round(med["grpc"], 3),
         "rdma_device_step_ms": round(med["grpc+rdma_device"], 3),
         "ratio": round(med["grpc"] / med["grpc+rdma_device"], 2),
@@ -320,7 +340,7 @@ def train(args):
         print(json.dumps(r))
     else:
         print(f"parameter-server training (PS holds 3 MiB of weights; the worker reads them and pushes gradients every step), "
-              f"{args.steps} interleaved steps")
+              f"{len(times['grpc'])} counted steps per protocol in interleaved blocks of {args.block} (+1 uncounted)")
         print(f"  median step: grpc {r['grpc_step_ms']:.2f} ms, grpc+rdma_device {r['rdma_device_step_ms']:.2f} ms, ratio {r['ratio']:.2f}")
         print(f"  final loss: grpc {r['final_loss_grpc']:.6f}, grpc+rdma_device {r['final_loss_rdma_device']:.6f}; "
               f"weights bit-identical: {r['weights_bit_identical']}")
@@ -344,7 +364,10 @@ def main(argv=None):
     t.add_argument("--no-strict", dest="strict", action="store_false",
                    help="allow fallback to gRPC (default: RDMA_DEVICE_STRICT=1 in the tasks)")
     r = sub.add_parser("train", help="short parameter-server training run under both protocols")
-    r.add_argument("--steps", type=int, default=100)
+    r.add_argument("--steps", type=int, default=100, help="counted steps per protocol")
+    r.add_argument("--block", type=int, default=10,
+                   help="counted steps per protocol before switching (the first step after each switch "
+                        "is run but not counted)")
     r.add_argument("--json", action="store_true")
     r.add_argument("--no-strict", dest="strict", action="store_false")
     u = sub.add_parser("suite", help="workloads x modes x workers, breakdown, tensor sizes, plots")
@@ -367,16 +390,19 @@ def main(argv=None):
     a.add_argument("--block", type=int, default=4, help="counted all-reduces per block")
     a.add_argument("--json", action="store_true", help="one JSON object per size and worker count")
     a.add_argument("--no-strict", dest="strict", action="store_false")
-    from rdma_device import _pybench, _trace, soak
+    from rdma_device import _bench_report, _pybench, _trace, soak
     run_soak = soak.add_parser(sub)
     _trace.add_parser(sub)
     run_py = _pybench.add_parser(sub)
+    run_report = _bench_report.add_parser(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--verbose" in argv:  # anywhere on the line, for every subcommand
         argv.remove("--verbose")
         _quiet.set_verbose(True)
     _quiet.filter_stderr()
     args = ap.parse_args(argv)
+    if args.cmd == "report":
+        return run_report(args)
     {"transfer": transfer, "train": train, "suite": suite, "soak": run_soak,
      "allreduce": allreduce, "trace": trace, "py": run_py}[args.cmd](args)
 

@@ -288,8 +288,13 @@ def tf1_until_killed(spec, ready):
     """Trains until a peer dies, reports the error, then recovers.
 
     Prints ``STEP n`` after each good step and ``FAILED {...}`` when a step
-    fails. Then it keeps opening fresh sessions (polling: the killed task is
-    being restarted by the test) until one trains `recover_steps` steps.
+    fails. Then it keeps opening fresh sessions (polling every 0.25 s: the
+    killed task is being restarted by the test) until one trains
+    `recover_steps` steps from a fresh initialisation, or until
+    `recover_deadline_s` has passed. Returns the losses of the first
+    session's first steps and of the recovered session's (the same graph
+    from the same initial value: they must be bit-identical) and when the
+    recovered session's first step completed.
     """
     import json
     import sys
@@ -300,6 +305,7 @@ def tf1_until_killed(spec, ready):
     tf.compat.v1.disable_eager_execution()
     server = _start_chief_server(spec, tf)
     ready()
+    recover_steps = spec.get("recover_steps", 10)
 
     def build():
         graph = tf.Graph()
@@ -323,11 +329,14 @@ def tf1_until_killed(spec, ready):
     graph, init, loss, train = build()
     options = tf.compat.v1.RunOptions(timeout_in_ms=20000)
     step = 0
+    first_losses = []
     with tf.compat.v1.Session(server.target, graph=graph) as sess:
         sess.run(init)
         try:
             while True:
-                sess.run([loss, train], options=options)
+                value = sess.run([loss, train], options=options)[0]
+                if len(first_losses) < recover_steps:
+                    first_losses.append(float(value))
                 step += 1
                 emit("STEP", step)
         except tf.errors.OpError as e:
@@ -335,17 +344,22 @@ def tf1_until_killed(spec, ready):
                             "time": time.time()})
 
     attempts = 0
+    deadline = time.time() + spec.get("recover_deadline_s", 120)
     while True:
         attempts += 1
         try:
             graph, init, loss, train = build()
             with tf.compat.v1.Session(server.target, graph=graph) as sess:
                 sess.run(init, options=options)
-                for _ in range(spec.get("recover_steps", 20)):
-                    value = sess.run([loss, train], options=options)[0]
-            return {"attempts": attempts, "loss": float(value), "stats": _stats(spec)}
+                losses = []
+                for _ in range(recover_steps):
+                    losses.append(float(sess.run([loss, train], options=options)[0]))
+                    if len(losses) == 1:
+                        first_step_at = time.time()
+            return {"attempts": attempts, "first_losses": first_losses, "recovered_losses": losses,
+                    "recovered_at": first_step_at, "stats": _stats(spec)}
         except tf.errors.OpError as e:
-            if attempts >= 200:
+            if time.time() > deadline:
                 return {"error": f"{type(e).__name__}: {e}", "attempts": attempts}
             time.sleep(0.25)  # polling for the restarted task
 

@@ -2,6 +2,11 @@
 explained fallback to stock gRPC, or (strict mode) a clear error; and
 bad settings refused up front."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 import harness
@@ -12,13 +17,25 @@ STEPS = 20
 NO_TRANSPORT = {"RDMA_DEVICE_TRANSPORTS": ""}
 
 
+_FRESH_STATS = r"""
+import json
+import rdma_device
+print(json.dumps(rdma_device.stats()))
+"""
+
+
 def test_python_api_reports_config_and_stats(plugin_built):
     cfg = rdma_device.config()
     assert cfg["RDMA_DEVICE_STRICT"]["default"] == "0"
     assert cfg["RDMA_DEVICE_STRICT"]["help"]
-    counters = rdma_device.stats()["counters"]
-    for name in ("tensors_pushed", "tensors_received", "fallback_tensors"):
-        assert counters[name] >= 0
+    # A fresh process that moved nothing: every tensor counter is exactly 0.
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(rdma_device.__file__)) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", _FRESH_STATS], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    counters = json.loads(p.stdout.strip().splitlines()[-1])["counters"]
+    for name in ("tensors_pushed", "tensors_received", "fallback_tensors", "inline_tensors"):
+        assert counters[name] == 0, counters
 
 
 def test_no_transport_falls_back_to_grpc_and_says_why(log_dir, plugin_built, grpc_reference):

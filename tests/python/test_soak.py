@@ -14,6 +14,18 @@ import sys
 import rdma_device
 
 STEPS = 300
+# Private memory (RssAnon) of the three tasks from the baseline (step 30)
+# to the end. The README's goal (under 5%) is for 10,000 steps with the
+# baseline at step 1000 (`bench soak --steps 10000`, in `bench report`);
+# in 300 steps TensorFlow's CPU allocator is still reaching its high-water
+# mark (it keeps its pool: +13.5% and +18.2% in two runs on this tree with
+# seed 1, varying with the tasks' timing). A task that kept every tensor
+# it received would add ~0.8 MB a step, ~240 MB over 300 steps: +29% on
+# top of that. The bound sits between.
+ANON_GROWTH_PCT_MAX = 30.0
+# Total RSS per task at the end (arena pages a task touched included; 776-
+# 823 MiB measured, against ~620 MiB after the first step).
+TASK_RSS_MB_MAX = 1024.0
 
 
 def _env():
@@ -104,6 +116,9 @@ def test_soak_random_tensors_with_worker_restart(plugin_built):
     assert r["tensors_pushed"] >= r["hops"]
     assert r["fallback_tensors"] == 0
     assert r["arena_bytes_in_use_end"] > 0
+    assert r["rss_anon_growth_pct"] < ANON_GROWTH_PCT_MAX, r
+    for task, points in r["rss_mb_by_task"].items():
+        assert points["end"] < TASK_RSS_MB_MAX, (task, r["rss_mb_by_task"])
 
 
 def test_soak_worker_killed_mid_stream(plugin_built):

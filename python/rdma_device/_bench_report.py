@@ -1,0 +1,299 @@
+"""`python -m rdma_device.bench report`: every benchmark the README quotes,
+on the current tree, N runs each in randomised interleaved order.
+
+    python -m rdma_device.bench report [--runs 3] [--out DIR] [--only fabric,train]
+    python -m rdma_device.bench report --quick --out DIR     (CI: minutes; README untouched)
+
+Runs `rdma-device-bench fabric` and `python -m rdma_device.bench` transfer,
+train, allreduce, suite and soak as subprocesses, each with `--json`; the
+order of all (benchmark, run) pairs is shuffled with a recorded seed, so
+no benchmark always runs first, or on a machine warmed by the same
+neighbour. Writes DIR/report.json (machine, date, commit, order, every
+run's rows and wall time) and DIR/report.md (the tables). Without
+`--quick` it also rewrites the README's generated regions (between
+`<!-- report:NAME begin -->` and `<!-- report:NAME end -->`) and the plots
+in docs/eval/ (fabric.png; the suite's plots from its last run).
+`--quick` runs the same benchmarks with fewer runs and smaller settings
+and writes only to DIR.
+"""
+
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import time
+
+from rdma_device import _bench_tables
+
+# name -> (full arguments, quick arguments); the README quotes the full ones.
+PY_BENCHES = {
+    "transfer": (["transfer", "--json"], ["transfer", "--json", "--sizes", "64K,16M", "--reps", "2", "--block", "3"]),
+    "train": (["train", "--json", "--steps", "100"], ["train", "--json", "--steps", "20"]),
+    "allreduce": (["allreduce", "--json"],
+                  ["allreduce", "--json", "--sizes", "1M,16M", "--workers", "2", "--reps", "2", "--block", "2"]),
+    "soak": (["soak", "--json", "--steps", "10000"], ["soak", "--json", "--steps", "60"]),
+    "suite": (["suite", "--quick", "--json"],
+              ["suite", "--quick", "--json", "--workloads", "wide_deep", "--workers", "2", "--reps", "2",
+               "--block", "2", "--no-sweep", "--mwms-workers", ""]),
+}
+ORDER = ("fabric", "transfer", "train", "allreduce", "suite", "soak")
+
+
+def command(name, quick):
+    """The command one run of `name` is, as the README quotes it."""
+    if name == "fabric":
+        return "rdma-device-bench fabric --transport shm --json" + (" --quick" if quick else "")
+    args = [a if a else "''" for a in PY_BENCHES[name][1 if quick else 0]]
+    return "python -m rdma_device.bench " + " ".join(args) + (" --out DIR" if name == "suite" else "")
+
+
+def repo_root():
+    """The checkout this package lives in, else the current directory if
+    it is one (an installed copy run from the checkout), else None."""
+    def is_root(d):
+        return os.path.exists(os.path.join(d, "Cargo.toml")) and os.path.exists(os.path.join(d, "README.md"))
+
+    d = os.path.dirname(os.path.abspath(__file__))
+    for _ in range(4):
+        d = os.path.dirname(d)
+        if is_root(d):
+            return d
+    return os.getcwd() if is_root(os.getcwd()) else None
+
+
+def fabric_binary(root):
+    cand = os.environ.get("RDMA_DEVICE_BENCH_BIN") or (
+        os.path.join(root, "target", "release", "rdma-device-bench") if root else "")
+    if cand and os.access(cand, os.X_OK):
+        return cand
+    return shutil.which("rdma-device-bench")
+
+
+def commit(root):
+    if not root:
+        return "unknown (not a git checkout)"
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unknown ({e})"
+    return (head or "unknown") + (" with uncommitted changes" if dirty else "")
+
+
+def machine():
+    from rdma_device._report import machine as cpus
+
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            kb = int(next(l.split()[1] for l in f if l.startswith("MemTotal")))
+        mem = f", {kb / 2**20:.0f} GiB"
+    except (OSError, StopIteration, ValueError):
+        pass
+    osname = ""
+    try:
+        with open("/etc/os-release") as f:
+            osname = next((l.split("=", 1)[1].strip().strip('"') for l in f if l.startswith("PRETTY_NAME")), "")
+    except OSError:
+        pass
+    try:
+        from importlib import metadata
+
+        tf = next((f"TensorFlow {metadata.version(d)}" for d in ("tensorflow-cpu", "tensorflow")
+                   if _has(metadata, d)), "TensorFlow ?")
+    except ImportError:
+        tf = "TensorFlow ?"
+    return f"{cpus()}{mem}, {osname or platform.platform()}, Python {platform.python_version()}, {tf}"
+
+
+def _has(metadata, dist):
+    try:
+        metadata.version(dist)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def _argv(name, quick, run_dir, root):
+    if name == "fabric":
+        binary = fabric_binary(root)
+        if not binary:
+            raise FileNotFoundError("rdma-device-bench not found: build it with `cargo build --release --bins`"
+                                    " or set RDMA_DEVICE_BENCH_BIN")
+        return [binary, "fabric", "--transport", "shm", "--json"] + (["--quick"] if quick else [])
+    args = list(PY_BENCHES[name][1 if quick else 0])
+    if name == "suite":
+        args += ["--out", run_dir]
+    return [sys.executable, "-m", "rdma_device.bench"] + args
+
+
+def _rows(stdout):
+    rows = []
+    for line in stdout.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            rows.append(json.loads(line))
+        elif line.startswith("["):
+            rows.extend(r for r in json.loads(line) if isinstance(r, dict))
+    return rows
+
+
+def _one(name, i, quick, out, root, timeout):
+    run_dir = os.path.join(out, "raw", f"{name}-{i}")
+    os.makedirs(run_dir, exist_ok=True)
+    rec = {"bench": name, "run": i, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+           "load_before": os.getloadavg()[0]}
+    t0 = time.monotonic()
+    try:
+        argv = _argv(name, quick, run_dir, root)
+        rec["argv"] = [os.path.basename(argv[0])] + argv[1:]
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        with open(os.path.join(run_dir, "stdout.txt"), "w") as f:
+            f.write(p.stdout)
+        with open(os.path.join(run_dir, "stderr.txt"), "w") as f:
+            f.write(p.stderr)
+        rec["rows"] = _rows(p.stdout)
+        if p.returncode != 0 or not rec["rows"]:
+            rec["error"] = f"exit {p.returncode}: {p.stderr.strip()[-500:]}"
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+        rec.setdefault("rows", [])
+    rec["seconds"] = round(time.monotonic() - t0, 1)
+    rec["load_after"] = os.getloadavg()[0]
+    return rec
+
+
+def _header(meta, name, runs_ok):
+    runs = f"{meta['runs']} run{'s' if meta['runs'] != 1 else ''}"
+    return (f"Generated by `python -m rdma_device.bench report` ({runs} per benchmark in randomised "
+            f"interleaved order, seed {meta['seed']}; here {runs_ok} completed), {meta['date']}, {meta['machine']}, "
+            f"commit {meta['commit']}. Each run: `{command(name, meta['quick'])}`. Cells are medians over the runs of each run's "
+            f"own median; ratios are the median of the per-run ratios, with their range.")
+
+
+def _fabric_plot(runs, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    agg = _bench_tables.aggregate(runs, lambda r: r["size"])
+    sizes = list(agg)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for field, label in (("gbps", "one-sided write"), ("memcpy_gbps", "memcpy, threads as the write"),
+                         ("memcpy1_gbps", "memcpy, 1 thread")):
+        ax.plot(sizes, [agg[s][field][0] for s in sizes], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes per write")
+    ax.set_ylabel("GB/s (median over runs)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def report(args):
+    root = repo_root()
+    names = [n.strip() for n in args.only.split(",")] if args.only else list(ORDER)
+    for n in names:
+        if n not in ORDER:
+            raise SystemExit(f"unknown benchmark {n!r}; choose from {', '.join(ORDER)}")
+    runs = args.runs or (1 if args.quick else 3)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
+    out = args.out or ("bench_report_quick" if args.quick else "bench_report")
+    os.makedirs(out, exist_ok=True)
+    jobs = [(n, i) for n in names for i in range(runs)]
+    random.Random(seed).shuffle(jobs)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+            "commit": commit(root), "runs": runs, "seed": seed, "quick": bool(args.quick),
+            "order": [f"{n}#{i}" for n, i in jobs]}
+    print(f"bench report: {len(jobs)} runs in this order: {', '.join(meta['order'])}", flush=True)
+    t0 = time.monotonic()
+    records = []
+    for n, i in jobs:
+        rec = _one(n, i, args.quick, out, root, args.timeout)
+        records.append(rec)
+        status = rec.get("error", f"{len(rec['rows'])} rows")
+        print(f"  {n} run {i + 1}/{runs}: {rec['seconds']} s (load {rec['load_before']:.1f}): {status}", flush=True)
+    meta["seconds"] = round(time.monotonic() - t0, 1)
+    meta["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump({"meta": meta, "records": records}, f, indent=1)
+    md = [f"# bench report\n\n{meta['date']} – {meta['finished']} ({meta['seconds']:.0f} s), {meta['machine']}, "
+          f"commit {meta['commit']}, {runs} run{'s' if runs != 1 else ''} each{' (--quick)' if args.quick else ''}, "
+          f"order seed {seed}.\n"]
+    tables = {}
+    for n in names:
+        ok = [r["rows"] for r in records if r["bench"] == n and "error" not in r]
+        failed = [r["error"] for r in records if r["bench"] == n and "error" in r]
+        md.append(f"## {n}\n")
+        if ok:
+            tables[n] = _bench_tables.RENDER[n](ok)
+            md.append(_header(meta, n, len(ok)) + "\n\n" + tables[n] + "\n")
+        for e in failed:
+            md.append(f"- a run failed: {e}\n")
+    if "fabric" in tables:
+        png = _fabric_plot([r["rows"] for r in records if r["bench"] == "fabric" and "error" not in r],
+                           os.path.join(out, "fabric.png"))
+        if png:
+            md.append(f"![fabric](fabric.png)\n")
+    text = "\n".join(md)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(text)
+    print(text)
+    if not args.quick and not args.no_readme:
+        _rewrite_readme(root, meta, tables, records, out)
+    failed = sum("error" in r for r in records)
+    print(f"bench report: {len(records) - failed} of {len(records)} runs completed in {meta['seconds']:.0f} s; "
+          f"{os.path.join(out, 'report.md')}", flush=True)
+    return 1 if failed else 0
+
+
+def _rewrite_readme(root, meta, tables, records, out):
+    if not root:
+        print("bench report: not in a checkout: README and docs/ left alone")
+        return
+    path = os.path.join(root, "README.md")
+    with open(path) as f:
+        text = f.read()
+    for n, table in tables.items():
+        ok = sum(1 for r in records if r["bench"] == n and "error" not in r)
+        new = _bench_tables.replace_region(text, n, _header(meta, n, ok) + "\n\n" + table)
+        if new is None:
+            print(f"bench report: README has no {_bench_tables.marker(n)} markers: {n}'s table is only in report.md")
+        else:
+            text = new
+    with open(path, "w") as f:
+        f.write(text)
+    docs = os.path.join(root, "docs", "eval")
+    os.makedirs(docs, exist_ok=True)
+    if os.path.exists(os.path.join(out, "fabric.png")):
+        shutil.copy(os.path.join(out, "fabric.png"), docs)
+    suites = [r for r in records if r["bench"] == "suite" and "error" not in r]
+    if suites:
+        last = os.path.join(out, "raw", f"suite-{suites[-1]['run']}")
+        for f in os.listdir(last):
+            if f.endswith(".png"):
+                shutil.copy(os.path.join(last, f), docs)
+    print(f"bench report: README.md's generated regions and {docs} rewritten")
+
+
+def add_parser(sub):
+    r = sub.add_parser("report", help="every benchmark the README quotes, N runs each, interleaved; README tables")
+    r.add_argument("--quick", action="store_true",
+                   help="fewer runs and smaller settings, written only to --out (CI)")
+    r.add_argument("--runs", type=int, default=None, help="runs per benchmark (default 3; 1 with --quick)")
+    r.add_argument("--out", default=None, help="output directory (default ./bench_report[_quick])")
+    r.add_argument("--only", default="", help=f"comma-separated subset of {','.join(ORDER)}")
+    r.add_argument("--seed", type=int, default=None, help="seed of the run order (default: random, recorded)")
+    r.add_argument("--timeout", type=int, default=7200, help="seconds one benchmark run may take")
+    r.add_argument("--no-readme", action="store_true", help="leave README.md and docs/ alone")
+    return report
