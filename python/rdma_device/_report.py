@@ -141,7 +141,8 @@ def plots(res, out_dir):
 
     part_colours = {"client_master": "#9e9e9e", "dispatch": "#8172b3", "waiting_for_sender": "#dd8452",
                     "in_transport": "#c44e52", "partition_other": "#2ca02c"}
-    fig, axes = plt.subplots(nr, nc, figsize=(max(4.5 * nc, 8), 3.2 * nr), squeeze=False)
+    fig_h = 3.2 * nr + 1.0  # + room for the legend below the plots
+    fig, axes = plt.subplots(nr, nc, figsize=(max(4.5 * nc, 8), fig_h), squeeze=False)
     for ax, w in zip(axes.flat, workloads):
         n = at_workers(w)
         for x, m in enumerate(modes):
@@ -173,7 +174,7 @@ def plots(res, out_dir):
     fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=7, frameon=False)
     fig.suptitle("Where a step's time goes: measured from recorded spans (median traced step per component)",
                  fontsize=11)
-    save(fig, "breakdown.png", rect=(0, 0.1, 1, 0.95))
+    save(fig, "breakdown.png", rect=(0, 1.0 / fig_h, 1, 1 - 0.35 / fig_h))
 
     # 3. transfer sweep
     if res.get("sweep"):
