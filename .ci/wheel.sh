@@ -40,7 +40,9 @@ step "building (the documented command, README \"Installing\")"
 PATH="$VENV/bin:$PATH" PYTHONDONTWRITEBYTECODE=1 \
   "$VENV/bin/pip" wheel -q --no-build-isolation --no-deps -w dist ./python
 WHEEL=$(ls "$ROOT"/dist/rdma_device-*.whl)
-REQ=$(unzip -p "$WHEEL" '*.dist-info/METADATA' | sed -n 's/^Requires-Dist: //p')
+# The TensorFlow it was built for (other Requires-Dist lines are optional extras).
+REQ=$(unzip -p "$WHEEL" '*.dist-info/METADATA' | sed -n 's/^Requires-Dist: \(tensorflow[-_a-z]*==[^;]*\)$/\1/p' | head -1)
+[ -n "$REQ" ] || { echo "wheel: no tensorflow requirement in $WHEEL's metadata" >&2; exit 1; }
 echo "built ${WHEEL#"$ROOT"/}, requires $REQ"
 # No build-time path in the shim's run-time search path.
 unzip -p "$WHEEL" rdma_device/lib/librdma_device_tf.so > dist/shim.so
