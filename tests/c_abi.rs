@@ -4,8 +4,13 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+/// A loopback port held by this process until it exits (the shm socket is
+/// named after the address, so no other test may get the same port).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::mem::forget(l);
+    port
 }
 
 #[test]

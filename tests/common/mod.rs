@@ -20,9 +20,17 @@ pub fn skipped(reason: &str) {
     let _ = writeln!(std::io::stderr(), "SKIPPED {name}: {reason}");
 }
 
-/// A free loopback port (bound, then released).
+/// A loopback port no other test holds. Nodes do not bind TCP, but the
+/// shm transport names its socket after the address, so two nodes given
+/// the same port collide (one cannot listen). The port stays bound by this
+/// test process until it exits, so neither the kernel nor a concurrent
+/// test can hand it out again.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    static HELD: std::sync::Mutex<Vec<TcpListener>> = std::sync::Mutex::new(Vec::new());
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    HELD.lock().unwrap_or_else(|e| e.into_inner()).push(l);
+    port
 }
 
 /// The host part of the tests' node addresses: "localhost", or, to run the
