@@ -7,6 +7,14 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${RDMA_DEVICE_VENV:-$HOME/.cache/rdma_device/venv}
 cd "$ROOT"
 bash .ci/setup.sh
+# PyTorch, for the endpoint API's DLPack test with torch tensors and the gloo
+# baseline of `bench py` (CPU only; PyPI's wheel with its CUDA libraries is
+# about 5 GB, downloaded once into the venv; the main job does not need it).
+TORCH_VERSION=2.15.0
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" >/dev/null 2>&1; then
+  echo "== installing torch==$TORCH_VERSION into $VENV (downloaded once)"
+  "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
+fi
 
 echo "== Rust tests (cargo test --features verbs; verbs device tests run in the VM below)"
 cargo test --features verbs

@@ -44,7 +44,7 @@ namespace rdma_device {
 // (so no task can ever run while the pool is being destroyed), with an
 // unbounded queue in front. Never blocks the caller. For work that
 // finishes without waiting on the network: completions (copies into TF's
-// tensors, TF's `done`), receive cancellations, aborts, worker RPC replies.
+// tensors, TF's `done`), receive cancellations, aborts.
 void Schedule(std::function<void()> fn);
 
 // Runs `fn` on the plugin's control pool ("rdev_control"), made like the

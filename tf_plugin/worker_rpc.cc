@@ -6,7 +6,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "pool.h"
 #include "tensorflow/core/distributed_runtime/call_options.h"
 #include "tensorflow/core/platform/logging.h"
 #include "tensorflow/core/platform/mutex.h"
@@ -277,13 +276,6 @@ class Served {
   std::map<uint64_t, std::shared_ptr<tf::CallOptions>> calls_ TF_GUARDED_BY(mu_);
 };
 
-// From whichever thread finished the call: the reply is written from the
-// plugin's pool.
-void ReplyLater(const std::shared_ptr<Transport>& transport, uint64_t handle,
-                const absl::Status& s, std::string body) {
-  Schedule([transport, handle, s, body = std::move(body)] { transport->Reply(handle, s, body); });
-}
-
 }  // namespace
 
 tf::WorkerCacheInterface* NewTransportWorkerCache(tf::WorkerCacheInterface* stock,
@@ -307,12 +299,17 @@ void ServeWorkerRpcs(const std::shared_ptr<Transport>& transport, tf::WorkerInte
           auto resp = std::make_shared<tf::RunGraphResponse>();
           auto opts = std::make_shared<tf::CallOptions>();
           served->Add(handle, opts);
+          // The reply is written on the thread that finished the call (an
+          // executor thread): writing never waits on the peer (one
+          // non-blocking send; what the connection does not take at once
+          // is queued for the transport's send thread), and a hop to a
+          // pool would put a thread wake-up on every step's critical path.
           worker->RunGraphAsync(opts.get(), req.get(), resp.get(),
                                 [t, served, handle, req, resp, opts](const absl::Status& s) {
                                   served->Remove(handle);
                                   std::string out;
                                   if (s.ok()) resp->SerializeToString(&out);
-                                  ReplyLater(t, handle, s, std::move(out));
+                                  t->Reply(handle, s, out);
                                 });
         } else if (method == kCleanupGraph) {
           auto req = std::make_shared<tf::CleanupGraphRequest>();
@@ -324,7 +321,7 @@ void ServeWorkerRpcs(const std::shared_ptr<Transport>& transport, tf::WorkerInte
           worker->CleanupGraphAsync(req.get(), resp.get(), [t, handle, req, resp](const absl::Status& s) {
             std::string out;
             if (s.ok()) resp->SerializeToString(&out);
-            ReplyLater(t, handle, s, std::move(out));
+            t->Reply(handle, s, out);
           });
         } else {
           t->Reply(handle, absl::UnimplementedError(absl::StrCat("rdma_device: no worker method ", method)), "");

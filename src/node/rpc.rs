@@ -178,6 +178,7 @@ impl Inner {
             c
         };
         let Some(c) = call else { return }; // cancelled or its link lost
+        let t = crate::trace::start();
         let mut parts = body.chunks(CALL_PART_BYTES).peekable();
         loop {
             let part = parts.next().unwrap_or(&[]);
@@ -187,6 +188,7 @@ impl Inner {
                 return;
             }
             if !more {
+                crate::trace::end("reply", t, 0, body.len() as u64, None);
                 return;
             }
         }
@@ -199,9 +201,18 @@ impl Inner {
     /// A `Call`, `Reply` or `CallCancel` arrived on `link` (an event
     /// thread): `Err` fails the link.
     pub(super) fn on_call_msg(&self, link: ConnId, msg: &[u8]) -> Result<()> {
+        let t = crate::trace::start();
         match Msg::decode(msg)? {
-            Msg::Call { id, method, more, body } => self.call_part(link, id, method, more, body),
-            Msg::Reply { id, code, more, body } => self.reply_part(link, id, code, more, body),
+            Msg::Call { id, method, more, body } => {
+                let r = self.call_part(link, id, method, more, body);
+                crate::trace::end("call in", t, 0, msg.len() as u64, None);
+                r
+            }
+            Msg::Reply { id, code, more, body } => {
+                let r = self.reply_part(link, id, code, more, body);
+                crate::trace::end("reply in", t, 0, msg.len() as u64, None);
+                r
+            }
             Msg::CallCancel { id } => {
                 let handle = self.rpc.served.lock().by_key.get(&(link, id)).copied();
                 if let Some(h) = handle {
@@ -246,7 +257,11 @@ impl Inner {
         let Some((handle, body)) = whole else { return Ok(()) };
         let server = self.rpc.server.read().clone();
         match server {
-            Some(srv) => self.later(move || srv.call(handle, method, body)),
+            Some(srv) => self.later(move || {
+                let (t, n) = (crate::trace::start(), body.len() as u64);
+                srv.call(handle, method, body);
+                crate::trace::end("serve", t, 0, n, None);
+            }),
             None => self.rpc_reply(handle, CODE_UNIMPLEMENTED, b"this task serves no calls over the transport"),
         }
         Ok(())
@@ -270,7 +285,11 @@ impl Inner {
         }
         let o = out.remove(&id).expect("found above");
         drop(out);
-        self.later(move || (o.done)(code, o.reply));
+        self.later(move || {
+            let (t, n) = (crate::trace::start(), o.reply.len() as u64);
+            (o.done)(code, o.reply);
+            crate::trace::end("call done", t, 0, n, None);
+        });
         Ok(())
     }
 
