@@ -72,6 +72,10 @@ typedef struct rdev_buffer rdev_buffer;
 // One task's transport (one per TensorFlow server).
 typedef struct rdev_context rdev_context;
 
+// A posted receive (`rdev_recv_waitable`); free it with
+// `rdev_waiter_free`, whether or not its outcome was taken.
+typedef struct rdev_waiter rdev_waiter;
+
 // dtype (TensorFlow's DataType value, opaque to the library), flags
 // (RDEV_FLAG_*), and shape (`ndims` entries at `dims`; at most 24 take the
 // fast path, more go through a slower chunked path).
@@ -415,6 +419,32 @@ void rdev_record_worker_rpc_over_grpc(void);
 // true when RDMA_DEVICE_WORKER_RPCS is on: per-step worker RPCs to peers
 // on the transport go over it (`rdev_call`).
 bool rdev_context_worker_rpcs(const struct rdev_context *ctx);
+
+// Receive the tensor `(key, step_id)` from `peer`, as `rdev_recv` does,
+// but with no callback: `*out` is a handle to wait on with `rdev_wait`
+// and to free with `rdev_waiter_free`. Never blocks.
+enum rdev_status rdev_recv_waitable(const struct rdev_context *ctx,
+                                    const char *peer,
+                                    size_t peer_len,
+                                    const char *key,
+                                    size_t key_len,
+                                    uint64_t step_id,
+                                    struct rdev_waiter **out);
+
+// Wait at most `timeout_ms` for the receive of `w`. RDEV_OK: `*out` is
+// the received buffer (the caller's; release it with
+// `rdev_buffer_release`). RDEV_TIMEOUT: not in yet; the receive stays
+// posted and `w` may be waited on again. Any other status: the receive's
+// error, with its message in `rdev_last_error`. An outcome is taken
+// once: a later wait on the same handle fails with RDEV_INVALID_ARGUMENT.
+// Blocks the calling thread only (never call it from a callback).
+enum rdev_status rdev_wait(const struct rdev_waiter *w,
+                           uint64_t timeout_ms,
+                           struct rdev_buffer **out);
+
+// Free a handle from `rdev_recv_waitable`. A receive still pending goes
+// on; its tensor, when it comes, is released at once. NULL: nothing.
+void rdev_waiter_free(struct rdev_waiter *w);
 
 #ifdef __cplusplus
 }  // extern "C"

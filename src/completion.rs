@@ -12,6 +12,15 @@ use parking_lot::Mutex;
 /// A callback that runs once with the outcome `T`.
 pub trait Complete<T>: Send {
     fn complete(self: Box<Self>, v: T);
+
+    /// True when completing only hands the outcome to a waiting thread
+    /// (never blocks, never calls back into the library or an
+    /// application): a backend's event thread may then run it itself
+    /// instead of handing it to `rdev-callbacks`, which saves a thread
+    /// wake-up per completion. False for callbacks (the default).
+    fn runs_anywhere(&self) -> bool {
+        false
+    }
 }
 
 impl<T, F: FnOnce(T) + Send> Complete<T> for F {

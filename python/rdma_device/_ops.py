@@ -1,19 +1,23 @@
 """Completions of the endpoint API: futures, the callback trampolines, and
 received arrays (zero-copy views of a receive slot).
 
-Threads: the library runs ``rdev_send``/``rdev_recv`` callbacks on the
-calling thread or on its ``rdev-callbacks`` thread. The two trampolines
-below are module-level ctypes objects, so they outlive every callback; an
-operation's state (the array being sent, the future) sits in ``_pending``
-under an integer token until its callback has run. A callback only stores
-the outcome and sets an event: it never blocks, never calls back into the
-library's blocking functions, and runs no user code. It does need the
-GIL: a Python thread that computes without releasing it delays the
-context's callback thread by up to ``sys.getswitchinterval()`` (5 ms).
+Threads: receives are waited on by the receiving thread itself
+(``WaitFuture``: ``rdev_wait`` with the GIL released, woken directly by
+the transport's event thread). Sends complete through a callback, which
+the library runs on the calling thread or on its ``rdev-callbacks``
+thread. The trampolines below are module-level ctypes objects, so they
+outlive every callback; an operation's state (the array being sent, the
+future) sits in ``_pending`` under an integer token until its callback has
+run. A callback only stores the outcome and sets an event: it never
+blocks, never calls back into the library's blocking functions, and runs
+no user code. It does need the GIL: a Python thread that computes without
+releasing it delays the context's callback thread by up to
+``sys.getswitchinterval()`` (5 ms).
 """
 
 import ctypes
 import itertools
+import math
 import threading
 import time
 
@@ -79,6 +83,71 @@ class Future:
             if self._error is not None:
                 raise self._error
             return self._value
+
+
+class WaitFuture(Future):
+    """A receive's Future that the waiting thread completes itself: the
+    receive was posted with ``rdev_recv_waitable`` and ``result`` waits in
+    ``rdev_wait`` (the GIL released), which the library's event thread
+    wakes directly. No Python callback runs on a library thread, so an
+    arriving array costs one thread wake-up instead of a callback that
+    needs the GIL and then wakes the waiter. ``on_error(error)`` runs on
+    the thread that takes a failed outcome."""
+
+    # Slices of one wait: a signal (Ctrl-C) is handled between them.
+    SLICE_S = 0.5
+
+    def __init__(self, what, handle, on_error=None):
+        super().__init__(what)
+        self._handle = handle
+        self._on_error = on_error
+        self._taking = threading.Lock()
+
+    def done(self):
+        if not self._finished:
+            self._take(0.0)
+        return self._finished
+
+    def _wait(self, timeout):
+        if not self._finished:
+            self._take(timeout)
+        if not self._finished:
+            raise _capi.DeadlineExceeded(_capi.TIMEOUT, f"{self._what}: no outcome within {timeout:.3g} s")
+
+    def _take(self, timeout):
+        deadline = time.monotonic() + min(timeout, threading.TIMEOUT_MAX)
+        if not self._taking.acquire(timeout=min(timeout, threading.TIMEOUT_MAX)):
+            return
+        try:
+            lib = _capi.lib()
+            buf = ctypes.c_void_p()
+            while not self._finished:
+                left = max(0.0, deadline - time.monotonic())
+                st = lib.rdev_wait(self._handle, math.ceil(min(left, self.SLICE_S) * 1000), ctypes.byref(buf))
+                if st == _capi.TIMEOUT:
+                    if time.monotonic() >= deadline:
+                        return
+                    continue
+                if st == _capi.OK:
+                    self._set(_Lease(buf.value))
+                else:
+                    self._set(error=_capi.error(st, _capi.last_error() or self._what))
+                self._free()
+                if self._error is not None and self._on_error is not None:
+                    self._on_error(self._error)
+        finally:
+            self._taking.release()
+
+    def _free(self):
+        h, self._handle = self._handle, None
+        if h:
+            try:
+                _capi._lib.rdev_waiter_free(h)
+            except Exception:
+                pass
+
+    def __del__(self):
+        self._free()
 
 
 class _Op:

@@ -345,34 +345,34 @@ class Endpoint:
         """Post the receive of ``s``'s next array (``s.lock`` held)."""
         p = s.peer
         seq, step = s.seq, s.step()
-        fut = Future(f"receive {peer}/{slot} #{seq}")
-        expect = s.expect
-        fut._convert = lambda lease: Received(peer, slot, seq, lease, expect)
-        token = _ops.register(_ops._Op(fut, None, self, lambda: self._recv_finished(fut, step)))
+        handle = _capi.ctypes.c_void_p()
         ctx = self._enter()
         try:
-            st = self._lib.rdev_recv(ctx, p, len(p), s.key, len(s.key), step, _ops._recv_done,
-                                     token)
-            if st != _capi.OK:
-                _ops.unregister(token)
-                _capi.check(st, f"receive {peer}/{slot}")
+            # Waited on by the receiving thread (rdev_wait), not completed
+            # by a callback: see _ops.WaitFuture.
+            _capi.check(self._lib.rdev_recv_waitable(ctx, p, len(p), s.key, len(s.key), step,
+                                                     _capi.ctypes.byref(handle)),
+                        f"receive {peer}/{slot}")
         finally:
             self._exit()
+        fut = _ops.WaitFuture(f"receive {peer}/{slot} #{seq}", handle.value,
+                              lambda e: self._recv_failed(step))
+        expect = s.expect
+        fut._convert = lambda lease: Received(peer, slot, seq, lease, expect)
         s.seq += 1
         return fut
 
-    def _recv_finished(self, fut, step):
-        # On a library thread: a failed receive ends its step, so that a
-        # late write of it is dropped instead of holding a slot.
-        if fut._error is not None:
-            with self._state:
-                if self._closed:
-                    return
-                self._active += 1
-            try:
-                self._lib.rdev_step_done(self._ctx, step)
-            finally:
-                self._exit()
+    def _recv_failed(self, step):
+        # A failed receive ends its step, so that a late write of it is
+        # dropped instead of holding a slot.
+        with self._state:
+            if self._closed:
+                return
+            self._active += 1
+        try:
+            self._lib.rdev_step_done(self._ctx, step)
+        finally:
+            self._exit()
 
     # -- sending -------------------------------------------------------------
 

@@ -25,6 +25,7 @@ mod introspect;
 mod status;
 mod trace;
 mod rpc;
+mod wait;
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void};
@@ -37,6 +38,8 @@ use crate::fabric::TransportKind;
 use crate::node::{Lease, Node};
 use crate::rendezvous::{Dims, Payload, TensorMeta};
 pub use status::rdev_status;
+pub use introspect::rdev_last_error;
+pub use wait::{rdev_recv_waitable, rdev_wait, rdev_waiter, rdev_waiter_free};
 
 thread_local! {
     static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };

@@ -633,7 +633,11 @@ impl Inner {
             // Stream chunk writes and slot copies go to the rdev-stream pool
             // themselves; a message-borne chunk is copied here, so it moves.
             let copies = matches!(a, Action::SendChunk { .. } | Action::CopyChunk { src: rendezvous::ChunkSrc::Bytes(_), .. });
+            // A receive whose completion only wakes a waiting thread
+            // (`Complete::runs_anywhere`) is delivered here.
+            let waiter = matches!(&a, Action::Deliver { done, .. } if done.runs_anywhere());
             if on_event_thread
+                && !waiter
                 && (copies || matches!(a, Action::Write { .. } | Action::Deliver { .. } | Action::SendDone { .. } | Action::StreamAlloc { .. }))
             {
                 // Not on a backend's event thread: see handoff.rs.

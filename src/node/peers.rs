@@ -547,6 +547,10 @@ struct ToLease {
 static TO_LEASE: crate::completion::Recycler<ToLease> = crate::completion::Recycler::new(crate::completion::KEPT);
 
 impl crate::completion::Complete<Result<crate::rendezvous::Received>> for ToLease {
+    fn runs_anywhere(&self) -> bool {
+        self.done.as_ref().is_some_and(|d| d.runs_anywhere())
+    }
+
     fn complete(mut self: Box<Self>, res: Result<crate::rendezvous::Received>) {
         let node = std::mem::take(&mut self.node);
         let done = self.done.take();

@@ -1,0 +1,173 @@
+//! Receives a thread waits for (`rdev_recv_waitable` / `rdev_wait`): the
+//! deadline, the outcome taken once, errors with their message, and the
+//! hand-off: the event thread that finished the receive wakes the waiter
+//! itself, while a callback receive still goes through `rdev-callbacks`.
+
+mod common;
+
+use std::ffi::c_void;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use rdma_device::completion::Complete;
+use rdma_device::ffi::buffer::*;
+use rdma_device::ffi::*;
+use rdma_device::node::{Lease, Node};
+use rdma_device::rendezvous::TensorMeta;
+
+fn new_ctx(task: &str, addr: &str) -> *mut rdev_context {
+    let mut c = std::ptr::null_mut();
+    // SAFETY: valid strings and out-param.
+    let st = unsafe { rdev_context_new(task.as_ptr().cast(), task.len(), addr.as_ptr().cast(), addr.len(), &mut c) };
+    assert_eq!(st, rdev_status::RDEV_OK);
+    c
+}
+
+fn add_peer(c: *mut rdev_context, task: &str, addr: &str) {
+    let mut t = rdev_transport::RDEV_TRANSPORT_NONE;
+    // SAFETY: valid context, strings and out-param.
+    let st = unsafe { rdev_context_add_peer(c, task.as_ptr().cast(), task.len(), addr.as_ptr().cast(), addr.len(), &mut t) };
+    assert_eq!(st, rdev_status::RDEV_OK);
+}
+
+fn waitable(c: *mut rdev_context, peer: &str, key: &str, step: u64) -> *mut rdev_waiter {
+    let mut w = std::ptr::null_mut();
+    // SAFETY: valid context, strings and out-param.
+    let st = unsafe { rdev_recv_waitable(c, peer.as_ptr().cast(), peer.len(), key.as_ptr().cast(), key.len(), step, &mut w) };
+    assert_eq!(st, rdev_status::RDEV_OK);
+    assert!(!w.is_null());
+    w
+}
+
+fn wait(w: *mut rdev_waiter, ms: u64) -> (rdev_status, *mut rdev_buffer) {
+    let mut b = std::ptr::null_mut();
+    // SAFETY: a live waiter and an out-param.
+    let st = unsafe { rdev_wait(w, ms, &mut b) };
+    (st, b)
+}
+
+unsafe extern "C" fn sent(_: *mut c_void, st: rdev_status, _: *const std::ffi::c_char, _: usize) {
+    assert_eq!(st, rdev_status::RDEV_OK);
+}
+
+fn last_error() -> String {
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: a writable buffer of its length.
+    let n = unsafe { rdev_last_error(buf.as_mut_ptr().cast(), buf.len()) };
+    buf.truncate(n.min(buf.len() - 1));
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+#[test]
+fn a_waited_receive_times_out_then_gets_its_tensor_once() {
+    let (pa, pb) = (free_port(), free_port());
+    let (ta, tb) = (task(0), task(1));
+    let (a, b) = (new_ctx(&ta, &addr(pa)), new_ctx(&tb, &addr(pb)));
+    add_peer(a, &tb, &addr(pb));
+    add_peer(b, &ta, &addr(pa));
+    let w = waitable(b, &ta, "w", 1);
+    // Nothing sent yet: the deadline holds, and the receive stays posted.
+    let t0 = Instant::now();
+    let (st, buf) = wait(w, 200);
+    let waited = t0.elapsed();
+    assert_eq!(st, rdev_status::RDEV_TIMEOUT);
+    assert!(buf.is_null());
+    assert!(waited >= Duration::from_millis(200) && waited < Duration::from_secs(2), "waited {waited:?}");
+    let data = pattern(7, 4096);
+    let dims = [4096i64];
+    let meta = rdev_tensor_meta { dtype: 4, flags: 0, ndims: 1, dims: dims.as_ptr() };
+    // SAFETY: valid context, strings, meta; data outlives the send (waited below).
+    let st = unsafe { rdev_send(a, tb.as_ptr().cast(), tb.len(), "w".as_ptr().cast(), 1, 1, &meta, data.as_ptr(), data.len(), Some(sent), std::ptr::null_mut()) };
+    assert_eq!(st, rdev_status::RDEV_OK);
+    let (st, buf) = wait(w, 10_000);
+    assert_eq!(st, rdev_status::RDEV_OK, "{}", last_error());
+    // SAFETY: a buffer the wait handed us.
+    let got = unsafe { std::slice::from_raw_parts(rdev_buffer_data(buf) as *const u8, rdev_buffer_len(buf)) };
+    assert_eq!(checksum(got), checksum(&data));
+    // Taken once.
+    let (st, again) = wait(w, 0);
+    assert_eq!(st, rdev_status::RDEV_INVALID_ARGUMENT);
+    assert!(again.is_null());
+    // SAFETY: each freed once.
+    unsafe {
+        rdev_buffer_release(buf);
+        rdev_waiter_free(w);
+    }
+    // A failed receive: its error and message come out of the wait.
+    let w = waitable(b, &ta, "w", 2);
+    let msg = "the step is over";
+    // SAFETY: valid context and message.
+    assert_eq!(unsafe { rdev_abort_step(b, 2, msg.as_ptr().cast(), msg.len(), false) }, rdev_status::RDEV_OK);
+    let (st, buf) = wait(w, 10_000);
+    assert_eq!(st, rdev_status::RDEV_ABORTED);
+    assert!(buf.is_null());
+    assert!(last_error().contains(msg), "{}", last_error());
+    // A waiter freed before its tensor came: the tensor is released when it
+    // does (the edge's slot comes back: later steps still go through).
+    let w = waitable(b, &ta, "w", 3);
+    // SAFETY: freed once.
+    unsafe { rdev_waiter_free(w) };
+    for step in 3..10u64 {
+        // SAFETY: as above.
+        let st = unsafe { rdev_send(a, tb.as_ptr().cast(), tb.len(), "w".as_ptr().cast(), 1, step, &meta, data.as_ptr(), data.len(), Some(sent), std::ptr::null_mut()) };
+        assert_eq!(st, rdev_status::RDEV_OK);
+        if step > 3 {
+            let w = waitable(b, &ta, "w", step);
+            let (st, buf) = wait(w, 10_000);
+            assert_eq!(st, rdev_status::RDEV_OK, "step {step}: {}", last_error());
+            // SAFETY: freed once each.
+            unsafe {
+                rdev_buffer_release(buf);
+                rdev_waiter_free(w);
+            }
+        }
+    }
+    // SAFETY: contexts from rdev_context_new, freed once.
+    unsafe {
+        rdev_context_free(a);
+        rdev_context_free(b);
+    }
+}
+
+/// A receive completion that reports the thread it ran on.
+struct OnThread {
+    tx: mpsc::Sender<String>,
+    anywhere: bool,
+}
+
+impl Complete<rdma_device::Result<Lease>> for OnThread {
+    fn complete(self: Box<Self>, r: rdma_device::Result<Lease>) {
+        assert!(r.is_ok());
+        let _ = self.tx.send(std::thread::current().name().unwrap_or("?").to_string());
+    }
+
+    fn runs_anywhere(&self) -> bool {
+        self.anywhere
+    }
+}
+
+#[test]
+fn an_arrival_wakes_a_waiter_from_the_event_thread_and_a_callback_from_rdev_callbacks() {
+    let cfg = small_config();
+    if !cfg.allows("shm") {
+        return skipped("shm is not among RDMA_DEVICE_TRANSPORTS (the event thread named here is shm's)");
+    }
+    let (pa, pb) = (free_port(), free_port());
+    let (ta, tb) = (task(0), task(1));
+    let a = Node::new(cfg.clone(), &ta, &addr(pa)).unwrap();
+    let b = Node::new(cfg, &tb, &addr(pb)).unwrap();
+    a.add_peer(&tb, &addr(pb));
+    b.add_peer(&ta, &addr(pa));
+    for (step, anywhere) in [(1u64, true), (2, false), (3, true), (4, false)] {
+        // Posted first, so the arrival (on the event thread) completes it.
+        let (tx, rx) = mpsc::channel();
+        b.recv(&ta, "t", step, Box::new(OnThread { tx, anywhere }));
+        let data = pattern(step, 1024);
+        send_wait(&a, &tb, "t", step, TensorMeta { dtype: 4, flags: 0, dims: [1024].as_slice().into() }, data).unwrap();
+        let thread = rx.recv_timeout(Duration::from_secs(10)).expect("the receive completed");
+        let want = if anywhere { "rdev-shm-progress" } else { "rdev-callbacks" };
+        assert_eq!(thread, want, "step {step}");
+        b.step_done(step);
+    }
+}
