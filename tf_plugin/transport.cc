@@ -14,8 +14,10 @@
 #include "tensorflow/core/framework/tensor.pb.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/framework/types.h"
+#include "tensorflow/core/platform/env.h"
 #include "tensorflow/core/platform/logging.h"
 
+#include "pool.h"
 #include "rdma_device.h"
 #include "transport_status.h"
 
@@ -25,10 +27,11 @@ namespace tf = ::tensorflow;
 
 namespace {
 
-// How long AddPeers waits for the routes another call is choosing: a
-// choice resolves the peer's name and may probe it (rdma_cm: up to 500 ms),
-// which is what the waiting caller would otherwise have done itself.
-constexpr int64_t kAddPeersWaitMs = 5000;
+// How long work may wait for a pending route: a choice resolves the
+// peer's name (the resolver's own timeouts: 5 s a try by default) and may
+// probe it (rdma_cm: up to 500 ms), and may queue behind connects on the
+// control pool.
+constexpr int64_t kRouteWaitMs = 20000;
 
 struct BufferRelease {
   void operator()(rdev_buffer* buf) const { rdev_buffer_release(buf); }
@@ -197,7 +200,7 @@ absl::Status Transport::Start(const std::string& self_task, const std::string& a
   rdev_context* ctx = nullptr;
   TF_RETURN_IF_ERROR(CallStatus(
       rdev_context_new(self_task.data(), self_task.size(), addr.data(), addr.size(), &ctx)));
-  std::map<std::string, std::string> peers;
+  bool any = false;
   {
     tf::mutex_lock l(mu_);
     self_task_ = self_task;
@@ -206,8 +209,8 @@ absl::Status Transport::Start(const std::string& self_task, const std::string& a
     worker_rpcs_ = rdev_context_worker_rpcs(ctx);
     ctx_.store(ctx);
     addrs_.erase(self_task);
-    peers = addrs_;
-    for (const auto& [task, unused] : peers) adding_.insert(task);
+    for (const auto& [task, peer_addr] : addrs_) ChooseRoute(task, peer_addr);
+    any = !addrs_.empty();
   }
   LOG(INFO) << "rdma_device: " << self_task << " transport at " << addr
             << (rdev_context_strict(ctx) ? " (strict)" : "")
@@ -218,13 +221,12 @@ absl::Status Transport::Start(const std::string& self_task, const std::string& a
     tf::mutex_lock l(registry_mu);
     Registry()[self_task] = weak_from_this();
   }
-  for (const auto& [task, peer_addr] : peers) AddPeer(task, peer_addr);
+  if (any) ArmExpiry();
   return absl::OkStatus();
 }
 
 void Transport::AddPeers(const tf::ClusterDef& cluster) {
-  std::vector<std::pair<std::string, std::string>> changed;
-  std::vector<std::string> others;  // being added by another call
+  bool any = false;
   {
     tf::mutex_lock l(mu_);
     const bool started = ctx_.load() != nullptr;
@@ -235,34 +237,34 @@ void Transport::AddPeers(const tf::ClusterDef& cluster) {
         std::string task = TaskName(job.name(), 0, index);
         if (task == self_task_ || addr.empty()) continue;
         auto it = addrs_.find(task);
-        if (it != addrs_.end() && it->second == addr) {
-          if (adding_.count(task) > 0) others.push_back(std::move(task));
-          continue;
-        }
+        if (it != addrs_.end() && it->second == addr) continue;
         addrs_[task] = addr;
-        if (started) adding_.insert(task);
-        changed.emplace_back(std::move(task), addr);
-      }
-    }
-    if (!started) return;  // Start() adds them
-  }
-  // Outside the lock: choosing a transport may probe the network.
-  for (const auto& [task, addr] : changed) AddPeer(task, addr);
-  if (others.empty()) return;
-  tf::mutex_lock l(mu_);
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(kAddPeersWaitMs);
-  for (const std::string& task : others) {
-    while (adding_.count(task) > 0) {
-      const auto left = deadline - std::chrono::steady_clock::now();
-      if (left <= std::chrono::steady_clock::duration::zero() ||
-          added_.wait_for(l, left) == std::cv_status::timeout) {
-        LOG(WARNING) << "rdma_device: " << self_task_ << ": the route to " << task
-                     << " is still being chosen after " << kAddPeersWaitMs << " ms";
-        return;
+        if (!started) continue;  // Start() chooses it
+        ChooseRoute(task, addr);
+        any = true;
       }
     }
   }
+  if (any) ArmExpiry();
+}
+
+void Transport::ChooseRoute(const std::string& task, const std::string& addr) {
+  // The old route (if the peer moved) is no longer known to be right.
+  routes_.erase(task);
+  Pending& p = pending_[task];
+  p.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(kRouteWaitMs);
+  std::weak_ptr<Transport> weak = weak_from_this();
+  ScheduleControl([weak, task, addr] {
+    if (auto self = weak.lock()) self->AddPeer(task, addr);
+  });
+}
+
+void Transport::ArmExpiry() {
+  // A timer rather than a pool task: nothing of ours waits for it.
+  std::weak_ptr<Transport> weak = weak_from_this();
+  tsl::Env::Default()->SchedClosureAfter(kRouteWaitMs * 1000 + 1000, [weak] {
+    if (auto self = weak.lock()) self->ExpirePending();
+  });
 }
 
 void Transport::AddPeer(const std::string& task, const std::string& addr) {
@@ -278,6 +280,8 @@ void Transport::AddPeer(const std::string& task, const std::string& addr) {
     route.kind = Route::kDevice;
   }
   tf::mutex_lock l(mu_);
+  auto now = addrs_.find(task);
+  if (now == addrs_.end() || now->second != addr) return;  // moved: a newer choice follows
   if (route.kind == Route::kGrpc) {
     LOG(WARNING) << "rdma_device: " << self_task_ << " -> " << task << " (" << addr
                  << ") uses stock gRPC: " << route.reason;
@@ -286,8 +290,79 @@ void Transport::AddPeer(const std::string& task, const std::string& addr) {
             << (kind == RDEV_TRANSPORT_SHM ? "shm" : "verbs");
   }
   routes_[task] = std::move(route);
-  adding_.erase(task);
-  added_.notify_all();
+  auto it = pending_.find(task);
+  if (it == pending_.end() || it->second.draining) return;  // a drain running sees the route
+  if (it->second.queued.empty()) {
+    pending_.erase(it);
+    return;
+  }
+  it->second.draining = true;
+  std::weak_ptr<Transport> weak = weak_from_this();
+  Schedule([weak, task] {
+    if (auto self = weak.lock()) self->Drain(task);
+  });
+}
+
+void Transport::ExpirePending() {
+  std::vector<std::string> due;
+  {
+    tf::mutex_lock l(mu_);
+    const auto now = std::chrono::steady_clock::now();
+    for (auto& [task, p] : pending_) {
+      if (routes_.count(task) > 0 || p.draining || p.queued.empty() || now < p.deadline) continue;
+      LOG(WARNING) << "rdma_device: " << self_task_ << ": the route to " << task
+                   << " is still being chosen after " << kRouteWaitMs << " ms; "
+                   << p.queued.size() << " transfers waiting for it fail";
+      p.draining = true;
+      due.push_back(task);
+    }
+  }
+  for (std::string& task : due) {
+    std::weak_ptr<Transport> weak = weak_from_this();
+    Schedule([weak, task = std::move(task)] {
+      if (auto self = weak.lock()) self->Drain(task);
+    });
+  }
+}
+
+void Transport::Drain(const std::string& task) {
+  for (;;) {
+    std::function<void()> fn;
+    {
+      tf::mutex_lock l(mu_);
+      auto it = pending_.find(task);
+      if (it == pending_.end()) return;
+      if (it->second.queued.empty()) {
+        if (routes_.count(task) > 0) {
+          pending_.erase(it);  // chosen: later work runs at once
+        } else {
+          it->second.draining = false;  // timed out: later work fails at once
+        }
+        return;
+      }
+      fn = std::move(it->second.queued.front());
+      it->second.queued.pop_front();
+    }
+    fn();
+  }
+}
+
+void Transport::WhenRouted(const std::string& peer_task, std::function<void()> fn) {
+  {
+    tf::mutex_lock l(mu_);
+    auto it = pending_.find(peer_task);
+    if (it != pending_.end()) {
+      Pending& p = it->second;
+      const bool chosen = routes_.count(peer_task) > 0;
+      const bool expired = std::chrono::steady_clock::now() >= p.deadline;
+      // Behind work already queued (order), or waiting for the choice.
+      if (p.draining || (!chosen && !expired)) {
+        p.queued.push_back(std::move(fn));
+        return;
+      }
+    }
+  }
+  fn();
 }
 
 bool Transport::IsNotViable(const absl::Status& status) {
@@ -320,6 +395,13 @@ absl::Status Transport::RouteTo(const std::string& peer_task, Route* route) {
     auto it = routes_.find(peer_task);
     if (it != routes_.end()) {
       *route = it->second;
+    } else if (pending_.count(peer_task) > 0) {
+      const bool expired = std::chrono::steady_clock::now() >= pending_.at(peer_task).deadline;
+      return absl::Status(
+          expired ? absl::StatusCode::kDeadlineExceeded : absl::StatusCode::kUnavailable,
+          absl::StrCat("rdma_device: the route to ", peer_task, " is still being chosen",
+                       expired ? absl::StrCat(" after ", kRouteWaitMs, " ms") : std::string(),
+                       " (resolving its name, probing RDMA)"));
     } else {
       route->kind = Route::kGrpc;
       route->reason = ctx_.load() == nullptr ? "transport not started"
