@@ -2,10 +2,10 @@
 //
 // Owns one rdev_context per TensorFlow server and translates between TF
 // types (Tensor, Status, task names) and the C ABI. Only transport*.cc and
-// transport_status.h include rdma_device.h (transport.cc: the context,
-// peers, routes, tensors; transport_calls.cc: calls and counters;
-// transport_status.cc: statuses); protocol decisions (slots, credits,
-// routes) stay in Rust.
+// transport_status.h include rdma_device.h (transport.cc: the context and
+// tensors; transport_routes.cc: peers and routes; transport_calls.cc: calls
+// and counters; transport_status.cc: statuses); protocol decisions (slots,
+// credits, routes) stay in Rust.
 #ifndef RDMA_DEVICE_TF_PLUGIN_TRANSPORT_H_
 #define RDMA_DEVICE_TF_PLUGIN_TRANSPORT_H_
 
@@ -55,6 +55,11 @@ class Transport : public std::enable_shared_from_this<Transport> {
   ~Transport();
   Transport(const Transport&) = delete;
   Transport& operator=(const Transport&) = delete;
+
+  // Whether the RDMA_DEVICE_* settings are valid (a bad value: the error
+  // naming the variable). Checked before the server binds its port, so a
+  // bad setting fails server creation before anything is registered.
+  static absl::Status CheckConfig();
 
   // Creates the rdev_context for `self_task` listening at `addr` (this
   // task's host:port as the cluster spec spells it) and starts choosing

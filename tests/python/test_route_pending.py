@@ -60,7 +60,7 @@ def test_server_creation_does_not_wait_for_route_choices(log_dir, plugin_built, 
     cluster = {"worker": [f"127.0.0.1:{ports[0]}"] +
                [f"w{i}.slow.test:{p}" for i, p in enumerate(ports[1:], start=1)]}
     count = str(tmp_path / "lookups")
-    task = harness.Task(dict(role="route_scenarios.timed_start", cluster=cluster, job="worker",
+    task = harness.Task(dict(role="start_scenarios.timed_start", cluster=cluster, job="worker",
                              task=0, protocol=harness.PROTOCOL_RDMA, routed_within_s=60),
                         log_dir, env=slow_env(resolver_lib, count))
     try:
@@ -91,7 +91,7 @@ def test_steps_wait_for_pending_routes(log_dir, plugin_built, resolver_lib, tmp_
     client = None
     try:
         holder.wait_ready()
-        client = harness.Task(dict(role="route_scenarios.step_at_once", cluster=cluster,
+        client = harness.Task(dict(role="start_scenarios.step_at_once", cluster=cluster,
                                    job="worker", task=0, protocol=harness.PROTOCOL_RDMA,
                                    elements=4096, steps=3), log_dir, env=env)
         client.wait_ready()

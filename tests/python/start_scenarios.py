@@ -1,8 +1,9 @@
-"""Scenarios for test_route_pending.py: a server whose peers' names resolve
-slowly (slow_resolver/slow_resolver.c), timed from creation.
+"""Server start scenarios: a server whose peers' names resolve slowly
+(test_route_pending.py, with slow_resolver/slow_resolver.c), and a server
+whose transport cannot start (test_server_start.py).
 
 Each runs in its own task process (task_main.py, role
-"route_scenarios.<name>") and returns its result as a dict."""
+"start_scenarios.<name>") and returns its result as a dict."""
 
 import time
 
@@ -68,3 +69,33 @@ def step_at_once(spec, ready):
             got = [sess.run(out).tolist() for _ in range(spec["steps"])]
     counters = rdma_device.stats()["counters"]
     return {"start_s": start_s, "values": got, "counters": counters}
+
+
+def bad_setting_then_good(spec, ready):
+    """Creates this task's server with a bad RDMA_DEVICE_* setting (the
+    transport cannot start), then again at the same address with the
+    setting fixed, and runs a step on it through its own master."""
+    import os
+
+    import tensorflow as tf
+
+    import rdma_device
+
+    tf.compat.v1.disable_eager_execution()
+    ready()
+    os.environ[spec["bad_var"]] = spec["bad_value"]
+    try:
+        _server(spec, tf)
+        first = None
+    except Exception as e:  # the test checks it
+        first = f"{type(e).__name__}: {e}"
+    del os.environ[spec["bad_var"]]
+    server, _ = _server(spec, tf)
+    with tf.Graph().as_default():
+        with tf.device(f"/job:{spec['job']}/task:{spec['task']}"):
+            out = tf.range(8, dtype=tf.int64) * 3
+        # Only this task: its peer is never started (TF's master would wait for it).
+        config = tf.compat.v1.ConfigProto(device_filters=[f"/job:{spec['job']}/task:{spec['task']}"])
+        with tf.compat.v1.Session(server.target, config=config) as sess:
+            got = sess.run(out).tolist()
+    return {"first": first, "values": got, "peers": rdma_device.stats()["peers"]}
