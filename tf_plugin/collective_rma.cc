@@ -63,6 +63,15 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
       if (!strict.ok()) return done(strict);
       return stock("collective chunk in device memory");
     }
+    if (transport_->RoutePending(peer_task)) {
+      // The route is being chosen (transport.h): start from the queue once
+      // it is (the RMA and the arguments live until `done`).
+      return transport_->WhenRouted(peer_task, [=] {
+        RecvFromPeer(peer_device, peer_task, peer_is_local, key, to_device, to_device_ctx,
+                     to_alloc_attr, to_tensor, client_locality, dev_to_dev_stream_index,
+                     cancellation_manager, done);
+      });
+    }
     Route route;
     absl::Status s = transport_->RouteTo(peer_task, &route);
     if (!s.ok()) return done(s);
@@ -142,6 +151,13 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
     if (transport_ == nullptr || peer_task == task_name_ || !IsCpu(peer_device) ||
         !IsCpu(from_device->name())) {
       return stock();
+    }
+    if (transport_->RoutePending(peer_task)) {
+      // As RecvFromPeer: once the route is chosen.
+      return transport_->WhenRouted(peer_task, [=] {
+        PostToPeer(peer_device, peer_task, key, from_device, from_device_ctx, from_alloc_attr,
+                   from_tensor, client_locality, cancellation_manager, done);
+      });
     }
     Route route;
     absl::Status s = transport_->RouteTo(peer_task, &route);

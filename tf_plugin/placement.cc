@@ -241,8 +241,8 @@ struct PlacementRun::State {
   std::string what;
   std::string self;
   std::chrono::steady_clock::time_point start;
-  int traced = 0, other_route = 0;
-  std::atomic<int> placed{0}, no_room{0}, failed{0}, unreachable{0};
+  int traced = 0;
+  std::atomic<int> other_route{0}, placed{0}, no_room{0}, failed{0}, unreachable{0};
   Completion completion{0};
 
   // The task we talk to for an edge: its receiver when we send it, else
@@ -304,7 +304,8 @@ PlacementRun PlaceStaticEdges(std::shared_ptr<Transport> transport,
     if (e.bytes < 0) {
       ++st->traced;
       VLOG(2) << "rdma_device: " << what << ": " << e.key << " is traced: " << e.why;
-    } else if (!st->transport->Serves(st->Contact(e))) {
+    } else if (!st->transport->Serves(st->Contact(e)) &&
+               !st->transport->RoutePending(st->Contact(e))) {
       ++st->other_route;
     } else {
       by_contact[st->Contact(e)].push_back(e);
@@ -317,27 +318,35 @@ PlacementRun PlaceStaticEdges(std::shared_ptr<Transport> transport,
   st->completion.Add(static_cast<int>(by_contact.size()) + 1);
   for (auto& [peer, list] : by_contact) {
     auto mine = std::make_shared<std::vector<SendEdge>>(std::move(list));
-    ScheduleControl([st, peer = peer, mine] {
-      absl::Status s = st->transport->ConnectPeer(peer);
-      if (!s.ok()) {
-        LOG(WARNING) << "rdma_device: " << st->what << ": cannot reach " << peer
-                     << " to place edges ahead of time (they are placed on first use): " << s;
-        st->unreachable += mine->size();
+    // A route still being chosen: the part starts once it is (transport.h).
+    st->transport->WhenRouted(peer, [st, peer = peer, mine] {
+      if (!st->transport->Serves(peer)) {
+        st->other_route += static_cast<int>(mine->size());
         st->PartDone();
         return;
       }
-      auto next = std::make_shared<std::atomic<size_t>>(0);
-      auto peer_failed = std::make_shared<std::atomic<bool>>(false);
-      const int parts = static_cast<int>(std::min(mine->size(), kPlaceConcurrency));
-      st->completion.Add(parts - 1);  // this part becomes one of them
-      for (int i = 1; i < parts; ++i) {
-        ScheduleControl([st, mine, next, peer_failed] {
-          st->PlaceSome(mine, next, peer_failed);
+      ScheduleControl([st, peer, mine] {
+        absl::Status s = st->transport->ConnectPeer(peer);
+        if (!s.ok()) {
+          LOG(WARNING) << "rdma_device: " << st->what << ": cannot reach " << peer
+                       << " to place edges ahead of time (they are placed on first use): " << s;
+          st->unreachable += mine->size();
           st->PartDone();
-        });
-      }
-      st->PlaceSome(mine, next, peer_failed);
-      st->PartDone();
+          return;
+        }
+        auto next = std::make_shared<std::atomic<size_t>>(0);
+        auto peer_failed = std::make_shared<std::atomic<bool>>(false);
+        const int parts = static_cast<int>(std::min(mine->size(), kPlaceConcurrency));
+        st->completion.Add(parts - 1);  // this part becomes one of them
+        for (int i = 1; i < parts; ++i) {
+          ScheduleControl([st, mine, next, peer_failed] {
+            st->PlaceSome(mine, next, peer_failed);
+            st->PartDone();
+          });
+        }
+        st->PlaceSome(mine, next, peer_failed);
+        st->PartDone();
+      });
     });
   }
   st->PartDone();  // the +1 above: no part could finish the run before now

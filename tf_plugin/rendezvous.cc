@@ -110,29 +110,18 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
       return BaseRemoteRendezvous::Send(parsed, args, val, is_dead);
     }
     const std::string peer = TaskOf(parsed.dst);
-    Route route;
-    TF_RETURN_IF_ERROR(transport_->RouteTo(peer, &route));
-    if (route.kind == Route::kGrpc) {
-      // The receiver pulls it over gRPC (and counts it as a fallback).
-      return BaseRemoteRendezvous::Send(parsed, args, val, is_dead);
-    }
-    TF_RETURN_IF_ERROR(abort_status());
-    VLOG(2) << "push step " << step_id_ << " " << parsed.FullKey() << (is_dead ? " (dead)" : "");
-    const int64_t traced = TraceStart();
-    if (!is_dead && !OnHost(parsed.src, args)) return StageAndPush(parsed, args, peer, val);
-    bool refused = false;
-    absl::Status s = Push(peer, std::string(parsed.FullKey()), val, is_dead, &refused, &args);
-    TraceEnd("tf:Send", traced, step_id_, is_dead ? 0 : val.TotalBytes(), parsed.FullKey());
-    if (refused) {
-      // The receiver does not take pushes from us (plain gRPC, or it routes
-      // us over gRPC): leave the tensor for its pull (it counts the
-      // fallback), or fail in strict mode.
-      VLOG(1) << "rdma_device: " << peer << " refuses pushes, " << parsed.FullKey()
-              << " goes over gRPC: " << s;
-      TF_RETURN_IF_ERROR(transport_->Demote(peer, s));
-      return BaseRemoteRendezvous::Send(parsed, args, val, is_dead);
-    }
-    return s;
+    if (!transport_->RoutePending(peer)) return SendRouted(parsed, args, peer, val, is_dead);
+    // The route is being chosen (transport.h): the send waits for it in a
+    // queue, not on this thread; a failure then fails the step.
+    this->Ref();
+    if (args.device_context != nullptr) args.device_context->Ref();
+    transport_->WhenRouted(peer, [this, parsed, args, peer, val, is_dead] {
+      absl::Status s = SendRouted(parsed, args, peer, val, is_dead);
+      if (!s.ok()) FailLate(s, parsed.FullKey(), peer);
+      if (args.device_context != nullptr) args.device_context->Unref();
+      Unref();  // may destroy the rendezvous
+    });
+    return absl::OkStatus();
   }
 
   void StartAbort(const absl::Status& status) override {
@@ -170,6 +159,25 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
       stock_->RecvAsync(parsed, recv_args, std::move(done));
       return;
     }
+    if (transport_ != nullptr && transport_->RoutePending(peer)) {
+      // The route is being chosen (transport.h): the receive starts from
+      // the queue once it is (a step abort meanwhile is seen then).
+      this->Ref();
+      if (recv_args.device_context != nullptr) recv_args.device_context->Ref();
+      transport_->WhenRouted(peer, [this, parsed, recv_args, peer, done = std::move(done)] {
+        RecvRouted(parsed, recv_args, peer, done);
+        if (recv_args.device_context != nullptr) recv_args.device_context->Unref();
+        Unref();  // may destroy the rendezvous
+      });
+      return;
+    }
+    RecvRouted(parsed, recv_args, peer, std::move(done));
+  }
+
+ private:
+  // RecvFromRemoteAsync() once the route to `peer` is known.
+  void RecvRouted(const ParsedKey& parsed, const Args& recv_args, const std::string& peer,
+                  DoneCallback done) {
     Route route;
     if (transport_ != nullptr) {
       absl::Status s = transport_->RouteTo(peer, &route);
@@ -256,7 +264,6 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     }
   }
 
- private:
   ~RdmaRemoteRendezvous() override {
     VLOG(2) << "end of step " << step_id_;
     if (transport_ != nullptr) transport_->StepDone(step_id_);
@@ -265,6 +272,46 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
   absl::Status abort_status() {
     tf::mutex_lock l(mu_);
     return abort_status_;
+  }
+
+  // Send() once the route to `peer` is known.
+  absl::Status SendRouted(const ParsedKey& parsed, const Args& args, const std::string& peer,
+                          const tf::Tensor& val, bool is_dead) {
+    Route route;
+    TF_RETURN_IF_ERROR(transport_->RouteTo(peer, &route));
+    if (route.kind == Route::kGrpc) {
+      // The receiver pulls it over gRPC (and counts it as a fallback).
+      return BaseRemoteRendezvous::Send(parsed, args, val, is_dead);
+    }
+    TF_RETURN_IF_ERROR(abort_status());
+    VLOG(2) << "push step " << step_id_ << " " << parsed.FullKey() << (is_dead ? " (dead)" : "");
+    const int64_t traced = TraceStart();
+    if (!is_dead && !OnHost(parsed.src, args)) return StageAndPush(parsed, args, peer, val);
+    bool refused = false;
+    absl::Status s = Push(peer, std::string(parsed.FullKey()), val, is_dead, &refused, &args);
+    TraceEnd("tf:Send", traced, step_id_, is_dead ? 0 : val.TotalBytes(), parsed.FullKey());
+    if (refused) {
+      // The receiver does not take pushes from us (plain gRPC, or it routes
+      // us over gRPC): leave the tensor for its pull (it counts the
+      // fallback), or fail in strict mode.
+      VLOG(1) << "rdma_device: " << peer << " refuses pushes, " << parsed.FullKey()
+              << " goes over gRPC: " << s;
+      TF_RETURN_IF_ERROR(transport_->Demote(peer, s));
+      return BaseRemoteRendezvous::Send(parsed, args, val, is_dead);
+    }
+    return s;
+  }
+
+  // A send that failed after Send() returned: the step fails (the eager
+  // context's default rendezvous only logs it: TF never aborts that one
+  // for one op).
+  void FailLate(const absl::Status& failed, absl::string_view key, const std::string& peer) {
+    if (absl::IsAborted(failed) || absl::IsCancelled(failed)) return;
+    if (IsRemoteEagerContextDefault()) {
+      LOG(WARNING) << "rdma_device: push of " << key << " to " << peer << " failed: " << failed;
+    } else {
+      StartAbort(failed);
+    }
   }
 
   // A device of this very task under another name: the implicit
@@ -309,14 +356,7 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
               }
             }
           }
-          if (!failed.ok() && !absl::IsAborted(failed) && !absl::IsCancelled(failed)) {
-            if (IsRemoteEagerContextDefault()) {
-              LOG(WARNING) << "rdma_device: push of " << key << " to " << peer
-                           << " failed: " << failed;
-            } else {
-              StartAbort(failed);
-            }
-          }
+          if (!failed.ok()) FailLate(failed, key, peer);
           Unref();  // may destroy the rendezvous
         },
         refused);

@@ -25,11 +25,6 @@ namespace tf = ::tensorflow;
 
 namespace {
 
-// How long AddPeers waits for the routes another call is choosing: a
-// choice resolves the peer's name and may probe it (rdma_cm: up to 500 ms),
-// which is what the waiting caller would otherwise have done itself.
-constexpr int64_t kAddPeersWaitMs = 5000;
-
 struct BufferRelease {
   void operator()(rdev_buffer* buf) const { rdev_buffer_release(buf); }
 };
@@ -197,7 +192,7 @@ absl::Status Transport::Start(const std::string& self_task, const std::string& a
   rdev_context* ctx = nullptr;
   TF_RETURN_IF_ERROR(CallStatus(
       rdev_context_new(self_task.data(), self_task.size(), addr.data(), addr.size(), &ctx)));
-  std::map<std::string, std::string> peers;
+  bool any = false;
   {
     tf::mutex_lock l(mu_);
     self_task_ = self_task;
@@ -206,8 +201,8 @@ absl::Status Transport::Start(const std::string& self_task, const std::string& a
     worker_rpcs_ = rdev_context_worker_rpcs(ctx);
     ctx_.store(ctx);
     addrs_.erase(self_task);
-    peers = addrs_;
-    for (const auto& [task, unused] : peers) adding_.insert(task);
+    for (const auto& [task, peer_addr] : addrs_) ChooseRoute(task, peer_addr);
+    any = !addrs_.empty();
   }
   LOG(INFO) << "rdma_device: " << self_task << " transport at " << addr
             << (rdev_context_strict(ctx) ? " (strict)" : "")
@@ -218,124 +213,8 @@ absl::Status Transport::Start(const std::string& self_task, const std::string& a
     tf::mutex_lock l(registry_mu);
     Registry()[self_task] = weak_from_this();
   }
-  for (const auto& [task, peer_addr] : peers) AddPeer(task, peer_addr);
+  if (any) ArmExpiry();
   return absl::OkStatus();
-}
-
-void Transport::AddPeers(const tf::ClusterDef& cluster) {
-  std::vector<std::pair<std::string, std::string>> changed;
-  std::vector<std::string> others;  // being added by another call
-  {
-    tf::mutex_lock l(mu_);
-    const bool started = ctx_.load() != nullptr;
-    for (const auto& job : cluster.job()) {
-      for (const auto& [index, addr] : job.tasks()) {
-        // Replica 0: TF's own worker caches name every task so (its gRPC
-        // channel cache refuses any other replica).
-        std::string task = TaskName(job.name(), 0, index);
-        if (task == self_task_ || addr.empty()) continue;
-        auto it = addrs_.find(task);
-        if (it != addrs_.end() && it->second == addr) {
-          if (adding_.count(task) > 0) others.push_back(std::move(task));
-          continue;
-        }
-        addrs_[task] = addr;
-        if (started) adding_.insert(task);
-        changed.emplace_back(std::move(task), addr);
-      }
-    }
-    if (!started) return;  // Start() adds them
-  }
-  // Outside the lock: choosing a transport may probe the network.
-  for (const auto& [task, addr] : changed) AddPeer(task, addr);
-  if (others.empty()) return;
-  tf::mutex_lock l(mu_);
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(kAddPeersWaitMs);
-  for (const std::string& task : others) {
-    while (adding_.count(task) > 0) {
-      const auto left = deadline - std::chrono::steady_clock::now();
-      if (left <= std::chrono::steady_clock::duration::zero() ||
-          added_.wait_for(l, left) == std::cv_status::timeout) {
-        LOG(WARNING) << "rdma_device: " << self_task_ << ": the route to " << task
-                     << " is still being chosen after " << kAddPeersWaitMs << " ms";
-        return;
-      }
-    }
-  }
-}
-
-void Transport::AddPeer(const std::string& task, const std::string& addr) {
-  rdev_transport kind = RDEV_TRANSPORT_NONE;
-  Route route;
-  rdev_status st = rdev_context_add_peer(ctx_.load(), task.data(), task.size(), addr.data(),
-                                         addr.size(), &kind);
-  if (st != RDEV_OK) {
-    route.reason = absl::StrCat("adding the peer failed: ", FromRdev(st, LastError()).message());
-  } else if (kind == RDEV_TRANSPORT_NONE) {
-    route.reason = LastError();
-  } else {
-    route.kind = Route::kDevice;
-  }
-  tf::mutex_lock l(mu_);
-  if (route.kind == Route::kGrpc) {
-    LOG(WARNING) << "rdma_device: " << self_task_ << " -> " << task << " (" << addr
-                 << ") uses stock gRPC: " << route.reason;
-  } else {
-    VLOG(1) << "rdma_device: " << self_task_ << " -> " << task << " (" << addr << ") over "
-            << (kind == RDEV_TRANSPORT_SHM ? "shm" : "verbs");
-  }
-  routes_[task] = std::move(route);
-  adding_.erase(task);
-  added_.notify_all();
-}
-
-bool Transport::IsNotViable(const absl::Status& status) {
-  return status.GetPayload(kNotViablePayload).has_value();
-}
-
-absl::Status Transport::Demote(const std::string& peer_task, const absl::Status& why) {
-  const std::string reason(why.message());
-  bool strict;
-  {
-    tf::mutex_lock l(mu_);
-    Route& route = routes_[peer_task];
-    if (route.kind == Route::kDevice) {
-      LOG(WARNING) << "rdma_device: " << self_task_ << " -> " << peer_task
-                   << " uses stock gRPC from now on: " << reason;
-    }
-    route.kind = Route::kGrpc;
-    route.reason = reason;
-    strict = strict_;
-  }
-  if (!strict) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      absl::StrCat("rdma_device: RDMA_DEVICE_STRICT is set but tensors with ", peer_task,
-                   " would use stock gRPC: ", reason));
-}
-
-absl::Status Transport::RouteTo(const std::string& peer_task, Route* route) {
-  {
-    tf::tf_shared_lock l(mu_);
-    auto it = routes_.find(peer_task);
-    if (it != routes_.end()) {
-      *route = it->second;
-    } else {
-      route->kind = Route::kGrpc;
-      route->reason = ctx_.load() == nullptr ? "transport not started"
-                                             : "task not in any cluster spec seen here";
-    }
-    if (route->kind == Route::kDevice || !strict_) return absl::OkStatus();
-  }
-  return absl::FailedPreconditionError(
-      absl::StrCat("rdma_device: RDMA_DEVICE_STRICT is set but tensors with ", peer_task,
-                   " would use stock gRPC: ", route->reason));
-}
-
-bool Transport::Serves(const std::string& peer_task) {
-  tf::tf_shared_lock l(mu_);
-  auto it = routes_.find(peer_task);
-  return it != routes_.end() && it->second.kind == Route::kDevice;
 }
 
 absl::Status Transport::ConnectPeer(const std::string& peer_task) {

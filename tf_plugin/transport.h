@@ -2,19 +2,20 @@
 //
 // Owns one rdev_context per TensorFlow server and translates between TF
 // types (Tensor, Status, task names) and the C ABI. Only transport*.cc and
-// transport_status.h include rdma_device.h (transport.cc: the context,
-// peers, routes, tensors; transport_calls.cc: calls and counters;
-// transport_status.cc: statuses); protocol decisions (slots, credits,
-// routes) stay in Rust.
+// transport_status.h include rdma_device.h (transport.cc: the context and
+// tensors; transport_routes.cc: peers and routes; transport_calls.cc: calls
+// and counters; transport_status.cc: statuses); protocol decisions (slots,
+// credits, routes) stay in Rust.
 #ifndef RDMA_DEVICE_TF_PLUGIN_TRANSPORT_H_
 #define RDMA_DEVICE_TF_PLUGIN_TRANSPORT_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <set>
 #include <string>
 
 #include "absl/status/status.h"
@@ -55,18 +56,39 @@ class Transport : public std::enable_shared_from_this<Transport> {
   Transport(const Transport&) = delete;
   Transport& operator=(const Transport&) = delete;
 
+  // Whether the RDMA_DEVICE_* settings are valid (a bad value: the error
+  // naming the variable). Checked before the server binds its port, so a
+  // bad setting fails server creation before anything is registered.
+  static absl::Status CheckConfig();
+
   // Creates the rdev_context for `self_task` listening at `addr` (this
-  // task's host:port as the cluster spec spells it) and registers the peers
-  // recorded so far. Until then every route is gRPC.
+  // task's host:port as the cluster spec spells it) and starts choosing
+  // the routes of the peers recorded so far. Until then every route is
+  // gRPC.
   absl::Status Start(const std::string& self_task, const std::string& addr);
 
   // Records every task of `cluster` (but this one) as a peer; idempotent.
   // Called for each worker cache TF builds, so clusters that grow (eager
-  // clients joining) are seen too. Returns once every peer of `cluster`
-  // has its route, including those another call is choosing at the same
-  // time (at most kAddPeersWaitMs for those), so that no caller sees a
-  // route missing and sends over gRPC what its peer expects pushed.
+  // clients joining) are seen too. Never waits: the route of each new (or
+  // moved) peer is *pending* while the control pool chooses it (name
+  // resolution, rdma_cm probing; all peers at once), and work that meets
+  // a pending route waits for the choice in a queue (WhenRouted), never
+  // on a thread.
   void AddPeers(const tensorflow::ClusterDef& cluster);
+
+  // Runs `fn` once the route to `peer_task` is chosen: at once, on this
+  // thread, unless the route is pending; then queued, and run on the
+  // data-path pool when the choice ends, or when kRouteWaitMs has passed
+  // without one (RouteTo then fails with DeadlineExceeded). Work queued
+  // for one peer runs in the order it was queued, before any later work
+  // for that peer.
+  void WhenRouted(const std::string& peer_task, std::function<void()> fn);
+  // Whether the route to `peer_task` is pending (work for it should go
+  // through WhenRouted).
+  bool RoutePending(const std::string& peer_task) {
+    tensorflow::tf_shared_lock l(mu_);
+    return pending_.count(peer_task) > 0;
+  }
 
   // RDMA_DEVICE_STRICT: any fallback to gRPC is an error.
   bool strict() {
@@ -94,7 +116,9 @@ class Transport : public std::enable_shared_from_this<Transport> {
   static std::shared_ptr<Transport> AnyWithStaticPlacement();
 
   // The route for tensors exchanged with `peer_task`. In strict mode a
-  // gRPC route is an error instead.
+  // gRPC route is an error instead. A route still pending is an error
+  // (DeadlineExceeded once kRouteWaitMs has passed): call it from
+  // WhenRouted's `fn`.
   absl::Status RouteTo(const std::string& peer_task, Route* route);
 
   // Pushes `val` for (key, step) to `peer_task`; never blocks (it does not
@@ -116,7 +140,8 @@ class Transport : public std::enable_shared_from_this<Transport> {
                     int64_t step_id, RecvDone done);
 
   // true when tensors with `peer_task` travel over this transport (never
-  // an error, even in strict mode: for callers that only optimise).
+  // an error, even in strict mode: for callers that only optimise; false
+  // while the route is pending).
   bool Serves(const std::string& peer_task);
 
   // True for the error of a peer that does not take this transport from
@@ -187,8 +212,28 @@ class Transport : public std::enable_shared_from_this<Transport> {
   void RecordCollective(CollectiveEvent event, uint64_t bytes, const std::string& reason = "");
 
  private:
-  // Asks the transport how to reach `task` and records the route.
+  // Work waiting for a pending route (WhenRouted).
+  struct Pending {
+    std::chrono::steady_clock::time_point deadline;
+    // A pool task is running `queued` (the route was chosen, or its wait
+    // ran out): later work queues behind it, to keep the order.
+    bool draining = false;
+    std::deque<std::function<void()>> queued;
+  };
+
+  // Marks `task` pending and hands the choice of its route to the control
+  // pool (the caller arms the deadline: ArmExpiry).
+  void ChooseRoute(const std::string& task, const std::string& addr)
+      TF_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // On the control pool: asks the transport how to reach `task` and
+  // records the route, unless `addr` is no longer the peer's address.
   void AddPeer(const std::string& task, const std::string& addr) TF_LOCKS_EXCLUDED(mu_);
+  // Fails (through RouteTo) the work of routes whose wait ran out.
+  void ExpirePending() TF_LOCKS_EXCLUDED(mu_);
+  // Arms ExpirePending for kRouteWaitMs from now (a timer, no pool thread).
+  void ArmExpiry();
+  // On the data-path pool: runs `task`'s queued work in order.
+  void Drain(const std::string& task) TF_LOCKS_EXCLUDED(mu_);
 
   std::atomic<rdev_context*> ctx_{nullptr};
   tensorflow::mutex mu_;
@@ -197,15 +242,13 @@ class Transport : public std::enable_shared_from_this<Transport> {
   bool static_placement_ TF_GUARDED_BY(mu_) = false;
   bool worker_rpcs_ TF_GUARDED_BY(mu_) = false;
   std::atomic<bool> serving_{false};
-  // Peer task -> address, as last seen in a cluster spec (routes_ may lag
-  // behind while AddPeer asks the transport).
+  // Peer task -> address, as last seen in a cluster spec.
   std::map<std::string, std::string> addrs_ TF_GUARDED_BY(mu_);
-  // Peer task -> route chosen by the transport.
+  // Peer task -> route chosen by the transport (absent while pending).
   std::map<std::string, Route> routes_ TF_GUARDED_BY(mu_);
-  // Peers whose route AddPeer is choosing (a concurrent AddPeers waits for
-  // them), and the signal that one more has its route.
-  std::set<std::string> adding_ TF_GUARDED_BY(mu_);
-  tensorflow::condition_variable added_;
+  // Peer task -> work waiting for its route: present while the route is
+  // pending, and while its queue drains.
+  std::map<std::string, Pending> pending_ TF_GUARDED_BY(mu_);
 };
 
 }  // namespace rdma_device

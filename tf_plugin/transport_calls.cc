@@ -103,4 +103,12 @@ void Transport::RecordCollective(CollectiveEvent event, uint64_t bytes, const st
   rdev_record_collective(e, bytes, reason.data(), reason.size());
 }
 
+absl::Status Transport::CheckConfig() {
+  size_t len = 0;
+  // No buffer: only the validation (RDEV_CONFIG) matters here.
+  rdev_status st = rdev_config_json(nullptr, 0, &len);
+  if (st == RDEV_CONFIG) return CallStatus(st);
+  return absl::OkStatus();
+}
+
 }  // namespace rdma_device

@@ -86,22 +86,22 @@ impl Inner {
     pub(super) fn add_peer(&self, peer: &str, addr: &str) -> PeerChoice {
         let mut reasons = Vec::new();
         let mut choice = None;
-        {
-            let listening = self.listeners.lock();
-            for f in &self.fabrics {
-                let name = f.kind().name();
-                if !listening.contains_key(&f.kind()) {
-                    let why = f.is_viable().err().map(|e| e.message().to_string()).unwrap_or_else(|| "not listening".into());
-                    reasons.push(format!("{name}: {why}"));
-                    continue;
+        // Not under `listeners`: `reaches` resolves names and may probe
+        // (rdma_cm), and the shim chooses the routes of many peers at once.
+        let listening: Vec<TransportKind> = self.listeners.lock().keys().copied().collect();
+        for f in &self.fabrics {
+            let name = f.kind().name();
+            if !listening.contains(&f.kind()) {
+                let why = f.is_viable().err().map(|e| e.message().to_string()).unwrap_or_else(|| "not listening".into());
+                reasons.push(format!("{name}: {why}"));
+                continue;
+            }
+            match f.reaches(addr) {
+                Ok(()) => {
+                    choice = Some(f.kind());
+                    break;
                 }
-                match f.reaches(addr) {
-                    Ok(()) => {
-                        choice = Some(f.kind());
-                        break;
-                    }
-                    Err(e) => reasons.push(format!("{name}: {}", e.message())),
-                }
+                Err(e) => reasons.push(format!("{name}: {}", e.message())),
             }
         }
         if self.cfg.transports.is_empty() {
