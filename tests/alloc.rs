@@ -31,14 +31,23 @@ fn note_alloc() {
     if IN_TRACE.try_with(|t| t.get()).unwrap_or(true) {
         return;
     }
-    ALLOCS.fetch_add(1, Ordering::Relaxed);
-    if TRACE.load(Ordering::Relaxed) {
-        let _ = IN_TRACE.try_with(|t| {
-            t.set(true);
-            eprintln!("=== alloc on {:?}\n{}", std::thread::current().name(), std::backtrace::Backtrace::force_capture());
-            t.set(false);
-        });
-    }
+    // One allocation is not the tensor path's: a thread's first wait on a
+    // contended lock sets up that thread's parking record for its whole
+    // life (parking_lot's `ThreadData`), which a busy machine can delay
+    // into the counted steps. Anything else counts. (Symbolizing a
+    // backtrace is slow, but the steady state makes no allocation to
+    // look at.)
+    let _ = IN_TRACE.try_with(|t| {
+        t.set(true);
+        let trace = std::backtrace::Backtrace::force_capture().to_string();
+        if !trace.contains("parking_lot::ThreadData::new") {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+            if TRACE.load(Ordering::Relaxed) {
+                eprintln!("=== alloc on {:?}\n{trace}", std::thread::current().name());
+            }
+        }
+        t.set(false);
+    });
 }
 
 unsafe impl GlobalAlloc for Counting {
