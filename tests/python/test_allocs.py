@@ -177,6 +177,24 @@ def _measure(protocol, lib, log_dir, tmp_path):
     return result, per_task
 
 
+# A thread's first wait on a contended lock sets up its parking record for
+# the thread's whole life (parking_lot's ThreadData, inside the transport
+# library): one allocation per thread, which a busy machine can delay into
+# the counted steps (each of TensorFlow's pool threads meets our locks for
+# the first time at some step). Not a per-tensor allocation.
+THREAD_SETUP = ("parking_lot::ThreadData", "parking_lot::with_thread_data", "parking_lot::grow_hashtable",
+                "parking_lot::HashTable")
+
+
+def _thread_setup(path, sites):
+    """The allocation sites of `sites` that set up a thread's parking record."""
+    if not sites:
+        return collections.Counter()
+    names = _symbolize(path, sorted({a for frames in sites for a in frames}))
+    return collections.Counter({frames: n for frames, n in sites.items()
+                                if any(k in names[a] for a in frames for k in THREAD_SETUP)})
+
+
 def _report(protocol, result, per_task):
     per_step = result["tensors_per_step"]
     print(f"\n== {protocol}: heap allocations per step over {STEPS} steps "
@@ -216,13 +234,19 @@ def test_allocations_per_step_grpc_vs_rdma_device(counter_lib, log_dir, tmp_path
     assert g["total"] == r["total"], (g["total"], r["total"])
     # Every ps -> worker variable went over the transport.
     assert r["stats"]["counters"]["fallback_tensors"] == 0, r["stats"]
-    core = {name: sum(t["core"].values()) for name, t in rt.items()}
-    print(f"transport library (librdma_device.so) allocations in {STEPS} steps: {core}")
+    setup = {name: _thread_setup(t["paths"].get(CORE), t["core"]) for name, t in rt.items()}
+    core = {name: sum(t["core"].values()) - sum(setup[name].values()) for name, t in rt.items()}
+    print(f"transport library (librdma_device.so) allocations in {STEPS} steps: {core}, besides threads' "
+          f"one-time parking records: { {name: sum(c.values()) for name, c in setup.items()} }")
     # The ps only sends tensors (its variables): the transport's send path
     # allocates nothing in the steady state, as tests/alloc.rs shows at
     # unit level (the chief's and worker's counts include the worker RPCs
     # that ride on the transport, see the printout).
-    assert core["ps"] == 0, rt["ps"]["core"]
+    if core["ps"]:
+        left = rt["ps"]["core"] - setup["ps"]
+        names = _symbolize(rt["ps"]["paths"][CORE], sorted({a for frames in left for a in frames}))
+        pytest.fail("the ps's transport allocated in the steady state: "
+                    + "; ".join(f"{n}x " + " < ".join(names[a] for a in frames) for frames, n in left.items()))
     # Fewer allocations per step than stock gRPC on every task (measured:
     # 434 vs 541 on the chief, 306 vs 671 on the worker, 200 vs 316 on the
     # ps).
