@@ -11,6 +11,7 @@
 #include "tensorflow/core/framework/device_base.h"
 #include "tensorflow/core/platform/logging.h"
 #include "pool.h"
+#include "recycle.h"
 #include "transport.h"
 #include "trace.h"
 
@@ -30,6 +31,12 @@ bool IsCleanup(const absl::Status& status, int64_t step_id) {
 
 std::string TaskOf(const tsl::DeviceNameUtils::ParsedName& device) {
   return TaskName(device.job, device.replica, device.task);
+}
+
+// TaskOf into `out`, reusing its capacity (no allocation per tensor).
+void TaskOfInto(const tsl::DeviceNameUtils::ParsedName& device, std::string* out) {
+  out->clear();
+  absl::StrAppend(out, "/job:", device.job, "/replica:", device.replica, "/task:", device.task);
 }
 
 // Tensors on a device other than host memory are staged through host
@@ -109,7 +116,10 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
         IsThisTask(parsed.dst)) {
       return BaseRemoteRendezvous::Send(parsed, args, val, is_dead);
     }
-    const std::string peer = TaskOf(parsed.dst);
+    // This thread's scratch name: the send path allocates nothing per tensor.
+    thread_local std::string peer_scratch;
+    TaskOfInto(parsed.dst, &peer_scratch);
+    const std::string& peer = peer_scratch;
     if (!transport_->RoutePending(peer)) return SendRouted(parsed, args, peer, val, is_dead);
     // The route is being chosen (transport.h): the send waits for it in a
     // queue, not on this thread; a failure then fails the step.
@@ -288,7 +298,7 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     const int64_t traced = TraceStart();
     if (!is_dead && !OnHost(parsed.src, args)) return StageAndPush(parsed, args, peer, val);
     bool refused = false;
-    absl::Status s = Push(peer, std::string(parsed.FullKey()), val, is_dead, &refused, &args);
+    absl::Status s = Push(peer, parsed.FullKey(), val, is_dead, &refused, &args);
     TraceEnd("tf:Send", traced, step_id_, is_dead ? 0 : val.TotalBytes(), parsed.FullKey());
     if (refused) {
       // The receiver does not take pushes from us (plain gRPC, or it routes
@@ -327,41 +337,77 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
         !absl::StartsWith(self, "/job:localhost/")) {
       return true;
     }
-    return TaskOf(device) == self;
+    thread_local std::string scratch;
+    TaskOfInto(device, &scratch);
+    return scratch == self;
   }
 
   // `args`: the Send's arguments, for a refusal learnt after Send returned
   // (the tensor then goes to our table for the receiver's gRPC pull); null
   // when the tensor cannot go that way (a staged device tensor).
-  absl::Status Push(const std::string& peer, const std::string& key, const tf::Tensor& val,
+  absl::Status Push(const std::string& peer, absl::string_view key, const tf::Tensor& val,
                     bool is_dead, bool* refused, const Args* args) {
     // The rendezvous (hence the step) stays alive until the transport is
     // done with the tensor. A failed push fails the step here too, so the
     // sender learns of a lost peer without waiting for the receiver.
     this->Ref();
-    std::optional<Args> fallback_args;
-    if (args != nullptr) fallback_args = *args;
+    PushCtx* c = PushCtxs().Get().release();
+    c->rendezvous = this;
+    c->peer.assign(peer);
+    c->key.assign(key.data(), key.size());
+    c->val = val;
+    c->is_dead = is_dead;
+    c->has_args = args != nullptr;
+    if (args != nullptr) c->args = *args;
+    // One pointer: the callback fits std::function's inline storage.
     absl::Status s = transport_->Send(
         peer, key, step_id_, val, is_dead,
-        [this, peer, key, val, is_dead, fallback_args](const absl::Status& sent) {
-          absl::Status failed = sent;
-          if (!sent.ok() && Transport::IsNotViable(sent) && fallback_args.has_value()) {
-            // Learnt while connecting: the receiver will pull it over gRPC.
-            failed = transport_->Demote(peer, sent);
-            if (failed.ok()) {
-              Rendezvous::ParsedKey parsed;
-              failed = Rendezvous::ParseKey(key, &parsed);
-              if (failed.ok()) {
-                failed = BaseRemoteRendezvous::Send(parsed, *fallback_args, val, is_dead);
-              }
-            }
-          }
-          if (!failed.ok()) FailLate(failed, key, peer);
-          Unref();  // may destroy the rendezvous
-        },
-        refused);
-    if (!s.ok()) Unref();  // the callback will not run
+        [c](const absl::Status& sent) { c->rendezvous->PushDone(c, sent); }, refused);
+    if (!s.ok()) {
+      Recycle(c);  // the callback will not run
+      Unref();
+    }
     return s;
+  }
+
+  // What a push's completion needs; recycled (recycle.h), so a push
+  // allocates nothing once warm.
+  struct PushCtx {
+    RdmaRemoteRendezvous* rendezvous = nullptr;
+    std::string peer;
+    std::string key;
+    tf::Tensor val;
+    bool is_dead = false;
+    bool has_args = false;
+    Args args;
+  };
+
+  static FreeList<PushCtx>& PushCtxs() {
+    static auto* list = new FreeList<PushCtx>();  // never destroyed (recycle.h)
+    return *list;
+  }
+
+  static void Recycle(PushCtx* c) {
+    c->rendezvous = nullptr;
+    c->val = tf::Tensor();
+    c->args = Args();
+    PushCtxs().Put(std::unique_ptr<PushCtx>(c));
+  }
+
+  void PushDone(PushCtx* c, const absl::Status& sent) {
+    absl::Status failed = sent;
+    if (!sent.ok() && Transport::IsNotViable(sent) && c->has_args) {
+      // Learnt while connecting: the receiver will pull it over gRPC.
+      failed = transport_->Demote(c->peer, sent);
+      if (failed.ok()) {
+        Rendezvous::ParsedKey parsed;
+        failed = Rendezvous::ParseKey(c->key, &parsed);
+        if (failed.ok()) failed = BaseRemoteRendezvous::Send(parsed, c->args, c->val, c->is_dead);
+      }
+    }
+    if (!failed.ok()) FailLate(failed, c->key, c->peer);
+    Recycle(c);
+    Unref();  // may destroy the rendezvous
   }
 
   // Device tensor -> host copy -> push. Send() must return at once, so the

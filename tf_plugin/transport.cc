@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "tensorflow/core/framework/allocation_description.pb.h"
@@ -17,6 +18,7 @@
 #include "tensorflow/core/platform/logging.h"
 
 #include "rdma_device.h"
+#include "recycle.h"
 #include "transport_status.h"
 
 namespace rdma_device {
@@ -118,6 +120,7 @@ absl::Status TensorFromBuffer(rdev_buffer* raw, tf::Tensor* out, bool* is_dead) 
 }
 
 // Keeps a sent tensor's bytes alive until the transport is done with them.
+// A send in flight; recycled (recycle.h): its strings keep their capacity.
 struct SendState {
   tf::Tensor tensor;       // memcpy-able dtypes: the bytes are the tensor's
   std::string serialized;  // strings, variants, resources: a TensorProto
@@ -125,31 +128,60 @@ struct SendState {
   Transport::SendDone done;
 };
 
+FreeList<SendState>& SendStates() {
+  static auto* list = new FreeList<SendState>();  // never destroyed (recycle.h)
+  return *list;
+}
+
+void RecycleSend(std::unique_ptr<SendState> state) {
+  state->tensor = tf::Tensor();
+  state->serialized.clear();
+  state->done = nullptr;
+  SendStates().Put(std::move(state));
+}
+
 void OnSendDone(void* userdata, rdev_status status, const char* msg, size_t msg_len) {
   // Runs on a transport thread: SendDone must not block (it may only
   // queue work or call non-blocking rdev_* functions).
   std::unique_ptr<SendState> state(static_cast<SendState*>(userdata));
-  state->done(WithPeer(FromRdev(status, absl::string_view(msg, msg ? msg_len : 0)), state->peer));
+  absl::Status s = WithPeer(FromRdev(status, absl::string_view(msg, msg ? msg_len : 0)), state->peer);
+  Transport::SendDone done = std::move(state->done);
+  RecycleSend(std::move(state));
+  done(s);
 }
 
+// A receive posted; recycled like SendState.
 struct RecvState {
   std::string peer;
   Transport::RecvDone done;
 };
 
+FreeList<RecvState>& RecvStates() {
+  static auto* list = new FreeList<RecvState>();  // never destroyed (recycle.h)
+  return *list;
+}
+
+void RecycleRecv(std::unique_ptr<RecvState> state) {
+  state->done = nullptr;
+  RecvStates().Put(std::move(state));
+}
+
 void OnRecvDone(void* userdata, rdev_status status, const char* msg, size_t msg_len,
                 rdev_buffer* buf) {
   std::unique_ptr<RecvState> state(static_cast<RecvState*>(userdata));
+  Transport::RecvDone done = std::move(state->done);
   if (status != RDEV_OK) {
     rdev_buffer_release(buf);
-    state->done(WithPeer(FromRdev(status, absl::string_view(msg, msg ? msg_len : 0)), state->peer),
-                tf::Tensor(), false);
+    absl::Status s = WithPeer(FromRdev(status, absl::string_view(msg, msg ? msg_len : 0)), state->peer);
+    RecycleRecv(std::move(state));
+    done(s, tf::Tensor(), false);
     return;
   }
+  RecycleRecv(std::move(state));
   tf::Tensor tensor;
   bool is_dead = false;
   absl::Status s = TensorFromBuffer(buf, &tensor, &is_dead);
-  state->done(s, tensor, is_dead);
+  done(s, tensor, is_dead);
 }
 
 // Started transports of this process by task name (normally one: one
@@ -255,10 +287,10 @@ absl::Status Transport::Send(const std::string& peer_task, absl::string_view key
   *refused = false;
   rdev_context* ctx = ctx_.load();
   if (ctx == nullptr) return absl::FailedPreconditionError("rdma_device: transport not started");
-  auto state = std::make_unique<SendState>();
-  state->peer = peer_task;
+  std::unique_ptr<SendState> state = SendStates().Get();
+  state->peer.assign(peer_task);
   state->done = std::move(done);
-  std::vector<int64_t> dims;
+  absl::InlinedVector<int64_t, 8> dims;
   rdev_tensor_meta meta{};
   meta.dtype = static_cast<uint32_t>(val.dtype());
   const uint8_t* data = nullptr;
@@ -280,6 +312,7 @@ absl::Status Transport::Send(const std::string& peer_task, absl::string_view key
     tf::TensorProto proto;
     val.AsProtoTensorContent(&proto);
     if (!proto.SerializeToString(&state->serialized)) {
+      RecycleSend(std::move(state));
       return absl::InternalError(absl::StrCat("rdma_device: cannot serialize ",
                                               tf::DataTypeString(val.dtype()), " tensor ", key));
     }
@@ -293,7 +326,7 @@ absl::Status Transport::Send(const std::string& peer_task, absl::string_view key
                              static_cast<uint64_t>(step_id), &meta, data, len, OnSendDone, raw);
   if (st != RDEV_OK) {
     absl::Status s = WithPeer(CallStatus(st), peer_task);
-    delete raw;
+    RecycleSend(std::unique_ptr<SendState>(raw));
     *refused = st == RDEV_NOT_VIABLE;
     return s;
   }
@@ -304,12 +337,15 @@ absl::Status Transport::Recv(const std::string& peer_task, absl::string_view key
                              int64_t step_id, RecvDone done) {
   rdev_context* ctx = ctx_.load();
   if (ctx == nullptr) return absl::FailedPreconditionError("rdma_device: transport not started");
-  auto* state = new RecvState{peer_task, std::move(done)};
+  std::unique_ptr<RecvState> owned = RecvStates().Get();
+  owned->peer.assign(peer_task);
+  owned->done = std::move(done);
+  RecvState* state = owned.release();  // the callback's on RDEV_OK
   rdev_status st = rdev_recv(ctx, peer_task.data(), peer_task.size(), key.data(), key.size(),
                              static_cast<uint64_t>(step_id), OnRecvDone, state);
   if (st != RDEV_OK) {
     absl::Status s = WithPeer(CallStatus(st), peer_task);
-    delete state;
+    RecycleRecv(std::unique_ptr<RecvState>(state));
     return s;
   }
   return absl::OkStatus();
