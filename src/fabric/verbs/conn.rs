@@ -12,7 +12,10 @@
 //!   copy into one of this connection's registered chunks, one WRITE per
 //!   chunk; chunks recycle on completion, so a write of any size pipelines
 //!   through a bounded amount of pinned memory. Writes that fit the QP's
-//!   inline size go inline.
+//!   inline size go inline. The copies are made by the thread that posts
+//!   the write, or, when a completion on the progress thread frees the
+//!   chunk a queued write waits for, by `rdev-verbs-copy` (the progress
+//!   thread and the node's protocol lock never copy a tensor).
 //! - zero-copy (at or above the threshold): each large segment's
 //!   registration comes from the device's registration cache
 //!   (`mr::cache`: reused while the application keeps the pages mapped,
@@ -79,6 +82,10 @@ pub(crate) enum Action {
     Disconnect(Error),
     /// Tear the connection down (on the progress thread).
     Kill(Error),
+    /// A staged write waits for its copy into a staging chunk, which an
+    /// event thread must not make: run [`Conn::pump_copying`] on
+    /// `rdev-verbs-copy`.
+    Copy,
 }
 
 /// The registration of each segment of a zero-copy write (`None`: copied
@@ -210,6 +217,12 @@ pub(crate) struct Inner {
     /// Binds posted and not completed, by their number in the `wr_id`.
     binds: std::collections::HashMap<u32, Arc<Mw>>,
     next_bind: u32,
+    /// A staged write's copy is due and this thread may not make it.
+    copy_wanted: bool,
+    /// A `pump_copying` job is queued for this connection.
+    copy_queued: bool,
+    /// Pumping on behalf of the copy thread: copies are made here.
+    copying: bool,
 }
 
 // SAFETY: the raw QP pointer is only used under the connection's lock while
@@ -269,6 +282,9 @@ impl Conn {
                 mws: Vec::new(),
                 binds: std::collections::HashMap::new(),
                 next_bind: 0,
+                copy_wanted: false,
+                copy_queued: false,
+                copying: false,
             }),
             cv: Condvar::new(),
         }
@@ -395,6 +411,20 @@ impl Conn {
             return Vec::new();
         }
         self.pump(&mut inner)
+    }
+
+    /// Post what waits, copying staged writes into their chunks here (the
+    /// job an [`Action::Copy`] asks for; never on an event thread).
+    pub fn pump_copying(&self) -> Vec<Action> {
+        let mut inner = self.inner.lock();
+        inner.copy_queued = false;
+        if !matches!(inner.phase, Phase::Handshake | Phase::Ready) {
+            return Vec::new();
+        }
+        inner.copying = true;
+        let acts = self.pump(&mut inner);
+        inner.copying = false;
+        acts
     }
 
     /// Start a write (see [`crate::fabric::Endpoint::write`]).

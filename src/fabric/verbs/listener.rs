@@ -217,14 +217,16 @@ impl Listener for VerbsListener {
             crate::stats::Stats::add(&st.c.verbs_shared_grants, 1);
             return Ok(Some(key));
         }
-        // The extent the window lies in; a new one is registered here, or
-        // on the progress thread by `rdev-verbs-setup` while the bind
-        // waits in the connection's queue (see `mr::arena`).
+        // The extent the window lies in; a new one is registered here
+        // (tools and tests, on their own threads), or, on an event thread
+        // and under the node's protocol lock (every grant the protocol
+        // makes, `rdev_recv`'s included), by `rdev-verbs-setup` while the
+        // bind waits in the connection's queue (see `mr::arena`).
         let (ext, new) = areg.cover(off, len)?;
         if new {
             let (sh, ext, pd) = (self.shared.clone(), ext.clone(), areg.pd().clone());
             let register = move || register_extent(&sh, &ext, &pd);
-            if crate::fabric::on_event_thread() {
+            if !crate::fabric::may_block() {
                 super::progress::worker::spawn(move || {
                     let _ = register();
                 });

@@ -32,8 +32,9 @@
 //! REP carries the arena's length and the listener's MTU (rdma_cm moves
 //! both QPs to RTS with the path MTU of the route, the minimum of both
 //! ports and the netdev, logged on connect). Then the sender's `hello` goes
-//! as the first control message, `on_accept` runs on the receiver and its
-//! reply (or refusal) comes back the same way, after the arena's address
+//! as the first control message, `on_accept` runs on the receiver (on
+//! `rdev-verbs-setup`: it may wait for its node to finish starting, which
+//! the progress thread must not) and its reply (or refusal) comes back the same way, after the arena's address
 //! and its region's rkey (which grants no remote access where windows are
 //! used: each slot's key comes with the Publish naming it, from
 //! `Listener::grant`); only then is the endpoint

@@ -103,6 +103,9 @@ impl Mr {
     /// The memory must stay mapped (and, for write access, writable) for the
     /// lifetime of the returned `Mr` and of every work request using it.
     pub unsafe fn register(pd: &Arc<Pd>, addr: *const u8, len: usize, access: u32) -> Result<Mr> {
+        // Pinning takes milliseconds per 64 MiB: never on an event thread
+        // or under the node's protocol lock (checked in debug builds).
+        debug_assert!(crate::fabric::may_block(), "memory registered on {:?}, an event thread or under a lock others wait on", std::thread::current().name());
         // SAFETY: pd is live; the memory contract is the caller's.
         let raw = unsafe { ibv_reg_mr(pd.raw, addr as *mut _, len, access as i32) };
         if raw.is_null() {
@@ -165,8 +168,10 @@ impl Drop for Mr {
         if self.raw.is_null() {
             return;
         }
-        if crate::fabric::on_event_thread() {
-            // Not on the progress thread: unpinning may take long. The
+        if !crate::fabric::may_block() {
+            // Not on the progress thread, nor under a lock others wait
+            // on (a window revoked under the node's protocol lock drops
+            // its extent): unpinning may take long. The
             // region moves to the deregistration thread as it is (the
             // pages stay pinned and valid until then; no work request
             // uses it any more).
