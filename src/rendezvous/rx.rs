@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::stream::{RxStream, STREAM_KEY};
 use super::{smallvec, Actions, Action, Data, Entry, LinkId, Received, RecvDone, Rendezvous};
-use crate::constants::{HEADER_BYTES, MAX_FAILED_AHEAD};
+use crate::constants::{HEADER_BYTES, MAX_EDGES_PER_LINK, MAX_EDGES_PER_NODE, MAX_FAILED_AHEAD, MAX_FAILED_AHEAD_PER_LINK};
 use crate::error::{Error, Result};
 use crate::rendezvous::wire::{Msg, SlotDesc, SlotHeader};
 
@@ -146,19 +146,19 @@ impl Rendezvous {
 
     /// Wait for the tensor `(key, step)` from `peer`.
     pub fn recv(&mut self, peer: &str, key: &str, step: u64, done: RecvDone) -> Actions {
-        let k = (self.names.intern(key), step);
-        match self.table.remove(&k) {
+        let k = self.names.intern(key);
+        match self.table.remove(&k, step) {
             Some(Entry::Ready(r)) => {
                 let mut acts = self.lend(&r);
                 acts.push(Action::Deliver { done, result: Ok(r) });
                 return acts;
             }
-            Some(Entry::Failed(why)) => {
+            Some(Entry::Failed { why, .. }) => {
                 self.tally.waiters_failed += 1;
                 return smallvec![Action::Deliver { done, result: Err(why) }];
             }
             Some(w @ Entry::Waiting { .. }) => {
-                self.table.insert(k, w);
+                self.table.insert(k, step, w);
                 return smallvec![Action::Deliver {
                     done,
                     result: Err(Error::InvalidArgument(format!("duplicate receive for {key} in step {step}"))),
@@ -176,7 +176,7 @@ impl Rendezvous {
         // A lost peer does not fail new receives here: it may have
         // restarted; the caller reconnects (and fails them if it cannot).
         let waiting = Entry::Waiting { peer: self.names.intern(peer), done };
-        self.table.insert(k, waiting);
+        self.table.insert(k, step, waiting);
         if self.params.rpc {
             return self.request(peer, key, step);
         }
@@ -195,7 +195,10 @@ impl Rendezvous {
         }
         self.lost.insert(peer.to_string(), why.clone());
         self.unsent_requests.remove(peer);
-        self.fail_waiters(|p, _| p == peer, &why)
+        if !self.table.waits_on(peer) {
+            return Actions::new();
+        }
+        self.fail_waiters(None, |p, _| p == peer, &why)
     }
 
     pub(super) fn arrive(&mut self, key: Arc<str>, step: u64, r: Received) -> Actions {
@@ -211,8 +214,7 @@ impl Rendezvous {
                 Data::Owned(_) => Actions::new(),
             };
         }
-        let k = (key, step);
-        match self.table.remove(&k) {
+        match self.table.remove(&key, step) {
             Some(Entry::Waiting { done, .. }) => {
                 let mut acts = self.lend(&r);
                 acts.push(Action::Deliver { done, result: Ok(r) });
@@ -220,52 +222,48 @@ impl Rendezvous {
             }
             Some(Entry::Ready(old)) => {
                 // Two arrivals for one (edge, step): the sender is broken.
-                self.table.insert(k.clone(), Entry::Ready(old));
+                let why = Error::Protocol(format!("second tensor for {key} in step {step}"));
+                self.table.insert(key, step, Entry::Ready(old));
                 let link = match r.data { Data::Slot { link, .. } => Some(link), _ => None };
-                let why = Error::Protocol(format!("second tensor for {} in step {}", k.0, k.1));
                 link.map(|link| smallvec![Action::Close { link, why }]).unwrap_or_default()
             }
-            None | Some(Entry::Failed(_)) => {
-                self.table.insert(k, Entry::Ready(r));
+            None | Some(Entry::Failed { .. }) => {
+                self.table.insert(key, step, Entry::Ready(r));
                 Actions::new()
             }
         }
     }
 
-    /// The tensor `(key, step)` will not come: fail its receive, now or
-    /// when it is made.
     /// A tensor from `link` will not come (refused, abandoned): its receive
-    /// fails, now or when it is made. A peer may leave at most
-    /// `MAX_FAILED_AHEAD` such failures waiting for their receives (for
-    /// steps that may never run here); past that its link fails.
+    /// fails, now or when it is made. Such failures wait for receives (of
+    /// steps that may never run here) at most `MAX_FAILED_AHEAD_PER_LINK`
+    /// from one link and `MAX_FAILED_AHEAD` in the node; the link that
+    /// would pass either fails (so one hostile peer cannot use up the
+    /// node's room and have every other peer's next refusal close its link).
     pub(super) fn fail_receive(&mut self, link: LinkId, key: &str, step: u64, why: Error) -> Actions {
-        let k = (self.names.intern(key), step);
-        match self.table.remove(&k) {
+        let k = self.names.intern(key);
+        match self.table.remove(&k, step) {
             Some(Entry::Waiting { done, .. }) => {
                 self.tally.waiters_failed += 1;
                 smallvec![Action::Deliver { done, result: Err(why) }]
             }
             Some(ready @ Entry::Ready(_)) => {
-                self.table.insert(k, ready);
+                self.table.insert(k, step, ready);
                 Actions::new()
             }
-            None | Some(Entry::Failed(_)) => {
-                if self.finished_set.contains(&k.1) {
+            None | Some(Entry::Failed { .. }) => {
+                if self.finished_set.contains(&step) {
                     return Actions::new();
                 }
-                if self.failed_ahead >= MAX_FAILED_AHEAD {
-                    // The count only grows between recounts: recount here,
-                    // at the cap (entries leave as receives and steps end).
-                    self.failed_ahead = self.table.values().filter(|e| matches!(e, Entry::Failed(_))).count();
-                }
-                if self.failed_ahead >= MAX_FAILED_AHEAD {
+                let (mine, all) = (self.table.failed_by(link), self.table.failed());
+                if mine >= MAX_FAILED_AHEAD_PER_LINK || all >= MAX_FAILED_AHEAD {
                     let why = Error::ResourceExhausted(format!(
-                        "more than {MAX_FAILED_AHEAD} refused or abandoned tensors wait for receives that were never made"
+                        "{mine} refused or abandoned tensors from this link ({all} in all) wait for receives that were never made: \
+                         at most {MAX_FAILED_AHEAD_PER_LINK} per link and {MAX_FAILED_AHEAD} per node"
                     ));
                     return smallvec![Action::Close { link, why }];
                 }
-                self.table.insert(k, Entry::Failed(why));
-                self.failed_ahead += 1;
+                self.table.insert(k, step, Entry::Failed { why, link });
                 Actions::new()
             }
         }
@@ -382,7 +380,23 @@ impl Rendezvous {
                 self.tally.replacements += 1;
                 *id
             }
+            None if self.alloc.slot_bytes(need).is_none() => {
+                // Nothing to place, so no edge to remember (a peer cannot
+                // grow our edges and names with refused Announces).
+                log::warn!("{key}: {need} bytes cannot fit a receive arena of {} bytes; it is streamed through the link's stream slots", self.alloc.total());
+                return Ok(smallvec![Action::Send { link, msg: Msg::NoSpace { key, need } }]);
+            }
             None => {
+                let all = self.rx_edges.saturating_add(1);
+                if r.edges.len() >= MAX_EDGES_PER_LINK || all > MAX_EDGES_PER_NODE {
+                    return Err(Error::ResourceExhausted(format!(
+                        "{} announced edge {} ({key}); at most {MAX_EDGES_PER_LINK} per sender and {MAX_EDGES_PER_NODE} in all ({} now) are kept",
+                        r.peer,
+                        r.edges.len() + 1,
+                        self.rx_edges
+                    )));
+                }
+                self.rx_edges = all;
                 if step == super::STEP_AHEAD {
                     self.tally.edges_static += 1;
                 } else {
@@ -547,6 +561,7 @@ impl Rendezvous {
     /// until `sender_gone` (it may be inside a copy into them right now);
     /// slots we hold (lent to the application) are freed on release.
     pub(super) fn rx_drop_link(&mut self, link: LinkId, r: RxLink) {
+        self.rx_edges = self.rx_edges.saturating_sub(r.edges.len());
         for (id, s) in r.slots {
             match s.token {
                 Token::AtSender => self.quarantine.entry(link).or_default().push((s.offset, s.reserved)),
