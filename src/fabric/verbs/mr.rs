@@ -13,10 +13,11 @@
 //!
 //! Deregistration unpins every page of a region and can take long for a
 //! large one: a region dropped on a backend's event thread (the progress
-//! thread) is handed to `rdev-verbs-dereg` instead (see `progress::dereg`).
+//! thread) is handed to `rdev-verbs-dereg` instead (see `dereg`).
 
 pub(crate) mod arena;
 pub(crate) mod cache;
+mod dereg;
 pub(crate) mod watch;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -184,7 +185,7 @@ impl Drop for Mr {
                 access: self.access,
                 _pd: self._pd.clone(),
             };
-            super::progress::dereg_later(moved);
+            dereg::later(moved);
             return;
         }
         self.dereg();

@@ -18,18 +18,14 @@ use rdma_sys::*;
 
 use super::cm::{self, CmId, EventChannel};
 use super::conn::{self, Action, Conn, Role, Sizing};
-use super::device::{self, Context, Device};
-use super::listener::ListenerShared;
+use super::device::{self, Context};
+use super::hca::Device;
 use super::{wr, VerbsOptions};
 
-mod dereg;
 mod events;
+mod listeners;
 pub(crate) mod worker;
-
-/// Deregister `mr` on the deregistration thread (see `dereg`).
-pub(crate) fn dereg_later(mr: super::mr::Mr) {
-    dereg::later(mr)
-}
+pub(crate) use listeners::ListenerShared;
 use events::on_cm_event;
 use crate::error::{Error, Result};
 use crate::fabric::ConnId;
