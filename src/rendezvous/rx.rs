@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::stream::{RxStream, STREAM_KEY};
+use super::stream::{RxStreams, STREAM_KEY};
 use super::{smallvec, Actions, Action, Data, Entry, LinkId, Received, RecvDone, Rendezvous};
 use crate::constants::{HEADER_BYTES, MAX_EDGES_PER_LINK, MAX_EDGES_PER_NODE, MAX_FAILED_AHEAD, MAX_FAILED_AHEAD_PER_LINK};
 use crate::error::{Error, Result};
@@ -59,7 +59,7 @@ pub(super) struct RxLink {
     pub(super) next_slot: u32,
     pub(super) next_edge: u32,
     /// Streams under way from this sender, by id.
-    pub(super) streams: HashMap<u32, RxStream>,
+    pub(super) streams: RxStreams,
     /// The highest stream id begun (ids strictly increase).
     pub(super) last_stream: u32,
     /// The edge holding this link's stream slots (not in `edges`: no key
@@ -132,7 +132,7 @@ impl Rendezvous {
                 slots: HashMap::new(),
                 next_slot: 1,
                 next_edge: 1,
-                streams: HashMap::new(),
+                streams: RxStreams::default(),
                 last_stream: 0,
                 stream_edge: None,
             },

@@ -76,6 +76,9 @@ use crate::error::{Error, Result};
 /// never with a NUL; a sender may not use it.
 pub const STREAM_KEY: &str = "\0rdma_device:stream";
 
+mod open;
+pub(super) use open::RxStreams;
+
 /// Most streams one sender may have open at a receiver at once.
 const MAX_STREAMS_PER_LINK: usize = 1 << 16;
 
@@ -458,7 +461,7 @@ impl Rendezvous {
     pub(super) fn rx_stream_begin(&mut self, link: LinkId, stream: u32, key: String, step: u64, meta: TensorMeta, total: u64) -> Result<Actions> {
         // The limit holds for the whole node, not per link: every sending
         // peer's open streams count (each is allocated whole).
-        let open: u64 = self.rx.values().flat_map(|r| r.streams.values()).map(|s| s.total).fold(0u64, u64::saturating_add);
+        let open: u64 = self.rx.values().map(|r| r.streams.bytes()).fold(0u64, u64::saturating_add);
         let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("stream on unknown link".into()))?;
         if stream <= r.last_stream {
             return Err(Error::Protocol(format!("stream id {stream} reused (last begun {})", r.last_stream)));
@@ -676,17 +679,13 @@ impl Rendezvous {
     pub(super) fn rx_discard_streams(&mut self, step: u64) -> Actions {
         let mut acts = Actions::new();
         for (link, r) in self.rx.iter_mut() {
-            let ids: Vec<u32> = r.streams.iter().filter(|(_, s)| s.step == step).map(|(id, _)| *id).collect();
-            for id in ids {
-                r.streams.remove(&id);
-                acts.push(Action::Send { link: *link, msg: Msg::StreamCancel { stream: id } });
-            }
+            r.streams.drain_step(step, |id| acts.push(Action::Send { link: *link, msg: Msg::StreamCancel { stream: id } }));
         }
         acts
     }
 }
 
 /// For diagnostics.
-pub(super) fn describe_rx(streams: &HashMap<u32, RxStream>) -> String {
+pub(super) fn describe_rx(streams: &RxStreams) -> String {
     streams.iter().map(|(id, s)| format!(" [stream {id} {} step {} {:?} {}/{} copied {}]", s.key, s.step, s.mode, s.accepted, s.total, s.copied)).collect()
 }
