@@ -116,6 +116,15 @@ pub const MAX_EDGES_PER_NODE: usize = 1 << 20;
 /// peers' refusals fit before the node's cap is reached.
 pub const MAX_FAILED_AHEAD_PER_LINK: usize = MAX_FAILED_AHEAD / 4;
 
+/// Streamed tensors (assembled in memory of ours) that arrived before
+/// their receives were made, kept until the receive or the step's end: at
+/// most this many in the node and a quarter of it from one link (their
+/// bytes also count against `MAX_STREAM_TOTAL`); the link that would pass
+/// either fails. Without it a peer could send streams, empty ones
+/// included, for steps that never run here, without bound.
+pub const MAX_STREAMED_AHEAD: usize = 4096;
+pub const MAX_STREAMED_AHEAD_PER_LINK: usize = MAX_STREAMED_AHEAD / 4;
+
 /// Placements one peer may ask us to make on its behalf (`PlaceFor`) that
 /// are queued or running at once, and all peers together; one more is
 /// answered at once with an error naming the cap (the peer's placement

@@ -129,3 +129,58 @@ fn announces_cannot_grow_the_receivers_edges_without_bound() {
     drop(acts);
     assert_eq!(rx.rx_edges, 0, "a lost link's edges leave the node's count");
 }
+
+/// Streamed tensors that arrive before their receives are kept only up to
+/// a cap per link (here, empty streams for steps that never run: each
+/// would otherwise be one more entry for as long as the process lives),
+/// and a kept one is still delivered.
+#[test]
+fn streamed_arrivals_waiting_for_receives_are_capped() {
+    use crate::constants::MAX_STREAMED_AHEAD_PER_LINK as CAP;
+    let mut rx = Rendezvous::new(params(), 1 << 20);
+    rx.add_rx_link(LINK, "tx", 11);
+    for i in 0..=CAP {
+        let m = Msg::StreamBegin { stream: 1 + i as u32, key: format!("e{i}"), step: 1_000_000 + i as u64, meta: meta(), total: 0 };
+        let acts = rx.on_message(LINK, &m.encode());
+        assert_eq!(closed(&acts), i == CAP, "empty stream {i}: {acts:?}");
+    }
+    assert_eq!(rx.table.owned(), CAP);
+    match recv_result(&mut rx, "tx", "e7", 1_000_007) {
+        Some(Ok(r)) => assert_eq!(r.data, Data::Owned(Vec::new())),
+        other => panic!("{:?}", other.map(|r| r.map(|r| r.meta))),
+    }
+    assert_eq!(rx.table.owned(), CAP - 1);
+}
+
+/// The bytes of a streamed tensor that arrived and waits for its receive
+/// count against the node's stream limit, as an open stream's do, until
+/// the receive takes it.
+#[test]
+fn arrived_stream_bytes_count_against_the_node_limit() {
+    let mut rx = Rendezvous::new(params(), 1 << 20);
+    rx.add_rx_link(LINK, "tx", 11);
+    let n = 1000u64;
+    let m = Msg::StreamBegin { stream: 1, key: "s".into(), step: 5, meta: meta(), total: n };
+    let acts = rx.on_message(LINK, &m.encode());
+    assert!(matches!(acts.as_slice(), [Action::StreamAlloc { total, .. }] if *total == n), "{acts:?}");
+    let acts = rx.stream_alloc_done(LINK, 1, Some(vec![0; n as usize]));
+    assert!(matches!(acts.last(), Some(Action::Send { msg: Msg::StreamReady { outcome: wire::STREAM_MESSAGES, .. }, .. })), "{acts:?}");
+    let acts = rx.on_message(LINK, &Msg::StreamData { stream: 1, offset: 0, bytes: vec![7; n as usize] }.encode());
+    let Some(Action::CopyChunk { src: ChunkSrc::Bytes(b), dst, at, len, .. }) = acts.into_iter().next() else { panic!("no copy") };
+    dst.write_at(at, &b).unwrap();
+    drop(dst);
+    let _ = rx.chunk_copied(LINK, 1, None, len, Ok(()));
+    assert_eq!(rx.table.owned_bytes(), n, "the arrival waits for its receive");
+    // Past the limit with the arrival counted: refused; within it: taken.
+    for (stream, total, refused) in [(2, MAX_STREAM_TOTAL - n + 1, true), (3, MAX_STREAM_TOTAL - n, false)] {
+        let m = Msg::StreamBegin { stream, key: format!("big{stream}"), step: 6, meta: meta(), total };
+        let acts = rx.on_message(LINK, &m.encode());
+        let was_refused = acts.iter().any(|a| matches!(a, Action::Send { msg: Msg::StreamReady { outcome: wire::STREAM_REFUSED, .. }, .. }));
+        assert_eq!(was_refused, refused, "{total} bytes: {acts:?}");
+    }
+    match recv_result(&mut rx, "tx", "s", 5) {
+        Some(Ok(r)) => assert_eq!(r.data, Data::Owned(vec![7; n as usize])),
+        other => panic!("{:?}", other.map(|r| r.map(|r| r.meta))),
+    }
+    assert_eq!(rx.table.owned_bytes(), 0);
+}

@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use super::stream::{RxStreams, STREAM_KEY};
 use super::{smallvec, Actions, Action, Data, Entry, LinkId, Received, RecvDone, Rendezvous};
-use crate::constants::{HEADER_BYTES, MAX_EDGES_PER_LINK, MAX_EDGES_PER_NODE, MAX_FAILED_AHEAD, MAX_FAILED_AHEAD_PER_LINK};
+use crate::constants::{
+    HEADER_BYTES, MAX_EDGES_PER_LINK, MAX_EDGES_PER_NODE, MAX_FAILED_AHEAD, MAX_FAILED_AHEAD_PER_LINK, MAX_STREAMED_AHEAD, MAX_STREAMED_AHEAD_PER_LINK,
+};
 use crate::error::{Error, Result};
 use crate::rendezvous::wire::{Msg, SlotDesc, SlotHeader};
 
@@ -201,7 +203,12 @@ impl Rendezvous {
         self.fail_waiters(None, |p, _| p == peer, &why)
     }
 
-    pub(super) fn arrive(&mut self, key: Arc<str>, step: u64, r: Received) -> Actions {
+    /// A tensor from `from` arrived. One assembled from a stream (memory
+    /// of ours, filled by the peer) may wait for its receive only within
+    /// `MAX_STREAMED_AHEAD_PER_LINK` per link and `MAX_STREAMED_AHEAD` in
+    /// the node (and its bytes count against `MAX_STREAM_TOTAL`); the link
+    /// that would pass them fails.
+    pub(super) fn arrive(&mut self, key: Arc<str>, step: u64, r: Received, from: LinkId) -> Actions {
         self.tally.tensors_received += 1;
         self.tally.bytes_received += match &r.data {
             Data::Slot { len, .. } => *len,
@@ -228,7 +235,19 @@ impl Rendezvous {
                 link.map(|link| smallvec![Action::Close { link, why }]).unwrap_or_default()
             }
             None | Some(Entry::Failed { .. }) => {
-                self.table.insert(key, step, Entry::Ready(r));
+                if matches!(r.data, Data::Owned(_)) {
+                    let (mine, all) = (self.table.owned_by(from), self.table.owned());
+                    if mine >= MAX_STREAMED_AHEAD_PER_LINK || all >= MAX_STREAMED_AHEAD {
+                        let why = Error::ResourceExhausted(format!(
+                            "{mine} streamed tensors from this link ({all} in all) wait for receives that were not made: \
+                             at most {MAX_STREAMED_AHEAD_PER_LINK} per link and {MAX_STREAMED_AHEAD} per node"
+                        ));
+                        return smallvec![Action::Close { link: from, why }];
+                    }
+                    self.table.insert_owned(key, step, r, from);
+                } else {
+                    self.table.insert(key, step, Entry::Ready(r));
+                }
                 Actions::new()
             }
         }
@@ -326,7 +345,7 @@ impl Rendezvous {
             None => Arc::from(""),
         };
         let data = Data::Slot { link, slot: imm, gen: s.gen, offset: s.offset + HEADER_BYTES as u64, len: h.len };
-        self.arrive(key, h.step, Received { meta: h.meta, data })
+        self.arrive(key, h.step, Received { meta: h.meta, data }, link)
     }
 
     /// The application is done with an arrival: the slot goes back to the
