@@ -104,10 +104,34 @@ pub const MAX_SLOTS_PER_EDGE: usize = 64;
 /// in the node, the link that adds one more fails instead.
 pub const MAX_FAILED_AHEAD: usize = 4096;
 
+/// Edges (distinct keys) one sender may have placed at a receiver, and
+/// all senders together: each holds an interned name and its slots' state,
+/// so a peer announcing ever new keys cannot grow them without bound (a
+/// TensorFlow graph has some thousands of edges per pair of tasks). Past
+/// either, the Announce fails its link with the reason.
+pub const MAX_EDGES_PER_LINK: usize = 1 << 16;
+pub const MAX_EDGES_PER_NODE: usize = 1 << 20;
+
+/// Of those, most one link may leave: a quarter, so that at least four
+/// peers' refusals fit before the node's cap is reached.
+pub const MAX_FAILED_AHEAD_PER_LINK: usize = MAX_FAILED_AHEAD / 4;
+
+/// Streamed tensors (assembled in memory of ours) that arrived before
+/// their receives were made, kept until the receive or the step's end: at
+/// most this many in the node and a quarter of it from one link (their
+/// bytes also count against `MAX_STREAM_TOTAL`); the link that would pass
+/// either fails. Without it a peer could send streams, empty ones
+/// included, for steps that never run here, without bound.
+pub const MAX_STREAMED_AHEAD: usize = 4096;
+pub const MAX_STREAMED_AHEAD_PER_LINK: usize = MAX_STREAMED_AHEAD / 4;
+
 /// Placements one peer may ask us to make on its behalf (`PlaceFor`) that
-/// are queued or running at once; more fails its link. A graph asks for at
+/// are queued or running at once, and all peers together; one more is
+/// answered at once with an error naming the cap (the peer's placement
+/// fails; the edge is placed on first use instead). A graph asks for at
 /// most one per edge between two tasks, and they are answered as they go.
 pub const MAX_PLACEMENTS_PER_LINK: usize = 1024;
+pub const MAX_PLACEMENTS_PER_NODE: usize = 4 * MAX_PLACEMENTS_PER_LINK;
 
 /// How long a control message's send may wait for its peer to drain the
 /// connection's socket (shm: a stopped or swapped-out peer reads nothing);

@@ -85,6 +85,7 @@ counters! {
         verbs_mr_cache_hits: "verbs: zero-copy write segments sent through a cached registration (no registration)",
         verbs_mr_cache_invalidations: "verbs: cached registrations dropped because the application unmapped or discarded their pages",
         verbs_mr_cache_evictions: "verbs: cached registrations evicted (least recently used) for the cache's bound or RLIMIT_MEMLOCK",
+        verbs_staged_copies_handed_off: "verbs: staging-chunk copies of staged writes that a completion (on the progress thread) released and `rdev-verbs-copy` made",
         verbs_staged_fallbacks: "verbs: writes large enough for zero-copy that were copied through staging buffers instead (RLIMIT_MEMLOCK would be exceeded, or registration failed)",
         verbs_pinned_bytes: "gauge: bytes the verbs backend has pinned (registered): receive buffers, arena extents, connection buffers, cached and in-flight write registrations",
         verbs_arena_pinned_bytes: "gauge: bytes of receive arenas registered so far (extents follow the slots placed)",

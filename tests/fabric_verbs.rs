@@ -355,6 +355,7 @@ fn handshake_messages_and_writes() {
 fn many_writes_in_flight_complete_once_each() {
     let Some(f) = fabric_with(VerbsOptions { staging_chunks: 2, staging_chunk: 8192, register_threshold: 64 << 10, ..Default::default() }) else { return };
     let (l, ep, rx, _tx, arena, key) = pair(&f, 8 << 20);
+    let copies0 = stat("verbs_staged_copies_handed_off");
     let n = 300u32;
     let (dtx, drx) = std::sync::mpsc::channel();
     for i in 0..n {
@@ -378,6 +379,12 @@ fn many_writes_in_flight_complete_once_each() {
     // Imms arrive in posting order (RC).
     let imms: Vec<u32> = rx.evs.lock().iter().filter_map(|x| if let Ev::Imm(_, i) = x { Some(*i) } else { None }).collect();
     assert_eq!(imms, (0..n).collect::<Vec<_>>());
+    // Two chunks for 300 staged writes: most chunks were freed by a
+    // completion, and their next copy was made on rdev-verbs-copy, never
+    // on the progress thread (debug builds assert it where it copies).
+    let handed = stat("verbs_staged_copies_handed_off") - copies0;
+    println!("staged copies handed to rdev-verbs-copy: {handed}");
+    assert!(handed > 0, "no staged copy was handed off the progress thread");
     let _ = arena;
     l.shutdown();
 }
@@ -1378,14 +1385,18 @@ fn receiver_pins_what_slots_use() {
     l.shutdown();
 }
 
-/// A grant made on the progress thread (here, from `on_accept`, as the
-/// node may) never registers there: the new chunk is registered on the
-/// setup thread while the window's bind, and everything the connection
-/// sends after it (here the handshake reply carrying the key), waits.
-/// The sender can write as soon as it has the key.
+/// A grant made where the thread may not block (here from `on_accept`,
+/// under `fabric::no_blocking` as the node's protocol lock holds it: a
+/// grant reached from `rdev_recv`) never registers there: the new chunk
+/// is registered by a job of the setup thread while the window's bind, and
+/// everything the connection sends after it (here the handshake reply
+/// carrying the key), waits. The sender can write as soon as it has the
+/// key. (Debug builds assert that no registration runs under
+/// `no_blocking`.) `on_accept` itself runs on the setup thread, never on
+/// the progress thread.
 #[test]
 #[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
-fn grant_on_the_progress_thread_registers_on_the_setup_thread() {
+fn grant_that_may_not_block_registers_on_the_setup_thread() {
     struct GrantOnAccept {
         l: Mutex<Option<Arc<dyn Listener>>>,
         off: u64,
@@ -1396,6 +1407,7 @@ fn grant_on_the_progress_thread_registers_on_the_setup_thread() {
         fn on_accept(&self, c: ConnId, h: &[u8]) -> Result<Vec<u8>> {
             *self.thread.lock() = std::thread::current().name().map(str::to_string);
             let l = self.l.lock().clone().ok_or_else(|| Error::Internal("no listener yet".into()))?;
+            let _lock = rdma_device::fabric::no_blocking();
             let key = l.grant(c, self.off, 1 << 20)?.ok_or_else(|| Error::Internal("unknown connection".into()))?;
             let _ = h;
             Ok(key.to_le_bytes().to_vec())
@@ -1420,7 +1432,7 @@ fn grant_on_the_progress_thread_registers_on_the_setup_thread() {
     assert_eq!(arena.copy_out(200 << 20, 1 << 20).unwrap(), data);
     let pinned = stat("verbs_arena_pinned_bytes") - a0;
     println!("async-grant: granted on {:?}; arena bytes pinned {} MiB of 256", ev.thread.lock(), pinned >> 20);
-    assert_eq!(ev.thread.lock().as_deref(), Some("rdev-verbs"), "on_accept ran on the progress thread");
+    assert_eq!(ev.thread.lock().as_deref(), Some("rdev-verbs-setup"), "on_accept ran off the progress thread");
     assert_eq!(pinned, 64 << 20, "one default chunk");
     l.shutdown();
 }

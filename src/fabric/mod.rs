@@ -48,6 +48,34 @@ pub fn on_event_thread() -> bool {
     EVENT_THREAD.with(|t| t.get())
 }
 
+thread_local! {
+    static NO_BLOCKING: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// While the returned guard lives, the calling thread holds a lock that
+/// others wait on (the node's protocol lock): backends treat it as an
+/// event thread for work that may take long (registering or unpinning
+/// memory), handing that work to a thread of their own. Nests.
+pub fn no_blocking() -> NoBlocking {
+    NO_BLOCKING.with(|d| d.set(d.get() + 1));
+    NoBlocking(std::marker::PhantomData)
+}
+
+/// See [`no_blocking`]; not `Send`: it marks the thread that made it.
+pub struct NoBlocking(std::marker::PhantomData<*const ()>);
+
+impl Drop for NoBlocking {
+    fn drop(&mut self) {
+        NO_BLOCKING.with(|d| d.set(d.get().saturating_sub(1)));
+    }
+}
+
+/// May the calling thread do work that takes long (pin or unpin memory,
+/// copy a tensor)? Not on an event thread, nor under [`no_blocking`].
+pub fn may_block() -> bool {
+    !on_event_thread() && NO_BLOCKING.with(|d| d.get() == 0)
+}
+
 /// Identifies one connection, unique within the process (across backends).
 pub type ConnId = u64;
 
@@ -221,8 +249,11 @@ pub trait Listener: Send + Sync {
     /// range shows that sender's window (key unused, 0). verbs: a memory
     /// window bound to that sender's QP (key = its rkey), or on a device
     /// without type-2 windows the arena's shared region (see
-    /// `verbs::listener`). `Ok(None)`: `conn` is not one of ours. Never
-    /// blocks: it runs under the node's protocol lock, on any thread.
+    /// `verbs::listener`). `Ok(None)`: `conn` is not one of ours. On an
+    /// event thread or under [`no_blocking`] (the node's protocol lock) it
+    /// never blocks: what pins memory is handed to a backend thread and
+    /// ordered before any message sent on `conn` afterwards; elsewhere it
+    /// may pin, so the key is usable when it returns.
     fn grant(&self, conn: ConnId, off: u64, len: u64) -> Result<Option<u32>>;
     /// Drop one accepted connection (its `on_disconnect` follows).
     fn close_conn(&self, conn: ConnId);
@@ -259,4 +290,27 @@ pub trait Endpoint: Send + Sync {
     }
     /// Close the connection (the peer sees a disconnect).
     fn close(&self);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_blocking_nests_and_marks_only_its_thread() {
+        assert!(may_block());
+        let outer = no_blocking();
+        let inner = no_blocking();
+        assert!(!may_block());
+        drop(inner);
+        assert!(!may_block(), "the outer guard still holds");
+        assert!(std::thread::spawn(may_block).join().unwrap(), "another thread is not marked");
+        drop(outer);
+        assert!(may_block());
+        let t = std::thread::spawn(|| {
+            mark_event_thread();
+            may_block()
+        });
+        assert!(!t.join().unwrap(), "an event thread may not block");
+    }
 }

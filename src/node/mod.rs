@@ -29,13 +29,13 @@
 //! | placement for a peer (`place_for`) | the `rdev-place` pool (4 threads, queued) | as `place_ahead` | connect + connect timeout |
 //! | connect and flush queued sends (one per peer at a time) | the `rdev-connect` pool (4 threads, queued) | `Fabric::connect` | connect timeout |
 //! | watching a peer we only receive from (one per peer at a time) | the `rdev-connect` pool | `Fabric::connect` | connect timeout |
-//! | `Events::on_accept` | a backend's accept thread | `Node::new` to finish registering listeners | 10 s |
+//! | `Events::on_accept` | the connection's own thread (shm: its reader; verbs: `rdev-verbs-setup`, never the progress thread) | `Node::new` to finish registering listeners (only a hello that arrives while the node starts) | 10 s |
 //! | shm writes whose doorbell ring is full (8192 entries: only when the receiver's progress thread has stopped) | `rdev-shm-send` (one per process) | ring space, polled every millisecond | 10 s, then the write fails with Timeout |
 //! | shm control messages the socket did not take at once | `rdev-shm-send` | socket space (poll) | `CONTROL_SEND_TIMEOUT_MS` (10 s) without progress, then the link fails |
 //! | shm/verbs progress threads | own threads | events (sleep on the doorbell / CQ channel) | woken by events or shutdown |
 //! | callbacks and writes released by events | `rdev-callbacks` (one per node, queued) | what the callback does; a write as `send` on a live link | as `send` |
 //! | probing links with work waiting on their peer (`Msg::Ping`, keepalive.rs); failing calls past their deadline | `rdev-keepalive` (one per node) | nothing: a control message, as below | — |
-//! | granting a placed slot to its sender (`NodeGranter` → `Listener::grant`, under the protocol lock) | whichever thread placed it (an event thread included) | nothing: shm maps the window's pages; verbs allocates a memory window and queues its bind on the sender's QP ahead of the Publish (ordered by the send queue, never awaited; see `fabric::verbs::mw`) | — |
+//! | granting a placed slot to its sender (`NodeGranter` → `Listener::grant`, under the protocol lock) | whichever thread placed it (an event thread included) | nothing: shm maps the window's pages; verbs allocates a memory window and queues its bind on the sender's QP ahead of the Publish (ordered by the send queue, never awaited; see `fabric::verbs::mw`); a new 64 MiB arena extent the window needs is registered on `rdev-verbs-setup` and the bind waits for it in the QP's queue (`fabric::no_blocking` marks the lock; debug builds assert no registration runs under it) | — |
 //!
 //! Control messages never wait for the peer: verbs queues them on the
 //! connection (a full queue is an error); shm makes one non-blocking
@@ -561,7 +561,11 @@ impl Inner {
     /// Run `f` on the protocol state, mirroring its counters into Stats.
     fn locked<T>(&self, f: impl FnOnce(&mut Rendezvous) -> T) -> T {
         let mut r = self.rdv.lock();
+        // Others wait on this lock: a grant made in `f` must not pin
+        // memory here (verbs registers on its setup thread instead).
+        let no_blocking = fabric::no_blocking();
         let out = f(&mut r);
+        drop(no_blocking);
         // Grants happened inside `f` (the `NodeGranter`); the links whose
         // grant failed are failed below, outside the lock.
         let refused = r.take_refused();

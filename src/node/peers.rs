@@ -470,14 +470,24 @@ impl Inner {
     pub(super) fn place_for(&self, link: ConnId, req: u64, receiver: String, key: String, bytes: u64) {
         {
             let mut q = self.placing_for.lock();
+            use crate::constants::{MAX_PLACEMENTS_PER_LINK, MAX_PLACEMENTS_PER_NODE};
+            let all: usize = q.values().sum();
             let n = q.entry(link).or_insert(0);
-            if *n >= crate::constants::MAX_PLACEMENTS_PER_LINK {
+            if *n >= MAX_PLACEMENTS_PER_LINK || all >= MAX_PLACEMENTS_PER_NODE {
+                let error = format!(
+                    "{}: {} placements asked by this peer ({all} by all) are under way; at most {MAX_PLACEMENTS_PER_LINK} per peer \
+                     and {MAX_PLACEMENTS_PER_NODE} in all: {key} is placed on first use instead",
+                    self.task, *n
+                );
+                if *n == 0 {
+                    q.remove(&link);
+                }
                 drop(q);
-                let why = Error::ResourceExhausted(format!(
-                    "the peer on connection {link} asked for more than {} placements at once",
-                    crate::constants::MAX_PLACEMENTS_PER_LINK
-                ));
-                return self.fail_link(link, why);
+                log::warn!("{error}");
+                if let Err(e) = self.send_msg(link, &crate::rendezvous::Msg::PlaceDone { req, outcome: 2, error }) {
+                    self.fail_link(link, Error::PeerLost(format!("{}: placement refusal not sent: {}", self.task, e.message())));
+                }
+                return;
             }
             *n += 1;
         }

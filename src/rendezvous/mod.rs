@@ -20,11 +20,14 @@ pub mod proof;
 mod rpc;
 mod rx;
 pub mod stream;
+mod table;
 mod tx;
 pub use rx::SlotMemory;
 pub use stream::{stream_chunk_bytes, ChunkSrc, PayloadRange, StreamBuf, STREAM_KEY};
 pub use tx::Placement;
 pub mod wire;
+#[cfg(test)]
+mod caps_tests;
 #[cfg(test)]
 mod rpc_tests;
 #[cfg(test)]
@@ -160,9 +163,9 @@ pub use crate::stats::Tally;
 enum Entry {
     Waiting { peer: Arc<str>, done: RecvDone },
     Ready(Received),
-    /// The tensor will not come (its stream was refused or abandoned): the
-    /// receive fails with this error when it is made.
-    Failed(Error),
+    /// The tensor will not come (its stream, from `link`, was refused or
+    /// abandoned): the receive fails with `why` when it is made.
+    Failed { why: Error, link: LinkId },
 }
 
 pub struct Rendezvous {
@@ -174,10 +177,9 @@ pub struct Rendezvous {
     tx_ending: stream::Ending,
     rx: HashMap<LinkId, rx::RxLink>,
     /// Matching table: (key, step) → a waiting receive or an arrival.
-    table: HashMap<(Arc<str>, u64), Entry>,
-    /// `Entry::Failed`s in `table`, at least (recounted at the cap; see
-    /// `fail_receive`).
-    failed_ahead: usize,
+    table: table::Table,
+    /// Edges of all rx links (`MAX_EDGES_PER_NODE`).
+    rx_edges: usize,
     /// Edge keys and peer names, one `Arc<str>` each (see [`Names`]).
     names: Names,
     finished: VecDeque<u64>,
@@ -273,8 +275,8 @@ impl Rendezvous {
             tx: HashMap::new(),
             tx_ending: HashMap::new(),
             rx: HashMap::new(),
-            table: HashMap::new(),
-            failed_ahead: 0,
+            table: table::Table::default(),
+            rx_edges: 0,
             names: Names::default(),
             // Full size from the start: the steady state never grows them.
             finished: VecDeque::with_capacity(FINISHED_STEPS_REMEMBERED + 1),
@@ -324,11 +326,11 @@ impl Rendezvous {
         for (l, r) in &self.rx {
             let _ = writeln!(o, "rx link {l} ← {}: {}", r.peer, r.describe());
         }
-        for ((k, s), e) in &self.table {
+        for ((k, s), e) in self.table.iter() {
             let what = match e {
                 Entry::Waiting { peer, .. } => format!("waiting on {peer}"),
                 Entry::Ready(_) => "ready".into(),
-                Entry::Failed(e) => format!("failed: {e}"),
+                Entry::Failed { why, link } => format!("failed (link {link}): {why}"),
             };
             let _ = writeln!(o, "table ({k}, {s}): {what}");
         }
@@ -351,7 +353,8 @@ impl Rendezvous {
     /// within the transport's retry bound rather than never. Into `out`,
     /// with `peers` as scratch (both the caller's, kept between calls, so
     /// this allocates nothing in a steady state). O(links × peers waited
-    /// for + waiting receives); nothing when idle.
+    /// for): the table counts waiting receives per peer, so none is
+    /// scanned; nothing when idle.
     pub fn links_to_probe(&self, peers: &mut Vec<Arc<str>>, out: &mut Vec<LinkId>) {
         out.clear();
         peers.clear();
@@ -365,14 +368,7 @@ impl Rendezvous {
                 add(out, *l);
             }
         }
-        for e in self.table.values() {
-            if let Entry::Waiting { peer, .. } = e {
-                // Interned: one Arc per name.
-                if !peers.iter().any(|p| Arc::ptr_eq(p, peer)) {
-                    peers.push(peer.clone());
-                }
-            }
-        }
+        peers.extend(self.table.waiting_peers().cloned());
         for p in peers.iter() {
             for (l, _) in self.tx.iter().filter(|(_, t)| *t.peer == **p) {
                 add(out, *l);
@@ -440,28 +436,24 @@ impl Rendezvous {
             // its waiters fail once no link with it is left.
             self.lost.insert(peer.clone(), why.clone());
             let still_up = self.tx.values().any(|t| t.peer == peer) || self.rx.values().any(|r| r.peer == peer);
-            if !still_up {
-                acts.extend(self.fail_waiters(|p, _| p == peer, &why));
+            if !still_up && self.table.waits_on(&peer) {
+                acts.extend(self.fail_waiters(None, |p, _| p == peer, &why));
             }
         }
         acts
     }
 
-    /// Fail every waiting receive matching `pred(peer, step)`.
-    fn fail_waiters(&mut self, pred: impl Fn(&str, u64) -> bool, why: &Error) -> Actions {
-        let keys: Vec<(Arc<str>, u64)> = self
-            .table
-            .iter()
-            .filter(|((_, step), e)| matches!(e, Entry::Waiting { peer, .. } if pred(peer, *step)))
-            .map(|(k, _)| k.clone())
-            .collect();
+    /// Fail every waiting receive matching `pred(peer, step)`, of step
+    /// `only_step` if given (then only that step's entries are looked at).
+    fn fail_waiters(&mut self, only_step: Option<u64>, pred: impl Fn(&str, u64) -> bool, why: &Error) -> Actions {
         let mut acts = Actions::new();
-        for k in keys {
-            if let Some(Entry::Waiting { done, .. }) = self.table.remove(&k) {
-                self.tally.waiters_failed += 1;
+        let tally = &mut self.tally;
+        self.table.drain_waiting(only_step, pred, |e| {
+            if let Entry::Waiting { done, .. } = e {
+                tally.waiters_failed += 1;
                 acts.push(Action::Deliver { done, result: Err(why.clone()) });
             }
-        }
+        });
         acts
     }
 
@@ -483,7 +475,7 @@ impl Rendezvous {
     fn end_step(&mut self, step: u64, why: &dyn Fn() -> Error) -> Actions {
         self.mark_finished(step);
         let mut acts = Actions::new();
-        if self.table.keys().any(|(_, s)| *s == step) {
+        if self.table.has_step(step) {
             acts.extend(self.end_step_entries(step, &why()));
         }
         if self.tx.values().any(|t| !t.idle()) {
@@ -499,23 +491,24 @@ impl Rendezvous {
         acts
     }
 
-    /// `end_step` for the step's entries of the matching table.
+    /// `end_step` for the step's entries of the matching table (only
+    /// those: the table is indexed by step): waiters fail, unclaimed
+    /// arrivals are released, failures waiting for a receive go.
     fn end_step_entries(&mut self, step: u64, why: &Error) -> Actions {
-        let mut acts = self.fail_waiters(|_, s| s == step, why);
-        let ready: Vec<(Arc<str>, u64)> = self
-            .table
-            .iter()
-            .filter(|((_, s), e)| *s == step && matches!(e, Entry::Ready(_)))
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in ready {
-            if let Some(Entry::Ready(r)) = self.table.remove(&k) {
+        let mut acts = Actions::new();
+        let tally = &mut self.tally;
+        self.table.drain_step(step, |_, e| match e {
+            Entry::Waiting { done, .. } => {
+                tally.waiters_failed += 1;
+                acts.push(Action::Deliver { done, result: Err(why.clone()) });
+            }
+            Entry::Ready(r) => {
                 if let Data::Slot { link, slot, gen, .. } = r.data {
                     acts.push(Action::Release { link, slot, gen });
                 }
             }
-        }
-        self.table.retain(|(_, s), e| *s != step || !matches!(e, Entry::Failed(_)));
+            Entry::Failed { .. } => {}
+        });
         acts
     }
 
@@ -548,7 +541,7 @@ impl Rendezvous {
             return Actions::new();
         };
         let why = Error::Aborted(format!("{peer} aborted step {step}: {reason}"));
-        let mut acts = self.fail_waiters(|p, s| p == peer && s == step, &why);
+        let mut acts = self.fail_waiters(Some(step), |p, _| p == peer, &why);
         if let Some(t) = self.tx.get_mut(&link) {
             acts.extend(t.fail_step(link, step, &why, &mut self.tx_ending));
         }
@@ -566,7 +559,7 @@ impl Rendezvous {
 
     /// Abort everything (server shutdown): every waiter and queued send.
     pub fn abort_all(&mut self, why: Error) -> Actions {
-        let mut acts = self.fail_waiters(|_, _| true, &why);
+        let mut acts = self.fail_waiters(None, |_, _| true, &why);
         for (link, t) in self.tx.iter_mut() {
             acts.extend(t.fail_pending(*link, &why, &mut self.tx_ending));
         }

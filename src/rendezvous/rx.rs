@@ -5,9 +5,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::stream::{RxStream, STREAM_KEY};
+use super::stream::{RxStreams, STREAM_KEY};
 use super::{smallvec, Actions, Action, Data, Entry, LinkId, Received, RecvDone, Rendezvous};
-use crate::constants::{HEADER_BYTES, MAX_FAILED_AHEAD};
+use crate::constants::{
+    HEADER_BYTES, MAX_EDGES_PER_LINK, MAX_EDGES_PER_NODE, MAX_FAILED_AHEAD, MAX_FAILED_AHEAD_PER_LINK, MAX_STREAMED_AHEAD, MAX_STREAMED_AHEAD_PER_LINK,
+};
 use crate::error::{Error, Result};
 use crate::rendezvous::wire::{Msg, SlotDesc, SlotHeader};
 
@@ -59,7 +61,7 @@ pub(super) struct RxLink {
     pub(super) next_slot: u32,
     pub(super) next_edge: u32,
     /// Streams under way from this sender, by id.
-    pub(super) streams: HashMap<u32, RxStream>,
+    pub(super) streams: RxStreams,
     /// The highest stream id begun (ids strictly increase).
     pub(super) last_stream: u32,
     /// The edge holding this link's stream slots (not in `edges`: no key
@@ -132,7 +134,7 @@ impl Rendezvous {
                 slots: HashMap::new(),
                 next_slot: 1,
                 next_edge: 1,
-                streams: HashMap::new(),
+                streams: RxStreams::default(),
                 last_stream: 0,
                 stream_edge: None,
             },
@@ -146,19 +148,19 @@ impl Rendezvous {
 
     /// Wait for the tensor `(key, step)` from `peer`.
     pub fn recv(&mut self, peer: &str, key: &str, step: u64, done: RecvDone) -> Actions {
-        let k = (self.names.intern(key), step);
-        match self.table.remove(&k) {
+        let k = self.names.intern(key);
+        match self.table.remove(&k, step) {
             Some(Entry::Ready(r)) => {
                 let mut acts = self.lend(&r);
                 acts.push(Action::Deliver { done, result: Ok(r) });
                 return acts;
             }
-            Some(Entry::Failed(why)) => {
+            Some(Entry::Failed { why, .. }) => {
                 self.tally.waiters_failed += 1;
                 return smallvec![Action::Deliver { done, result: Err(why) }];
             }
             Some(w @ Entry::Waiting { .. }) => {
-                self.table.insert(k, w);
+                self.table.insert(k, step, w);
                 return smallvec![Action::Deliver {
                     done,
                     result: Err(Error::InvalidArgument(format!("duplicate receive for {key} in step {step}"))),
@@ -176,7 +178,7 @@ impl Rendezvous {
         // A lost peer does not fail new receives here: it may have
         // restarted; the caller reconnects (and fails them if it cannot).
         let waiting = Entry::Waiting { peer: self.names.intern(peer), done };
-        self.table.insert(k, waiting);
+        self.table.insert(k, step, waiting);
         if self.params.rpc {
             return self.request(peer, key, step);
         }
@@ -195,10 +197,18 @@ impl Rendezvous {
         }
         self.lost.insert(peer.to_string(), why.clone());
         self.unsent_requests.remove(peer);
-        self.fail_waiters(|p, _| p == peer, &why)
+        if !self.table.waits_on(peer) {
+            return Actions::new();
+        }
+        self.fail_waiters(None, |p, _| p == peer, &why)
     }
 
-    pub(super) fn arrive(&mut self, key: Arc<str>, step: u64, r: Received) -> Actions {
+    /// A tensor from `from` arrived. One assembled from a stream (memory
+    /// of ours, filled by the peer) may wait for its receive only within
+    /// `MAX_STREAMED_AHEAD_PER_LINK` per link and `MAX_STREAMED_AHEAD` in
+    /// the node (and its bytes count against `MAX_STREAM_TOTAL`); the link
+    /// that would pass them fails.
+    pub(super) fn arrive(&mut self, key: Arc<str>, step: u64, r: Received, from: LinkId) -> Actions {
         self.tally.tensors_received += 1;
         self.tally.bytes_received += match &r.data {
             Data::Slot { len, .. } => *len,
@@ -211,8 +221,7 @@ impl Rendezvous {
                 Data::Owned(_) => Actions::new(),
             };
         }
-        let k = (key, step);
-        match self.table.remove(&k) {
+        match self.table.remove(&key, step) {
             Some(Entry::Waiting { done, .. }) => {
                 let mut acts = self.lend(&r);
                 acts.push(Action::Deliver { done, result: Ok(r) });
@@ -220,52 +229,60 @@ impl Rendezvous {
             }
             Some(Entry::Ready(old)) => {
                 // Two arrivals for one (edge, step): the sender is broken.
-                self.table.insert(k.clone(), Entry::Ready(old));
+                let why = Error::Protocol(format!("second tensor for {key} in step {step}"));
+                self.table.insert(key, step, Entry::Ready(old));
                 let link = match r.data { Data::Slot { link, .. } => Some(link), _ => None };
-                let why = Error::Protocol(format!("second tensor for {} in step {}", k.0, k.1));
                 link.map(|link| smallvec![Action::Close { link, why }]).unwrap_or_default()
             }
-            None | Some(Entry::Failed(_)) => {
-                self.table.insert(k, Entry::Ready(r));
+            None | Some(Entry::Failed { .. }) => {
+                if matches!(r.data, Data::Owned(_)) {
+                    let (mine, all) = (self.table.owned_by(from), self.table.owned());
+                    if mine >= MAX_STREAMED_AHEAD_PER_LINK || all >= MAX_STREAMED_AHEAD {
+                        let why = Error::ResourceExhausted(format!(
+                            "{mine} streamed tensors from this link ({all} in all) wait for receives that were not made: \
+                             at most {MAX_STREAMED_AHEAD_PER_LINK} per link and {MAX_STREAMED_AHEAD} per node"
+                        ));
+                        return smallvec![Action::Close { link: from, why }];
+                    }
+                    self.table.insert_owned(key, step, r, from);
+                } else {
+                    self.table.insert(key, step, Entry::Ready(r));
+                }
                 Actions::new()
             }
         }
     }
 
-    /// The tensor `(key, step)` will not come: fail its receive, now or
-    /// when it is made.
     /// A tensor from `link` will not come (refused, abandoned): its receive
-    /// fails, now or when it is made. A peer may leave at most
-    /// `MAX_FAILED_AHEAD` such failures waiting for their receives (for
-    /// steps that may never run here); past that its link fails.
+    /// fails, now or when it is made. Such failures wait for receives (of
+    /// steps that may never run here) at most `MAX_FAILED_AHEAD_PER_LINK`
+    /// from one link and `MAX_FAILED_AHEAD` in the node; the link that
+    /// would pass either fails (so one hostile peer cannot use up the
+    /// node's room and have every other peer's next refusal close its link).
     pub(super) fn fail_receive(&mut self, link: LinkId, key: &str, step: u64, why: Error) -> Actions {
-        let k = (self.names.intern(key), step);
-        match self.table.remove(&k) {
+        let k = self.names.intern(key);
+        match self.table.remove(&k, step) {
             Some(Entry::Waiting { done, .. }) => {
                 self.tally.waiters_failed += 1;
                 smallvec![Action::Deliver { done, result: Err(why) }]
             }
             Some(ready @ Entry::Ready(_)) => {
-                self.table.insert(k, ready);
+                self.table.insert(k, step, ready);
                 Actions::new()
             }
-            None | Some(Entry::Failed(_)) => {
-                if self.finished_set.contains(&k.1) {
+            None | Some(Entry::Failed { .. }) => {
+                if self.finished_set.contains(&step) {
                     return Actions::new();
                 }
-                if self.failed_ahead >= MAX_FAILED_AHEAD {
-                    // The count only grows between recounts: recount here,
-                    // at the cap (entries leave as receives and steps end).
-                    self.failed_ahead = self.table.values().filter(|e| matches!(e, Entry::Failed(_))).count();
-                }
-                if self.failed_ahead >= MAX_FAILED_AHEAD {
+                let (mine, all) = (self.table.failed_by(link), self.table.failed());
+                if mine >= MAX_FAILED_AHEAD_PER_LINK || all >= MAX_FAILED_AHEAD {
                     let why = Error::ResourceExhausted(format!(
-                        "more than {MAX_FAILED_AHEAD} refused or abandoned tensors wait for receives that were never made"
+                        "{mine} refused or abandoned tensors from this link ({all} in all) wait for receives that were never made: \
+                         at most {MAX_FAILED_AHEAD_PER_LINK} per link and {MAX_FAILED_AHEAD} per node"
                     ));
                     return smallvec![Action::Close { link, why }];
                 }
-                self.table.insert(k, Entry::Failed(why));
-                self.failed_ahead += 1;
+                self.table.insert(k, step, Entry::Failed { why, link });
                 Actions::new()
             }
         }
@@ -328,7 +345,7 @@ impl Rendezvous {
             None => Arc::from(""),
         };
         let data = Data::Slot { link, slot: imm, gen: s.gen, offset: s.offset + HEADER_BYTES as u64, len: h.len };
-        self.arrive(key, h.step, Received { meta: h.meta, data })
+        self.arrive(key, h.step, Received { meta: h.meta, data }, link)
     }
 
     /// The application is done with an arrival: the slot goes back to the
@@ -382,7 +399,23 @@ impl Rendezvous {
                 self.tally.replacements += 1;
                 *id
             }
+            None if self.alloc.slot_bytes(need).is_none() => {
+                // Nothing to place, so no edge to remember (a peer cannot
+                // grow our edges and names with refused Announces).
+                log::warn!("{key}: {need} bytes cannot fit a receive arena of {} bytes; it is streamed through the link's stream slots", self.alloc.total());
+                return Ok(smallvec![Action::Send { link, msg: Msg::NoSpace { key, need } }]);
+            }
             None => {
+                let all = self.rx_edges.saturating_add(1);
+                if r.edges.len() >= MAX_EDGES_PER_LINK || all > MAX_EDGES_PER_NODE {
+                    return Err(Error::ResourceExhausted(format!(
+                        "{} announced edge {} ({key}); at most {MAX_EDGES_PER_LINK} per sender and {MAX_EDGES_PER_NODE} in all ({} now) are kept",
+                        r.peer,
+                        r.edges.len() + 1,
+                        self.rx_edges
+                    )));
+                }
+                self.rx_edges = all;
                 if step == super::STEP_AHEAD {
                     self.tally.edges_static += 1;
                 } else {
@@ -547,6 +580,7 @@ impl Rendezvous {
     /// until `sender_gone` (it may be inside a copy into them right now);
     /// slots we hold (lent to the application) are freed on release.
     pub(super) fn rx_drop_link(&mut self, link: LinkId, r: RxLink) {
+        self.rx_edges = self.rx_edges.saturating_sub(r.edges.len());
         for (id, s) in r.slots {
             match s.token {
                 Token::AtSender => self.quarantine.entry(link).or_default().push((s.offset, s.reserved)),

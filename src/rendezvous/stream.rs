@@ -76,6 +76,9 @@ use crate::error::{Error, Result};
 /// never with a NUL; a sender may not use it.
 pub const STREAM_KEY: &str = "\0rdma_device:stream";
 
+mod open;
+pub(super) use open::RxStreams;
+
 /// Most streams one sender may have open at a receiver at once.
 const MAX_STREAMS_PER_LINK: usize = 1 << 16;
 
@@ -457,8 +460,9 @@ impl Rendezvous {
 
     pub(super) fn rx_stream_begin(&mut self, link: LinkId, stream: u32, key: String, step: u64, meta: TensorMeta, total: u64) -> Result<Actions> {
         // The limit holds for the whole node, not per link: every sending
-        // peer's open streams count (each is allocated whole).
-        let open: u64 = self.rx.values().flat_map(|r| r.streams.values()).map(|s| s.total).fold(0u64, u64::saturating_add);
+        // peer's open streams count (each is allocated whole), and so do
+        // streamed tensors that arrived and wait for their receives.
+        let open: u64 = self.rx.values().map(|r| r.streams.bytes()).fold(self.table.owned_bytes(), u64::saturating_add);
         let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("stream on unknown link".into()))?;
         if stream <= r.last_stream {
             return Err(Error::Protocol(format!("stream id {stream} reused (last begun {})", r.last_stream)));
@@ -475,7 +479,7 @@ impl Rendezvous {
             return Ok(smallvec![Action::Send { link, msg: Msg::StreamCancel { stream } }]);
         }
         if total > MAX_STREAM_TOTAL.saturating_sub(open) {
-            let error = format!("{total} bytes (with {open} bytes of streams already open from all peers) exceed the receiver's limit of {MAX_STREAM_TOTAL}");
+            let error = format!("{total} bytes (with {open} bytes of streams open, or arrived and not yet received, from all peers) exceed the receiver's limit of {MAX_STREAM_TOTAL}");
             let why = Error::ResourceExhausted(format!("{key} in step {step} from {}: {error}", r.peer));
             let mut acts = smallvec![Action::Send { link, msg: Msg::StreamReady { stream, outcome: STREAM_REFUSED, error } }];
             acts.extend(self.fail_receive(link, &key, step, why));
@@ -483,7 +487,7 @@ impl Rendezvous {
         }
         if total == 0 {
             let key = self.names.intern(&key);
-            return Ok(self.arrive(key, step, Received { meta, data: Data::Owned(Vec::new()) }));
+            return Ok(self.arrive(key, step, Received { meta, data: Data::Owned(Vec::new()) }, link));
         }
         r.streams.insert(stream, RxStream { key, step, meta, total, mode: RxMode::Alloc, buf: None, seen: Vec::new(), accepted: 0, copied: 0 });
         Ok(smallvec![Action::StreamAlloc { link, stream, total }])
@@ -656,7 +660,7 @@ impl Rendezvous {
         match buf {
             Some(Ok(b)) => {
                 let key = self.names.intern(&s.key);
-                acts.extend(self.arrive(key, s.step, Received { meta: s.meta, data: Data::Owned(b.into_vec()) }))
+                acts.extend(self.arrive(key, s.step, Received { meta: s.meta, data: Data::Owned(b.into_vec()) }, link))
             }
             _ => acts.push(Action::Close { link, why: Error::Internal(format!("stream {stream}: buffer still in use when complete")) }),
         }
@@ -676,17 +680,13 @@ impl Rendezvous {
     pub(super) fn rx_discard_streams(&mut self, step: u64) -> Actions {
         let mut acts = Actions::new();
         for (link, r) in self.rx.iter_mut() {
-            let ids: Vec<u32> = r.streams.iter().filter(|(_, s)| s.step == step).map(|(id, _)| *id).collect();
-            for id in ids {
-                r.streams.remove(&id);
-                acts.push(Action::Send { link: *link, msg: Msg::StreamCancel { stream: id } });
-            }
+            r.streams.drain_step(step, |id| acts.push(Action::Send { link: *link, msg: Msg::StreamCancel { stream: id } }));
         }
         acts
     }
 }
 
 /// For diagnostics.
-pub(super) fn describe_rx(streams: &HashMap<u32, RxStream>) -> String {
+pub(super) fn describe_rx(streams: &RxStreams) -> String {
     streams.iter().map(|(id, s)| format!(" [stream {id} {} step {} {:?} {}/{} copied {}]", s.key, s.step, s.mode, s.accepted, s.total, s.copied)).collect()
 }

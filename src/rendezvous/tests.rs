@@ -478,14 +478,15 @@ fn the_stream_limit_counts_every_peer() {
 
 /// Issue 18, N4: refused streams for receives never made are remembered
 /// (the receive must fail when it comes), but a peer cannot grow that
-/// without bound: past `MAX_FAILED_AHEAD` its link is closed.
+/// without bound: past `MAX_FAILED_AHEAD_PER_LINK` its link is closed
+/// (the node's cap: `caps_tests.rs`).
 #[test]
 fn refused_streams_waiting_for_receives_are_capped() {
     let p = Params { slots_per_edge: 2, max_outstanding_writes: 4, incarnation: 22, rpc: false };
     let mut rx = Rendezvous::new(p, 1 << 20);
     rx.add_rx_link(LINK, "tx", 11);
     let meta = TensorMeta { dtype: 1, flags: 0, dims: vec![].into() };
-    let cap = crate::constants::MAX_FAILED_AHEAD;
+    let cap = crate::constants::MAX_FAILED_AHEAD_PER_LINK;
     for i in 0..=cap {
         let total = crate::constants::MAX_STREAM_TOTAL + 1;
         let m = Msg::StreamBegin { stream: 1 + i as u32, key: format!("k{i}"), step: 1_000_000 + i as u64, meta: meta.clone(), total };

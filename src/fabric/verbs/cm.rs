@@ -58,7 +58,7 @@ pub struct CmId {
     pub(crate) raw: *mut rdma_cm_id,
     has_qp: bool,
     /// What the QP uses, kept alive until it is destroyed.
-    keep: Option<(Arc<super::device::Cq>, Arc<super::device::Cq>, Arc<super::device::Srq>)>,
+    keep: Option<(Arc<super::device::Cq>, Arc<super::device::Cq>, Arc<super::hca::Srq>)>,
     _channel: Arc<EventChannel>,
 }
 
@@ -131,7 +131,7 @@ impl CmId {
         pd: &super::device::Pd,
         send_cq: &Arc<super::device::Cq>,
         recv_cq: &Arc<super::device::Cq>,
-        srq: &Arc<super::device::Srq>,
+        srq: &Arc<super::hca::Srq>,
         cap: ibv_qp_cap,
     ) -> Result<ibv_qp_cap> {
         let mut tries = vec![cap];

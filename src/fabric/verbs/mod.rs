@@ -11,29 +11,36 @@
 //! bytes mean (rendezvous), handshake payload contents, anything TF.
 //! This is the only module that imports `rdma_sys`.
 //!
-//! Shape:
-//! - `device`: probe/viability (device list, active ports, memlock), and
-//!   the per-device PD, completion channel, shared receive queue, receive
-//!   CQ and send CQs.
-//! - `cm`: rdma_cm ids, addresses, the private data of REQ/REP.
-//! - `conn`: one connection's QP, buffers, ops, ordered work queue.
-//! - `progress`: the one thread that reads CM events and polls CQs (spins
-//!   [`SPIN`], then blocks on the completion channel); it never registers
-//!   or deregisters memory: connection bring-up and arena extents go to
-//!   `rdev-verbs-setup` (`progress::worker`), deregistrations on it to
-//!   `rdev-verbs-dereg`.
+//! Shape, in import order (each module imports only those above it; the
+//! root's constants and pinned-memory account excepted):
+//! - `wr`: the tagged `wr_id`s.
+//! - `device`: probe/viability (device list, active ports, memlock) and
+//!   the base objects: context, PD, completion channel, CQs.
 //! - `mr`: regions, the pinned-memory account (RLIMIT_MEMLOCK), buffer
-//!   slabs, the arena's lazy registration, the write-source cache.
-//! - `endpoint` / `listener`: the [`Endpoint`] / [`Listener`] faces.
+//!   slabs, the arena's lazy registration, the write-source cache, and
+//!   `rdev-verbs-dereg` (regions dropped where unpinning must not run).
+//! - `hca`: an opened device: the shared receive queue, the send CQs, the
+//!   arena registrations and the write-source cache its connections share.
+//! - `cm`: rdma_cm ids, addresses, the private data of REQ/REP.
 //! - `mw`: type-2 memory windows, one per granted range: what keeps one
 //!   verbs sender out of another's slots (and the fallback without them).
+//! - `conn`: one connection's QP, buffers, ops and ordered work queue;
+//!   posting (`conn::post`) and what comes back (`conn::events`).
+//! - `progress`: the one thread that reads CM events and polls CQs (spins
+//!   [`SPIN`], then blocks on the completion channel), and the listeners'
+//!   shared state; it never registers or deregisters memory, copies a
+//!   tensor or waits: connection bring-up, arena extents and `on_accept`
+//!   go to `rdev-verbs-setup`, staged copies to `rdev-verbs-copy`
+//!   (`progress::worker`), deregistrations to `rdev-verbs-dereg`.
+//! - `endpoint` / `listener`: the [`Endpoint`] / [`Listener`] faces.
 //!
 //! Handshake: CM REQ carries {magic, MTU, receive depth, buffer size}; the
 //! REP carries the arena's length and the listener's MTU (rdma_cm moves
 //! both QPs to RTS with the path MTU of the route, the minimum of both
 //! ports and the netdev, logged on connect). Then the sender's `hello` goes
-//! as the first control message, `on_accept` runs on the receiver and its
-//! reply (or refusal) comes back the same way, after the arena's address
+//! as the first control message, `on_accept` runs on the receiver (on
+//! `rdev-verbs-setup`: it may wait for its node to finish starting, which
+//! the progress thread must not) and its reply (or refusal) comes back the same way, after the arena's address
 //! and its region's rkey (which grants no remote access where windows are
 //! used: each slot's key comes with the Publish naming it, from
 //! `Listener::grant`); only then is the endpoint
@@ -76,6 +83,7 @@ pub(crate) mod cm;
 mod conn;
 pub mod device;
 mod endpoint;
+mod hca;
 mod listener;
 mod mr;
 mod mw;

@@ -13,10 +13,11 @@
 //!
 //! Deregistration unpins every page of a region and can take long for a
 //! large one: a region dropped on a backend's event thread (the progress
-//! thread) is handed to `rdev-verbs-dereg` instead (see `progress::dereg`).
+//! thread) is handed to `rdev-verbs-dereg` instead (see `dereg`).
 
 pub(crate) mod arena;
 pub(crate) mod cache;
+mod dereg;
 pub(crate) mod watch;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -103,6 +104,9 @@ impl Mr {
     /// The memory must stay mapped (and, for write access, writable) for the
     /// lifetime of the returned `Mr` and of every work request using it.
     pub unsafe fn register(pd: &Arc<Pd>, addr: *const u8, len: usize, access: u32) -> Result<Mr> {
+        // Pinning takes milliseconds per 64 MiB: never on an event thread
+        // or under the node's protocol lock (checked in debug builds).
+        debug_assert!(crate::fabric::may_block(), "memory registered on {:?}, an event thread or under a lock others wait on", std::thread::current().name());
         // SAFETY: pd is live; the memory contract is the caller's.
         let raw = unsafe { ibv_reg_mr(pd.raw, addr as *mut _, len, access as i32) };
         if raw.is_null() {
@@ -165,8 +169,10 @@ impl Drop for Mr {
         if self.raw.is_null() {
             return;
         }
-        if crate::fabric::on_event_thread() {
-            // Not on the progress thread: unpinning may take long. The
+        if !crate::fabric::may_block() {
+            // Not on the progress thread, nor under a lock others wait
+            // on (a window revoked under the node's protocol lock drops
+            // its extent): unpinning may take long. The
             // region moves to the deregistration thread as it is (the
             // pages stay pinned and valid until then; no work request
             // uses it any more).
@@ -179,7 +185,7 @@ impl Drop for Mr {
                 access: self.access,
                 _pd: self._pd.clone(),
             };
-            super::progress::dereg_later(moved);
+            dereg::later(moved);
             return;
         }
         self.dereg();

@@ -18,18 +18,14 @@ use rdma_sys::*;
 
 use super::cm::{self, CmId, EventChannel};
 use super::conn::{self, Action, Conn, Role, Sizing};
-use super::device::{self, Context, Device};
-use super::listener::ListenerShared;
+use super::device::{self, Context};
+use super::hca::Device;
 use super::{wr, VerbsOptions};
 
-mod dereg;
 mod events;
+mod listeners;
 pub(crate) mod worker;
-
-/// Deregister `mr` on the deregistration thread (see `dereg`).
-pub(crate) fn dereg_later(mr: super::mr::Mr) {
-    dereg::later(mr)
-}
+pub(crate) use listeners::ListenerShared;
 use events::on_cm_event;
 use crate::error::{Error, Result};
 use crate::fabric::ConnId;
@@ -258,7 +254,21 @@ pub(crate) fn run_actions(sh: &Arc<Shared>, c: &Arc<Conn>, acts: Vec<Action>) {
             Action::Imm(imm) => c.events.on_write_imm(c.id, imm),
             Action::Message(m) => c.events.on_message(c.id, &m),
             Action::Disconnect(e) => c.events.on_disconnect(c.id, e),
+            Action::Accept(hello) if sh.on_progress_thread() => {
+                // `on_accept` may wait for its node to finish starting:
+                // never on the progress thread.
+                let (sh, c) = (sh.clone(), c.clone());
+                worker::spawn(move || accept_hello(&sh, &c, hello));
+            }
             Action::Accept(hello) => accept_hello(sh, c, hello),
+            Action::Copy => {
+                crate::stats::Stats::add(&crate::stats::Stats::global().c.verbs_staged_copies_handed_off, 1);
+                let (sh, c) = (sh.clone(), c.clone());
+                worker::copy(move || {
+                    let acts = c.pump_copying();
+                    run_actions(&sh, &c, acts);
+                });
+            }
             Action::Kill(e) => {
                 if sh.on_progress_thread() {
                     kill(sh, c, e);
@@ -270,10 +280,15 @@ pub(crate) fn run_actions(sh: &Arc<Shared>, c: &Arc<Conn>, acts: Vec<Action>) {
     }
 }
 
-/// The receiver's `on_accept` decides; its answer is the first message back.
+/// The receiver's `on_accept` decides; its answer is the first message
+/// back. On `rdev-verbs-setup` (handed over by the progress thread).
 fn accept_hello(sh: &Arc<Shared>, c: &Arc<Conn>, hello: Vec<u8>) {
+    let mut accepted = false;
     let r = match c.events.on_accept(c.id, &hello) {
-        Ok(reply) => c.accept_ok(reply),
+        Ok(reply) => {
+            accepted = true;
+            c.accept_ok(reply)
+        }
         Err(e) => {
             log::info!("verbs: conn {} refused by the receiver: {e}", c.id);
             // The sender closes on receipt; we stay in Handshake until then.
@@ -282,7 +297,16 @@ fn accept_hello(sh: &Arc<Shared>, c: &Arc<Conn>, hello: Vec<u8>) {
     };
     match r {
         Ok(acts) => run_actions(sh, c, acts),
-        Err(e) => kill(sh, c, e),
+        Err(e) => {
+            if accepted {
+                // The connection died while its hello was being accepted
+                // (off the progress thread, so its teardown owed no
+                // disconnect yet): the owner, which now knows the link,
+                // hears of it.
+                c.events.on_disconnect(c.id, e.clone());
+            }
+            run_actions(sh, c, vec![Action::Kill(e)]);
+        }
     }
 }
 

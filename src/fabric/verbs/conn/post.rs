@@ -66,6 +66,10 @@ impl Conn {
                 break;
             }
         }
+        if std::mem::take(&mut inner.copy_wanted) && !inner.copy_queued {
+            inner.copy_queued = true;
+            acts.push(Action::Copy);
+        }
         acts
     }
 
@@ -148,10 +152,20 @@ impl Conn {
             // inline: no chunk, no copy into registered memory.
             let inline = matches!(&inner.ops[slot as usize].op, Some(Op::Write(w)) if !w.register && w.left > 0 && w.left <= max_inline);
             let staging_chunk = match &inner.ops[slot as usize].op {
-                Some(Op::Write(w)) if !w.register && w.left > 0 && !inline => match inner.free_chunks.pop() {
-                    Some(c) => Some(c),
-                    None => return Ok(false),
-                },
+                Some(Op::Write(w)) if !w.register && w.left > 0 && !inline => {
+                    if inner.free_chunks.is_empty() {
+                        return Ok(false);
+                    }
+                    if !inner.copying && !crate::fabric::may_block() {
+                        // A chunk's copy (up to 256 KiB) is not for an
+                        // event thread (a completion that freed a chunk)
+                        // nor under the node's protocol lock: the copy
+                        // thread pumps on (`Action::Copy`).
+                        inner.copy_wanted = true;
+                        return Ok(false);
+                    }
+                    inner.free_chunks.pop()
+                }
                 _ => None,
             };
             let slab_lkey = inner.slab.as_ref().map(|s| s.mr.lkey).unwrap_or(0);

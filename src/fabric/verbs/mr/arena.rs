@@ -14,20 +14,20 @@
 //! by chunk rounding and by such superseded extents while their windows
 //! live.
 //!
-//! Where the registration runs: `Listener::grant` holds the node's
-//! protocol lock and may run on any thread, the progress thread included.
-//! Off the progress thread it registers a new extent itself: one chunk
-//! (64 MiB: milliseconds on a NIC; the only pinning the arena does, once
-//! per chunk for the life of the listener), so the key it returns is
-//! usable at once, as before (tools and tests hand it out directly). On
-//! the progress thread, which must never register, the extent's
-//! registration is a job for `rdev-verbs-setup`, and the window's bind
+//! Where the registration runs: the node calls `Listener::grant` under
+//! its protocol lock (`fabric::no_blocking`), on any thread, the progress
+//! thread and TensorFlow's (through `rdev_recv`) included. There, and on
+//! any event thread, it never registers: a new extent (one chunk, 64 MiB:
+//! milliseconds on a NIC, and many more on Soft-RoCE) is a job for
+//! `rdev-verbs-setup`, and the window's bind
 //! waits in its connection's ordered queue until the extent is ready
 //! ([`Extent::ready_or_wait`]); the Publish naming the range is queued
 //! behind the bind, so the sender learns the key only after the window is
 //! valid. If the registration fails, the connections waiting on it are
 //! closed with the reason (the memlock limit, typically), and a grant that
-//! would pass RLIMIT_MEMLOCK fails at once.
+//! would pass RLIMIT_MEMLOCK fails at once. Only a caller holding no lock
+//! on its own thread (tools and tests, which hand the key out directly)
+//! registers the extent itself, so the key is usable when `grant` returns.
 //!
 //! Without type-2 memory windows the key a grant returns is a region's own
 //! rkey, which must exist when `grant` returns: the arena is then

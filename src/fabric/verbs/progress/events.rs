@@ -18,7 +18,8 @@ use super::{kill, run_actions, Shared, LISTENER_BIT};
 use crate::error::{Error, Result};
 use crate::fabric::verbs::cm::{self, AcceptData, CmId, ConnectData};
 use crate::fabric::verbs::conn::{self, Conn, Phase, Role};
-use crate::fabric::verbs::device::{self, Device};
+use crate::fabric::verbs::device;
+use crate::fabric::verbs::hca::Device;
 
 pub(super) fn on_cm_event(sh: &Arc<Shared>, ev: cm::Event) {
     use rdma_cm_event_type::*;
@@ -237,7 +238,7 @@ fn on_connect_request(sh: &Arc<Shared>, ev: cm::Event) {
 
 /// The passive side's bring-up (on the setup thread): device, the arena's
 /// registration, buffers, QP, `rdma_accept`.
-fn passive_accept(sh: &Arc<Shared>, c: &Arc<Conn>, lst: &Arc<crate::fabric::verbs::listener::ListenerShared>, private: &[u8], peer_rr: (u8, u8)) -> Result<()> {
+fn passive_accept(sh: &Arc<Shared>, c: &Arc<Conn>, lst: &Arc<super::ListenerShared>, private: &[u8], peer_rr: (u8, u8)) -> Result<()> {
     let peer = ConnectData::decode(private)?;
     let what = format!("listener {}", lst.addr);
     let Some((ctx, port)) = connecting_port(c) else { return Ok(()) };

@@ -1,0 +1,186 @@
+//! What a peer can make a receiver keep (issue 18, N4): every table a
+//! sender's messages grow has a cap per link and per node, and entries of
+//! one step are found without looking at the others.
+
+use super::*;
+use crate::constants::{MAX_EDGES_PER_LINK, MAX_FAILED_AHEAD, MAX_FAILED_AHEAD_PER_LINK, MAX_STREAM_TOTAL};
+
+const LINK: LinkId = 1;
+
+fn params() -> Params {
+    Params { slots_per_edge: 1, max_outstanding_writes: 4, incarnation: 22, rpc: false }
+}
+
+fn meta() -> TensorMeta {
+    TensorMeta { dtype: 1, flags: 0, dims: vec![].into() }
+}
+
+/// A stream of more than the node accepts: refused, its receive failed.
+fn refused_stream(rx: &mut Rendezvous, link: LinkId, stream: u32, key: &str, step: u64) -> Actions {
+    let m = Msg::StreamBegin { stream, key: key.into(), step, meta: meta(), total: MAX_STREAM_TOTAL + 1 };
+    rx.on_message(link, &m.encode())
+}
+
+fn closed(acts: &Actions) -> bool {
+    acts.iter().any(|a| matches!(a, Action::Close { .. }))
+}
+
+fn recv_result(rx: &mut Rendezvous, peer: &str, key: &str, step: u64) -> Option<Result<Received>> {
+    let got = Arc::new(std::sync::Mutex::new(None));
+    let g = got.clone();
+    let acts = rx.recv(peer, key, step, Box::new(move |r: Result<Received>| *g.lock().unwrap() = Some(r)));
+    for a in acts {
+        if let Action::Deliver { done, result } = a {
+            done.complete(result);
+        }
+    }
+    let r = got.lock().unwrap().take();
+    r
+}
+
+/// One peer at its cap of refused streams waiting for receives closes
+/// only its own link: the others' refusals are still kept, up to the
+/// node's cap, past which the link that adds one fails too.
+#[test]
+fn one_peers_refusals_do_not_use_up_the_nodes_room() {
+    let mut rx = Rendezvous::new(params(), 1 << 20);
+    let links = MAX_FAILED_AHEAD / MAX_FAILED_AHEAD_PER_LINK + 1;
+    for l in 0..links as u64 {
+        rx.add_rx_link(10 + l, &format!("tx{l}"), 11);
+    }
+    for i in 0..=MAX_FAILED_AHEAD_PER_LINK {
+        let acts = refused_stream(&mut rx, 10, 1 + i as u32, &format!("a{i}"), 1000 + i as u64);
+        assert_eq!(closed(&acts), i == MAX_FAILED_AHEAD_PER_LINK, "link 10, refusal {i}");
+    }
+    // The others fill the node's room: the one that would pass it fails.
+    let mut kept = MAX_FAILED_AHEAD_PER_LINK;
+    for l in 1..links as u64 {
+        for i in 0..MAX_FAILED_AHEAD_PER_LINK {
+            let acts = refused_stream(&mut rx, 10 + l, 1 + i as u32, &format!("b{l}.{i}"), 1000 + i as u64);
+            assert_eq!(closed(&acts), kept >= MAX_FAILED_AHEAD, "link {}, refusal {i} with {kept} kept", 10 + l);
+            if !closed(&acts) {
+                kept += 1;
+            }
+        }
+    }
+    assert_eq!(kept, MAX_FAILED_AHEAD);
+    // A refusal kept is the receive's error when it is made, once.
+    match recv_result(&mut rx, "tx1", "b1.0", 1000) {
+        Some(Err(Error::ResourceExhausted(m))) => assert!(m.contains("b1.0 in step 1000 from tx1"), "{m}"),
+        other => panic!("{:?}", other.map(|r| r.map(|r| r.meta))),
+    }
+    // Taken: room for one more on that link.
+    let acts = refused_stream(&mut rx, 11, 5000, "again", 7);
+    assert!(!closed(&acts), "{acts:?}");
+}
+
+/// Ending a step drops that step's refusals and fails its waiters, and
+/// leaves every other step's entries as they were.
+#[test]
+fn ending_a_step_touches_only_its_entries() {
+    let mut rx = Rendezvous::new(params(), 1 << 20);
+    rx.add_rx_link(LINK, "tx", 11);
+    for step in 1..=3u64 {
+        refused_stream(&mut rx, LINK, step as u32, "k", step);
+    }
+    let waited = Arc::new(std::sync::Mutex::new(None));
+    let w = waited.clone();
+    let acts = rx.recv("tx", "w", 2, Box::new(move |r: Result<Received>| *w.lock().unwrap() = Some(r.is_ok())));
+    assert!(acts.is_empty());
+    for a in rx.step_done(2) {
+        if let Action::Deliver { done, result } = a {
+            done.complete(result);
+        }
+    }
+    assert_eq!(*waited.lock().unwrap(), Some(false), "the step's waiter failed");
+    assert_eq!(rx.table.failed(), 2, "steps 1 and 3 keep their refusals");
+    assert!(!rx.table.has_step(2));
+    assert!(matches!(recv_result(&mut rx, "tx", "k", 2), Some(Err(Error::Aborted(_)))), "step 2 is over");
+    for step in [1, 3] {
+        assert!(matches!(recv_result(&mut rx, "tx", "k", step), Some(Err(Error::ResourceExhausted(_)))), "step {step}");
+    }
+    assert_eq!(rx.table.failed(), 0);
+    assert!(!rx.table.waits_on("tx"));
+}
+
+/// Announces of sizes no arena can hold are refused without leaving an
+/// edge (or a name) behind; edges of sizes that fit are capped per link.
+#[test]
+fn announces_cannot_grow_the_receivers_edges_without_bound() {
+    let mut rx = Rendezvous::new(params(), 1 << 40);
+    rx.add_rx_link(LINK, "tx", 11);
+    for i in 0..10_000u32 {
+        let m = Msg::Announce { key: format!("huge{i}"), step: 1, need: u64::MAX / 2, returned: vec![] };
+        let acts = rx.on_message(LINK, &m.encode());
+        assert!(matches!(acts.as_slice(), [Action::Send { msg: Msg::NoSpace { .. }, .. }]), "{acts:?}");
+    }
+    assert_eq!(rx.rx_edges, 0, "refused announces keep no edge");
+    for i in 0..=MAX_EDGES_PER_LINK {
+        let m = Msg::Announce { key: format!("k{i}"), step: 1, need: 8, returned: vec![] };
+        let acts = rx.on_message(LINK, &m.encode());
+        match (i == MAX_EDGES_PER_LINK, acts.as_slice()) {
+            (false, [Action::Send { msg: Msg::Publish { .. }, .. }]) => {}
+            (true, [Action::Close { why: Error::ResourceExhausted(m), .. }]) => assert!(m.contains("at most"), "{m}"),
+            (_, a) => panic!("announce {i}: {a:?}"),
+        }
+    }
+    assert_eq!(rx.rx_edges, MAX_EDGES_PER_LINK);
+    let acts = rx.on_link_lost(LINK, Error::PeerLost("gone".into()));
+    drop(acts);
+    assert_eq!(rx.rx_edges, 0, "a lost link's edges leave the node's count");
+}
+
+/// Streamed tensors that arrive before their receives are kept only up to
+/// a cap per link (here, empty streams for steps that never run: each
+/// would otherwise be one more entry for as long as the process lives),
+/// and a kept one is still delivered.
+#[test]
+fn streamed_arrivals_waiting_for_receives_are_capped() {
+    use crate::constants::MAX_STREAMED_AHEAD_PER_LINK as CAP;
+    let mut rx = Rendezvous::new(params(), 1 << 20);
+    rx.add_rx_link(LINK, "tx", 11);
+    for i in 0..=CAP {
+        let m = Msg::StreamBegin { stream: 1 + i as u32, key: format!("e{i}"), step: 1_000_000 + i as u64, meta: meta(), total: 0 };
+        let acts = rx.on_message(LINK, &m.encode());
+        assert_eq!(closed(&acts), i == CAP, "empty stream {i}: {acts:?}");
+    }
+    assert_eq!(rx.table.owned(), CAP);
+    match recv_result(&mut rx, "tx", "e7", 1_000_007) {
+        Some(Ok(r)) => assert_eq!(r.data, Data::Owned(Vec::new())),
+        other => panic!("{:?}", other.map(|r| r.map(|r| r.meta))),
+    }
+    assert_eq!(rx.table.owned(), CAP - 1);
+}
+
+/// The bytes of a streamed tensor that arrived and waits for its receive
+/// count against the node's stream limit, as an open stream's do, until
+/// the receive takes it.
+#[test]
+fn arrived_stream_bytes_count_against_the_node_limit() {
+    let mut rx = Rendezvous::new(params(), 1 << 20);
+    rx.add_rx_link(LINK, "tx", 11);
+    let n = 1000u64;
+    let m = Msg::StreamBegin { stream: 1, key: "s".into(), step: 5, meta: meta(), total: n };
+    let acts = rx.on_message(LINK, &m.encode());
+    assert!(matches!(acts.as_slice(), [Action::StreamAlloc { total, .. }] if *total == n), "{acts:?}");
+    let acts = rx.stream_alloc_done(LINK, 1, Some(vec![0; n as usize]));
+    assert!(matches!(acts.last(), Some(Action::Send { msg: Msg::StreamReady { outcome: wire::STREAM_MESSAGES, .. }, .. })), "{acts:?}");
+    let acts = rx.on_message(LINK, &Msg::StreamData { stream: 1, offset: 0, bytes: vec![7; n as usize] }.encode());
+    let Some(Action::CopyChunk { src: ChunkSrc::Bytes(b), dst, at, len, .. }) = acts.into_iter().next() else { panic!("no copy") };
+    dst.write_at(at, &b).unwrap();
+    drop(dst);
+    let _ = rx.chunk_copied(LINK, 1, None, len, Ok(()));
+    assert_eq!(rx.table.owned_bytes(), n, "the arrival waits for its receive");
+    // Past the limit with the arrival counted: refused; within it: taken.
+    for (stream, total, refused) in [(2, MAX_STREAM_TOTAL - n + 1, true), (3, MAX_STREAM_TOTAL - n, false)] {
+        let m = Msg::StreamBegin { stream, key: format!("big{stream}"), step: 6, meta: meta(), total };
+        let acts = rx.on_message(LINK, &m.encode());
+        let was_refused = acts.iter().any(|a| matches!(a, Action::Send { msg: Msg::StreamReady { outcome: wire::STREAM_REFUSED, .. }, .. }));
+        assert_eq!(was_refused, refused, "{total} bytes: {acts:?}");
+    }
+    match recv_result(&mut rx, "tx", "s", 5) {
+        Some(Ok(r)) => assert_eq!(r.data, Data::Owned(vec![7; n as usize])),
+        other => panic!("{:?}", other.map(|r| r.map(|r| r.meta))),
+    }
+    assert_eq!(rx.table.owned_bytes(), 0);
+}
