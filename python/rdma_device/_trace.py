@@ -32,6 +32,9 @@ RPCS_OVER_GRPC = "grpc+rdma_device, worker RPCs over gRPC"
 
 # Spans shown in the printed timeline, in the order a transfer meets them.
 TIMELINE = (
+    ("call:RunGraph", "/job:worker/task:0", "the master's RunGraph call to the ps, to its reply"),
+    ("call in", "/job:ps/task:0", "the call read by the ps's reader thread"),
+    ("serve", "/job:ps/task:0", "the call handed to TF's worker (rdev-callbacks)"),
     ("RunGraph", "/job:ps/task:0", "ps's partition (worker RPC)"),
     ("tf:Send", "/job:ps/task:0", "TF's Send → transport"),
     ("send", "/job:ps/task:0", "rdev send (queue the write)"),
@@ -42,6 +45,9 @@ TIMELINE = (
     ("RunGraph", "/job:worker/task:0", "worker's partition (local RPC)"),
     ("release", "/job:worker/task:0", "slot released (credit)"),
     ("send_done", "/job:ps/task:0", "sender's done callback"),
+    ("reply", "/job:ps/task:0", "the RunGraph reply written (by the thread that ended the partition)"),
+    ("reply in", "/job:worker/task:0", "the reply read by the worker's reader thread"),
+    ("call done", "/job:worker/task:0", "the reply handed to the master (rdev-callbacks)"),
 )
 
 
@@ -183,7 +189,9 @@ def plot(events, results, path):
     spans = [e for e in events if e.get("ph") == "X"]
     colors = {"RunGraph": "#4c72b0", "CleanupGraph": "#8172b3", "tf:Send": "#dd8452", "send": "#e6a06b",
               "write": "#c44e52", "arrive": "#55a868", "deliver": "#2a9d8f", "tf:RecvFromRemote": "#b0b0b0",
-              "release": "#937860", "send_done": "#da8bc3", "recv": "#8c8c8c"}
+              "release": "#937860", "send_done": "#da8bc3", "recv": "#8c8c8c", "call:RunGraph": "#64b5cd",
+              "call in": "#8ecfe0", "serve": "#4c9fb0", "reply": "#ccb974", "reply in": "#e0d08a",
+              "call done": "#a8963c", "Credit": "#a07850"}
     fig, axes = plt.subplots(len(results), 1, figsize=(12, 2.6 * len(results) + 0.6), squeeze=False)
     for ax, r in zip(axes[:, 0], results):
         runs = sorted((e for e in spans if e["name"] == f"session.run {_human(r['size'])}"), key=lambda e: e["dur"])
