@@ -66,7 +66,13 @@ void Transport::ChooseRoute(const std::string& task, const std::string& addr) {
 }
 
 void Transport::ArmExpiry() {
-  // A timer rather than a pool task: nothing of ours waits for it.
+  // TF's Env runs this after the delay (the POSIX Env on a thread of its
+  // own; the Env contract allows a pool, and requires the closure not to
+  // block: ExpirePending takes mu_ briefly and hands the failures to our
+  // data-path pool). No thread, TF's or ours, waits for it: work that
+  // meets a pending route is queued, never waited for, and the one bounded
+  // wait that can sit behind a route (RegisterGraph's placement wait,
+  // kRegisterPlacementWaitMs) ends on its own deadline first.
   std::weak_ptr<Transport> weak = weak_from_this();
   tsl::Env::Default()->SchedClosureAfter(kRouteWaitMs * 1000 + 1000, [weak] {
     if (auto self = weak.lock()) self->ExpirePending();
