@@ -6,6 +6,16 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${RDMA_DEVICE_VENV:-$HOME/.cache/rdma_device/venv}
 cd "$ROOT"
+# Each section prints how long the one before it took.
+SECONDS=0
+section() {
+  [ -n "${SECTION:-}" ] && echo "== ($SECTION: ${SECONDS} s)"
+  SECTION=$1
+  SECONDS=0
+  echo "== $1"
+}
+trap '[ -n "${SECTION:-}" ] && echo "== ($SECTION: ${SECONDS} s)"' EXIT
+section "set-up (.ci/setup.sh, torch)"
 bash .ci/setup.sh
 # PyTorch, for the endpoint API's DLPack test with torch tensors and the gloo
 # baseline of `bench py` (CPU only; PyPI's wheel with its CUDA libraries is
@@ -16,30 +26,30 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
   "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
 fi
 
-echo "== Rust tests (cargo test --features verbs; verbs device tests run in the VM below)"
+section "Rust tests (cargo test --features verbs; verbs device tests run in the VM below)"
 cargo test --features verbs
-echo "== the shm-only build (no rdma-core needed): its own tests (cargo test, no features)"
+section "the shm-only build (no rdma-core needed): its own tests (cargo test, no features)"
 cargo test
 
-echo "== coverage-guided fuzzing of every peer-fed decoder and the protocol state machine (60 s)"
+section "coverage-guided fuzzing of every peer-fed decoder and the protocol state machine (60 s)"
 bash tests/fuzz/run.sh 60
 
-echo "== the wheel: built, installed into a fresh venv without build tools, a 2-task job with RDMA_DEVICE_STRICT=1"
+section "the wheel: built, installed into a fresh venv without build tools, a 2-task job with RDMA_DEVICE_STRICT=1"
 RDMA_DEVICE_CMAKE_BUILD_DIR="$ROOT/build/python-package" bash .ci/wheel.sh
 
-echo "== TensorFlow cluster tests (pytest)"
+section "TensorFlow cluster tests (pytest)"
 "$VENV/bin/python" -m pytest -q tests/python
 
-echo "== bench report --quick: every benchmark the README quotes, once, small (tables to a temporary dir, not committed)"
+section "bench report --quick: every benchmark the README quotes, once, small (tables to a temporary dir, not committed)"
 report_dir=$(mktemp -d)
 "$VENV/bin/python" -m rdma_device.bench report --quick --out "$report_dir"
 rm -rf "$report_dir"
 
-echo "== verbs on Soft-RoCE (qemu VM)"
+section "verbs on Soft-RoCE (qemu VM)"
 bash tests/softroce/run.sh
 
-echo "== verbs between two VMs (two rxe devices on one virtual L2, SIGKILL of either side)"
+section "verbs between two VMs (two rxe devices on one virtual L2, SIGKILL of either side)"
 bash tests/softroce/two_hosts.sh
 
-echo "== the node, multi-process and hostile-input suites over verbs (Soft-RoCE VM)"
+section "the node, multi-process and hostile-input suites over verbs (Soft-RoCE VM)"
 bash tests/softroce/suites_over_verbs.sh
