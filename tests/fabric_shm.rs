@@ -113,3 +113,66 @@ fn harness_addr() -> String {
     let p = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     format!("localhost:{p}")
 }
+
+/// A listener that closes connections before answering (a task dying or
+/// shutting down between our connect and its accept) counts as nobody
+/// listening: a connect that waits for the listener retries until a real
+/// one answers, and a first contact that does not wait says NotViable.
+#[test]
+fn a_listener_that_hangs_up_before_answering_counts_as_nobody_listening() {
+    use rdma_device::fabric::conformance::Recorder;
+    use rdma_device::fabric::shm::socket;
+    use rdma_device::fabric::{Arena, Fabric};
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixListener};
+    use std::time::Instant;
+
+    let fabric = ShmFabric::new(Duration::from_micros(50));
+    let addr = harness_addr();
+    let name = socket::socket_name(&addr).unwrap();
+    let dying = UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name).unwrap()).unwrap();
+    let hangups = std::thread::spawn(move || {
+        // Hang up on the first few connections (for 10 s at most), then go
+        // away.
+        dying.set_nonblocking(true).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut n = 0;
+        while n < 3 && Instant::now() < deadline {
+            match dying.accept() {
+                Ok((c, _)) => {
+                    drop(c);
+                    n += 1;
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
+    });
+
+    // First contact: a hang-up is final at once (the peer does not run us).
+    let t = Instant::now();
+    let e = fabric.connect(&addr, b"h", Recorder::new(b"", None), Duration::from_secs(10), false).err().expect("hung up");
+    assert!(matches!(e, rdma_device::Error::NotViable(_)), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+
+    // Waiting for the listener: the remaining hang-ups are retried until
+    // the real listener (bound once the dying one is gone) answers.
+    let real_addr = addr.clone();
+    let real = std::thread::spawn(move || {
+        hangups.join().unwrap();
+        let arena = Arc::new(Arena::new("hangup", 1 << 16).unwrap());
+        let f = ShmFabric::new(Duration::from_micros(50));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match f.listen(&real_addr, arena.clone(), Recorder::new(b"r", None)) {
+                Ok(l) => return l,
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                Err(e) => panic!("{e}"),
+            }
+        }
+    });
+    let ep = fabric.connect(&addr, b"h", Recorder::new(b"", None), Duration::from_secs(10), true);
+    let listener = real.join().unwrap();
+    let ep = ep.unwrap_or_else(|e| panic!("the waiting connect gave up: {e}"));
+    assert_eq!(ep.peer_hello(), b"r");
+    drop(listener);
+}

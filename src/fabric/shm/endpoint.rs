@@ -166,9 +166,9 @@ impl ShmEndpoint {
     ) -> Result<Arc<ShmEndpoint>> {
         // A connection closed before any answer: the listener went away
         // between our connect and its accept (a task shutting down or
-        // restarting): nobody listens there now, as when connect is refused.
+        // restarting). PeerLost: the caller treats it as nobody listening.
         let gone = |e: Error| match e {
-            Error::PeerLost(m) => Error::NotViable(format!("shm handshake with {remote}: the listener closed the connection before answering ({m})")),
+            Error::PeerLost(m) => Error::PeerLost(format!("shm handshake with {remote}: the listener closed the connection before answering ({m})")),
             e => e.context(&format!("shm handshake with {remote}")),
         };
         socket::send_frame(&stream, KIND_HELLO, hello, &[]).map_err(gone)?;

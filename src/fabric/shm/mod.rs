@@ -81,26 +81,45 @@ impl Fabric for ShmFabric {
         let name = socket::socket_name(remote)?;
         let deadline = Instant::now() + timeout;
         // A receiver that may be (re)starting: retry "nobody listens" until
-        // the deadline; every other error is final.
-        let stream = loop {
-            match socket::connect(&name) {
-                Ok(s) => break s,
-                Err(Error::NotViable(m)) if !wait_for_listener => {
-                    return Err(Error::NotViable(format!("no shm listener for {remote} (it does not run this transport): {m}")))
-                }
-                Err(Error::NotViable(m)) if Instant::now() < deadline => {
-                    log::debug!("{m}; retrying");
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                Err(Error::NotViable(m)) if timeout.is_zero() => {
-                    return Err(Error::PeerLost(format!("{remote} is not accepting connections: {m}")))
-                }
-                Err(Error::NotViable(m)) => {
-                    return Err(Error::Timeout(format!("connecting to {remote} over shm for {timeout:?}: {m}")))
-                }
+        // the deadline; every other error is final. A listener that closes
+        // the connection before answering (a task dying or shutting down
+        // between our connect and its accept) counts as nobody listening.
+        loop {
+            let nobody = match socket::connect(&name) {
+                Ok(stream) => match self.handshake(stream, remote, hello, events.clone(), deadline) {
+                    Ok(ep) => return Ok(ep),
+                    Err(Error::PeerLost(m)) => m,
+                    Err(e) => return Err(e),
+                },
+                Err(Error::NotViable(m)) => m,
                 Err(e) => return Err(e),
+            };
+            if !wait_for_listener {
+                return Err(Error::NotViable(format!("no shm listener for {remote} (it does not run this transport): {nobody}")));
             }
-        };
+            if Instant::now() < deadline {
+                log::debug!("{nobody}; retrying");
+                std::thread::sleep(Duration::from_millis(10));
+            } else if timeout.is_zero() {
+                return Err(Error::PeerLost(format!("{remote} is not accepting connections: {nobody}")));
+            } else {
+                return Err(Error::Timeout(format!("connecting to {remote} over shm for {timeout:?}: {nobody}")));
+            }
+        }
+    }
+}
+
+impl ShmFabric {
+    /// Check the listener's owner and trade hellos on a fresh connection.
+    /// `Error::PeerLost`: the listener closed it before answering.
+    fn handshake(
+        &self,
+        stream: std::os::unix::net::UnixStream,
+        remote: &str,
+        hello: &[u8],
+        events: Arc<dyn FabricEvents>,
+        deadline: Instant,
+    ) -> Result<Arc<dyn Endpoint>> {
         // The name is abstract: any local user can bind it first. Talk only
         // to a listener of our own uid (the listener checks us likewise).
         let uid = socket::peer_uid(&stream)?;
