@@ -262,6 +262,21 @@ enum rdev_status rdev_abort_step(const struct rdev_context *ctx,
                                  size_t msg_len,
                                  bool propagate);
 
+// Cancel the one receive of `(key, step_id)`: if it still waits, its
+// callback runs with RDEV_ABORTED carrying `msg` (on this thread or a
+// transport thread); otherwise nothing happens. Unlike `rdev_abort_step`
+// the step goes on: its other receives and sends are untouched and no
+// peer is told. A tensor that arrives for the cancelled receive later is
+// released at once; a new receive of the same key and step waits for it
+// again. For a step that lives long (an eager context's), where one
+// cancelled operation must not fail the rest.
+enum rdev_status rdev_cancel_recv(const struct rdev_context *ctx,
+                                  const char *key,
+                                  size_t key_len,
+                                  uint64_t step_id,
+                                  const char *msg,
+                                  size_t msg_len);
+
 // Abort everything pending (e.g. server shutdown).
 enum rdev_status rdev_abort_all(const struct rdev_context *ctx, const char *msg, size_t msg_len);
 

@@ -60,8 +60,9 @@ counters! {
         replacements: "edges re-placed after a size change",
         slots_reclaimed: "idle slots reclaimed to make room in the arena",
         rejected_writes: "pushes rejected (stale generation, bad header)",
-        dropped_late: "pushes that arrived after their step finished",
+        dropped_late: "pushes that arrived after their step finished or their receive was cancelled",
         waiters_failed: "receives that completed with an error",
+        receives_cancelled: "receives cancelled one by one (rdev_cancel_recv: the eager context's receives; its step went on)",
         requests_sent: "RDMA_DEVICE_MODE=rpc: tensors this receiver requested (one round trip each)",
         requests_served: "RDMA_DEVICE_MODE=rpc: requests this sender answered with a write or inline send",
     }

@@ -205,12 +205,20 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
 
     std::shared_ptr<Transport> transport = transport_;
     const int64_t step_id = step_id_;
-    auto* call = new RecvCall([transport, step_id](const absl::Status& s) {
+    const bool eager_default = IsRemoteEagerContextDefault();
+    auto* call = new RecvCall([transport, step_id, eager_default,
+                               key = std::string(parsed.FullKey())](const absl::Status& s) {
       // A cancelled receive fails the whole step in the transport: TF
       // cancels per step (or per function call), so nothing of it survives.
+      // The eager context's default step lives as long as the context and
+      // TF never aborts it for one op: there only this receive is cancelled.
       // On the plugin's pool, never a TF pool (pool.h).
-      Schedule([transport, step_id, s] {
-        transport->AbortStep(step_id, s, /*propagate=*/!IsCleanup(s, step_id));
+      Schedule([transport, step_id, eager_default, key, s] {
+        if (eager_default) {
+          transport->CancelRecv(key, step_id, s);
+        } else {
+          transport->AbortStep(step_id, s, /*propagate=*/!IsCleanup(s, step_id));
+        }
       });
     });
     RegisterCall(call, recv_args);

@@ -360,6 +360,15 @@ void Transport::AbortStep(int64_t step_id, const absl::Status& status, bool prop
   if (st != RDEV_OK) LOG(WARNING) << "rdma_device: abort of step " << step_id << ": " << LastError();
 }
 
+void Transport::CancelRecv(const std::string& key, int64_t step_id, const absl::Status& status) {
+  rdev_context* ctx = ctx_.load();
+  if (ctx == nullptr) return;
+  std::string msg = status.ToString();
+  rdev_status st = rdev_cancel_recv(ctx, key.data(), key.size(), static_cast<uint64_t>(step_id),
+                                    msg.data(), msg.size());
+  if (st != RDEV_OK) LOG(WARNING) << "rdma_device: cancel of " << key << ": " << LastError();
+}
+
 void Transport::StepDone(int64_t step_id) {
   rdev_context* ctx = ctx_.load();
   if (ctx == nullptr) return;

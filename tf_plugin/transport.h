@@ -175,6 +175,9 @@ class Transport : public std::enable_shared_from_this<Transport> {
   // with `propagate`, peers fail their receives of the step from this task
   // too (false for TF's normal end-of-step cleanup).
   void AbortStep(int64_t step_id, const absl::Status& status, bool propagate);
+  // Fails the one pending receive of (key, step) with `status`; the step
+  // goes on (the eager context's step, which one failed op must not end).
+  void CancelRecv(const std::string& key, int64_t step_id, const absl::Status& status);
   // The step is over on this task: unclaimed arrivals are released.
   void StepDone(int64_t step_id);
   // Counts a tensor that went over stock gRPC.

@@ -531,6 +531,33 @@ pub unsafe extern "C" fn rdev_abort_step(
     })
 }
 
+/// Cancel the one receive of `(key, step_id)`: if it still waits, its
+/// callback runs with RDEV_ABORTED carrying `msg` (on this thread or a
+/// transport thread); otherwise nothing happens. Unlike `rdev_abort_step`
+/// the step goes on: its other receives and sends are untouched and no
+/// peer is told. A tensor that arrives for the cancelled receive later is
+/// released at once; a new receive of the same key and step waits for it
+/// again. For a step that lives long (an eager context's), where one
+/// cancelled operation must not fail the rest.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_cancel_recv(
+    ctx: *const rdev_context,
+    key: *const c_char,
+    key_len: usize,
+    step_id: u64,
+    msg: *const c_char,
+    msg_len: usize,
+) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let key = unsafe { str_arg(key, key_len, "key") }?;
+        let m = unsafe { str_arg(msg, msg_len, "msg") }?;
+        c.node.cancel_recv(key, step_id, Error::Aborted(m.to_string()));
+        Ok(())
+    })
+}
+
 /// Abort everything pending (e.g. server shutdown).
 #[no_mangle]
 pub unsafe extern "C" fn rdev_abort_all(ctx: *const rdev_context, msg: *const c_char, msg_len: usize) -> rdev_status {

@@ -285,6 +285,13 @@ impl Node {
         self.inner.exec(acts);
     }
 
+    /// Cancel one receive: it completes with `why` if it still waits; the
+    /// step goes on (see `Rendezvous::cancel_recv`).
+    pub fn cancel_recv(&self, key: &str, step: u64, why: Error) {
+        let acts = self.inner.locked(|r| r.cancel_recv(key, step, why));
+        self.inner.exec(acts);
+    }
+
     pub fn abort_all(&self, why: Error) {
         self.inner.fail_queued(|_| true, &|| why.clone());
         let acts = self.inner.locked(|r| r.abort_all(why));

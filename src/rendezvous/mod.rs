@@ -166,6 +166,9 @@ enum Entry {
     /// The tensor will not come (its stream, from `link`, was refused or
     /// abandoned): the receive fails with `why` when it is made.
     Failed { why: Error, link: LinkId },
+    /// Its receive was cancelled (`cancel_recv`): a tensor that arrives
+    /// for it is released at once, a new receive waits again.
+    Cancelled,
 }
 
 pub struct Rendezvous {
@@ -331,6 +334,7 @@ impl Rendezvous {
                 Entry::Waiting { peer, .. } => format!("waiting on {peer}"),
                 Entry::Ready(_) => "ready".into(),
                 Entry::Failed { why, link } => format!("failed (link {link}): {why}"),
+                Entry::Cancelled => "receive cancelled".into(),
             };
             let _ = writeln!(o, "table ({k}, {s}): {what}");
         }
@@ -507,7 +511,7 @@ impl Rendezvous {
                     acts.push(Action::Release { link, slot, gen });
                 }
             }
-            Entry::Failed { .. } => {}
+            Entry::Failed { .. } | Entry::Cancelled => {}
         });
         acts
     }

@@ -166,7 +166,9 @@ impl Rendezvous {
                     result: Err(Error::InvalidArgument(format!("duplicate receive for {key} in step {step}"))),
                 }];
             }
-            None => {}
+            // The receive made before was cancelled; its tensor may still
+            // come: this one waits for it.
+            Some(Entry::Cancelled) | None => {}
         }
         if self.finished_set.contains(&step) {
             return smallvec![Action::Deliver { done, result: Err(Error::Aborted(format!("step {step} was aborted"))) }];
@@ -183,6 +185,28 @@ impl Rendezvous {
             return self.request(peer, key, step);
         }
         Actions::new()
+    }
+
+    /// Cancel the receive of `(key, step)` alone (the step goes on): it
+    /// completes with `why` now, if it still waits. Its tensor, should it
+    /// arrive later, is released at once. Nothing is told to the peer.
+    pub fn cancel_recv(&mut self, key: &str, step: u64, why: Error) -> Actions {
+        let Some(k) = self.names.get(key) else {
+            return Actions::new();
+        };
+        match self.table.remove(&k, step) {
+            Some(Entry::Waiting { done, .. }) => {
+                self.tally.receives_cancelled += 1;
+                self.table.insert(k, step, Entry::Cancelled);
+                smallvec![Action::Deliver { done, result: Err(why) }]
+            }
+            // Completed already (or never made): nothing to cancel.
+            Some(e) => {
+                self.table.insert(k, step, e);
+                Actions::new()
+            }
+            None => Actions::new(),
+        }
     }
 
     /// Did a connection with `peer` break since the last one was made?
@@ -234,6 +258,14 @@ impl Rendezvous {
                 let link = match r.data { Data::Slot { link, .. } => Some(link), _ => None };
                 link.map(|link| smallvec![Action::Close { link, why }]).unwrap_or_default()
             }
+            Some(Entry::Cancelled) => {
+                // Its receive was cancelled: nobody takes it.
+                self.tally.dropped_late += 1;
+                match r.data {
+                    Data::Slot { link, slot, gen, .. } => smallvec![Action::Release { link, slot, gen }],
+                    Data::Owned(_) => Actions::new(),
+                }
+            }
             None | Some(Entry::Failed { .. }) => {
                 if matches!(r.data, Data::Owned(_)) {
                     let (mine, all) = (self.table.owned_by(from), self.table.owned());
@@ -270,6 +302,8 @@ impl Rendezvous {
                 self.table.insert(k, step, ready);
                 Actions::new()
             }
+            // Its receive was cancelled and the tensor will not come now.
+            Some(Entry::Cancelled) => Actions::new(),
             None | Some(Entry::Failed { .. }) => {
                 if self.finished_set.contains(&step) {
                     return Actions::new();

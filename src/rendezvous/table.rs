@@ -70,7 +70,7 @@ impl Table {
                     self.failed -= 1;
                 }
             }
-            Entry::Ready(_) => {}
+            Entry::Ready(_) | Entry::Cancelled => {}
         }
     }
 

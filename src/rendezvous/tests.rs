@@ -345,6 +345,51 @@ fn aborted_step_fails_waiters_and_drops_late_pushes() {
     assert_eq!(s.bytes(got[1].1.as_ref().unwrap()), vec![4, 5]);
 }
 
+/// One cancelled receive fails alone: the step's other receives still get
+/// their tensors, the cancelled one's tensor is released when it lands
+/// (its slot serves the edge again), and a new receive of the key waits.
+#[test]
+fn a_cancelled_receive_fails_alone_and_the_step_goes_on() {
+    let mut s = Sim::new(1 << 20, 2, 4);
+    s.recv("a", 7);
+    s.recv("b", 7);
+    let acts = s.rx.cancel_recv("a", 7, Error::Aborted("cancelled".into()));
+    s.run_rx(acts);
+    {
+        let got = s.got.lock().unwrap();
+        assert_eq!(got.len(), 1);
+        assert!(matches!(&got[0].1, Err(Error::Aborted(m)) if m == "cancelled"));
+    }
+    assert_eq!(s.rx.tally.receives_cancelled, 1);
+    // Cancelling again, or a receive never made, does nothing.
+    assert!(s.rx.cancel_recv("a", 7, Error::Aborted("again".into())).is_empty());
+    assert!(s.rx.cancel_recv("nobody", 7, Error::Aborted("x".into())).is_empty());
+    assert!(s.rx.describe().contains("table (a, 7): receive cancelled"), "{}", s.rx.describe());
+    // Both tensors come: b is delivered, a is released (nobody wants it).
+    s.send("a", 7, vec![1, 2, 3]);
+    s.send("b", 7, vec![4, 5]);
+    s.settle();
+    {
+        let got = s.got.lock().unwrap();
+        assert_eq!(got.len(), 2, "only b's receive completes");
+        assert_eq!(s.bytes(got[1].1.as_ref().unwrap()), vec![4, 5]);
+    }
+    assert_eq!(s.rx.tally.dropped_late, 1);
+    assert!(!s.rx.describe().contains("table (a, 7)"), "{}", s.rx.describe());
+    // a's edge keeps working in the next steps.
+    for step in 8..11 {
+        s.recv("a", step);
+        s.send("a", step, vec![step as u8]);
+        s.settle();
+        let r = s.got.lock().unwrap().pop().unwrap();
+        assert_eq!(r.0, step);
+        let r = r.1.unwrap();
+        assert_eq!(s.bytes(&r), vec![step as u8]);
+        s.release(&r);
+    }
+    assert_eq!(s.rx.tally.receives_cancelled, 1);
+}
+
 #[test]
 fn stale_generation_fails_the_link() {
     let mut s = Sim::new(1 << 20, 1, 4);
