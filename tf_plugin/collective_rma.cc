@@ -96,17 +96,22 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
                                /*propagate=*/true);
         });
       });
-      if (!registered) return done(absl::CancelledError("collective receive cancelled"));
+      if (!registered) {
+        steps_->RecvDone(step);
+        return done(absl::CancelledError("collective receive cancelled"));
+      }
     }
 
     const std::thread::id caller = std::this_thread::get_id();
     std::shared_ptr<Transport> transport = transport_;
+    std::shared_ptr<Steps> steps = steps_;
     const std::string wire_key =
         WireKey(peer_device, to_device->name(), split.edge, to_tensor->TotalBytes());
     VLOG(2) << "collective recv " << wire_key << " step " << step;
     s = transport_->Recv(
         peer_task, wire_key, step,
         [=](const absl::Status& status, const tf::Tensor& tensor, bool is_dead) {
+          steps->RecvDone(step);
           if (cancellation_manager != nullptr) cancellation_manager->TryDeregisterCallback(token);
           if (!status.ok() && Transport::IsNotViable(status)) {
             // The sender does not push to us: pull over gRPC (the RMA
@@ -125,6 +130,7 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
           }
         });
     if (!s.ok()) {
+      steps_->RecvDone(step);
       if (cancellation_manager != nullptr) cancellation_manager->TryDeregisterCallback(token);
       if (Transport::IsNotViable(s)) {
         absl::Status strict = transport_->Demote(peer_task, s);

@@ -13,6 +13,7 @@
 #include <set>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -78,12 +79,6 @@ class Counts {
     }
     return n;
   }
-  // Every key currently remembered with its count.
-  template <typename F>
-  void ForEach(F f) const {
-    for (const auto& [k, n] : old_) f(k, n);
-    for (const auto& [k, n] : cur_) f(k, n);
-  }
 
  private:
   std::unordered_map<std::string, uint64_t> cur_, old_;
@@ -130,13 +125,23 @@ class Steps {
     // u64::MAX is reserved by the transport (placement ahead of a step).
     if (*step == ~uint64_t{0}) *step = 0;
     *new_peer = peers_.insert(peer).second;
+    if (recv) recvs_.insert(*step);
     return absl::OkStatus();
   }
 
+  // A receive `Next` returned ended (completed, failed or never posted):
+  // an abort no longer needs to fail its step.
+  void RecvDone(uint64_t step) {
+    tf::mutex_lock l(mu_);
+    auto it = recvs_.find(step);
+    if (it != recvs_.end()) recvs_.erase(it);
+  }
+
   // Marks the executor aborted (`*first`: by this call); returns the
-  // steps of its transfers that may be in flight here (the latest use of
-  // each key), to fail locally, and the sends still in flight, to complete
-  // with the abort. Peers learn of it from the sentinel step alone (see
+  // steps of its receives in flight here (every one `Next` handed out and
+  // `RecvDone` did not end: a key forgotten by the use counts while its
+  // receive waits is still among them), to fail locally, and the sends
+  // still in flight, to complete with the abort. Peers learn of it from the sentinel step alone (see
   // the class comment): one message per link, whatever the number of keys.
   std::vector<uint64_t> Abort(const absl::Status& status, bool* first,
                               std::vector<tf::StatusCallback>* sends) {
@@ -144,12 +149,8 @@ class Steps {
     *first = aborted_.ok();
     if (!*first) return {};
     aborted_ = status;
-    std::vector<uint64_t> steps;
-    for (const Counts& counts : uses_) {
-      counts.ForEach([&](const std::string& key, uint64_t uses) {
-        steps.push_back(Mix(seed_ ^ Fnv1a(Split(key).instance)) + uses - 1);
-      });
-    }
+    std::vector<uint64_t> steps(recvs_.begin(), recvs_.end());
+    recvs_.clear();
     std::sort(steps.begin(), steps.end());
     steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
     for (auto& [id, done] : sends_) sends->push_back(std::move(done));
@@ -201,6 +202,8 @@ class Steps {
   bool closed_ TF_GUARDED_BY(mu_) = false;
   Counts uses_[2] TF_GUARDED_BY(mu_);  // [sent, received]
   std::set<std::string> peers_ TF_GUARDED_BY(mu_);
+  // Steps of receives in flight (one entry per receive).
+  std::unordered_multiset<uint64_t> recvs_ TF_GUARDED_BY(mu_);
   uint64_t last_send_ TF_GUARDED_BY(mu_) = 0;
   std::unordered_map<uint64_t, tf::StatusCallback> sends_ TF_GUARDED_BY(mu_);
 };
