@@ -13,21 +13,6 @@ use common::*;
 use rdma_device::ffi::buffer::*;
 use rdma_device::ffi::*;
 
-fn new_ctx(task: &str, addr: &str) -> *mut rdev_context {
-    let mut c = std::ptr::null_mut();
-    // SAFETY: valid strings and out-param.
-    let st = unsafe { rdev_context_new(task.as_ptr().cast(), task.len(), addr.as_ptr().cast(), addr.len(), &mut c) };
-    assert_eq!(st, rdev_status::RDEV_OK);
-    c
-}
-
-fn add_peer(c: *mut rdev_context, task: &str, addr: &str) {
-    let mut t = rdev_transport::RDEV_TRANSPORT_NONE;
-    // SAFETY: valid context, strings and out-param.
-    let st = unsafe { rdev_context_add_peer(c, task.as_ptr().cast(), task.len(), addr.as_ptr().cast(), addr.len(), &mut t) };
-    assert_eq!(st, rdev_status::RDEV_OK);
-}
-
 /// What a receive callback saw: its status, message and payload checksum.
 type Outcome = (rdev_status, String, Option<u64>);
 

@@ -16,21 +16,6 @@ use rdma_device::ffi::*;
 use rdma_device::node::{Lease, Node};
 use rdma_device::rendezvous::TensorMeta;
 
-fn new_ctx(task: &str, addr: &str) -> *mut rdev_context {
-    let mut c = std::ptr::null_mut();
-    // SAFETY: valid strings and out-param.
-    let st = unsafe { rdev_context_new(task.as_ptr().cast(), task.len(), addr.as_ptr().cast(), addr.len(), &mut c) };
-    assert_eq!(st, rdev_status::RDEV_OK);
-    c
-}
-
-fn add_peer(c: *mut rdev_context, task: &str, addr: &str) {
-    let mut t = rdev_transport::RDEV_TRANSPORT_NONE;
-    // SAFETY: valid context, strings and out-param.
-    let st = unsafe { rdev_context_add_peer(c, task.as_ptr().cast(), task.len(), addr.as_ptr().cast(), addr.len(), &mut t) };
-    assert_eq!(st, rdev_status::RDEV_OK);
-}
-
 fn waitable(c: *mut rdev_context, peer: &str, key: &str, step: u64) -> *mut rdev_waiter {
     let mut w = std::ptr::null_mut();
     // SAFETY: valid context, strings and out-param.

@@ -139,3 +139,22 @@ pub fn recv_wait(n: &Node, peer: &str, key: &str, step: u64) -> Result<Lease> {
         Err(_) => panic!("recv of {key} step {step} did not complete; state:\n{}", n.describe()),
     }
 }
+
+/// A context for `task` listening at `addr`, through the C ABI.
+pub fn new_ctx(task: &str, addr: &str) -> *mut rdma_device::ffi::rdev_context {
+    use rdma_device::ffi::*;
+    let mut c = std::ptr::null_mut();
+    // SAFETY: valid strings and out-param.
+    let st = unsafe { rdev_context_new(task.as_ptr().cast(), task.len(), addr.as_ptr().cast(), addr.len(), &mut c) };
+    assert_eq!(st, rdev_status::RDEV_OK);
+    c
+}
+
+/// Tell context `c` about peer `task` at `addr`, through the C ABI.
+pub fn add_peer(c: *mut rdma_device::ffi::rdev_context, task: &str, addr: &str) {
+    use rdma_device::ffi::*;
+    let mut t = rdev_transport::RDEV_TRANSPORT_NONE;
+    // SAFETY: valid context, strings and out-param.
+    let st = unsafe { rdev_context_add_peer(c, task.as_ptr().cast(), task.len(), addr.as_ptr().cast(), addr.len(), &mut t) };
+    assert_eq!(st, rdev_status::RDEV_OK);
+}
