@@ -1,5 +1,6 @@
 #include "rendezvous.h"
 
+#include <atomic>
 #include <optional>
 #include <utility>
 
@@ -102,8 +103,21 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
 
   absl::Status Initialize(tf::WorkerSession* session) override {
     TF_RETURN_IF_ERROR(BaseRemoteRendezvous::Initialize(session));
+    // The client's own eager context: TF creates its rendezvous for step
+    // `context_id` in session "eager_<context_id>" and, unlike the remote
+    // contexts' (SetRemoteEagerContextDefault), does not mark it; it lives
+    // as long as the context all the same.
+    if (session != nullptr &&
+        session->session_name() == absl::StrCat("eager_", static_cast<uint64_t>(step_id_))) {
+      client_eager_context_ = true;
+    }
     return stock_->Initialize(session);
   }
+
+  // A rendezvous that lives as long as an eager context (the remote
+  // contexts' default, or the client's own): one failed or cancelled op
+  // must not end it.
+  bool EagerContextStep() { return IsRemoteEagerContextDefault() || client_eager_context_; }
 
   void SetRemoteEagerContextDefault() override {
     BaseRemoteRendezvous::SetRemoteEagerContextDefault();
@@ -142,7 +156,7 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     // The eager context's default rendezvous lives as long as the context:
     // TF itself never aborts it for one failed op (base_rendezvous_mgr.h),
     // so neither do we; the error reaches the op that failed.
-    if (IsRemoteEagerContextDefault() && !cleanup && status.message() != "Shutdown") {
+    if (EagerContextStep() && !cleanup && status.message() != "Shutdown") {
       VLOG(1) << "rdma_device: not aborting the eager context's rendezvous: " << status;
       return;
     }
@@ -205,7 +219,7 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
 
     std::shared_ptr<Transport> transport = transport_;
     const int64_t step_id = step_id_;
-    const bool eager_default = IsRemoteEagerContextDefault();
+    const bool eager_default = EagerContextStep();
     auto* call = new RecvCall([transport, step_id, eager_default,
                                key = std::string(parsed.FullKey())](const absl::Status& s) {
       // A cancelled receive fails the whole step in the transport: TF
@@ -325,7 +339,7 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
   // for one op).
   void FailLate(const absl::Status& failed, absl::string_view key, const std::string& peer) {
     if (absl::IsAborted(failed) || absl::IsCancelled(failed)) return;
-    if (IsRemoteEagerContextDefault()) {
+    if (EagerContextStep()) {
       LOG(WARNING) << "rdma_device: push of " << key << " to " << peer << " failed: " << failed;
     } else {
       StartAbort(failed);
@@ -480,6 +494,7 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
   const std::shared_ptr<Transport> transport_;
   tf::mutex mu_;
   absl::Status abort_status_ TF_GUARDED_BY(mu_);
+  std::atomic<bool> client_eager_context_{false};
 };
 
 }  // namespace
