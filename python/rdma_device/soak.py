@@ -266,13 +266,17 @@ def soak(args):
 
 def _run_killing_mid_stream(cluster, sess, fetch, feed, options, res):
     """Run one step and SIGKILL worker:1 while the ps streams a tensor to
-    it: once the ps's ``stream_chunks`` counter has moved since the step
+    it: once the ps has sent a chunk of a streamed tensor since the step
     began (the ps -> worker:1 hop is the ps's only send), then restart it.
-    Records the chunks the ps had written by then in ``res["kill"]``."""
+    A chunk goes through a stream slot (``stream_chunks``) or, when the
+    receiver has no room for stream slots, as a control message
+    (``stream_messages``): both count. Records the chunks the ps had sent
+    by then in ``res["kill"]``."""
     import threading
 
     def chunks():
-        return cluster.task_stats("ps", 0).get("counters", {}).get("stream_chunks", 0)
+        c = cluster.task_stats("ps", 0).get("counters", {})
+        return c.get("stream_chunks", 0) + c.get("stream_messages", 0)
 
     before = chunks()
     out, err = {}, {}
