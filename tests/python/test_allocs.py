@@ -181,9 +181,13 @@ def _measure(protocol, lib, log_dir, tmp_path):
 # the thread's whole life (parking_lot's ThreadData, inside the transport
 # library): one allocation per thread, which a busy machine can delay into
 # the counted steps (each of TensorFlow's pool threads meets our locks for
-# the first time at some step). Not a per-tensor allocation.
+# the first time at some step). Not a per-tensor allocation. The record is
+# a thread-local, so the same first wait can also register the thread-local's
+# destructor with the standard library (register_dtor, under a parking_lot
+# lock call): once per thread too.
 THREAD_SETUP = ("parking_lot::ThreadData", "parking_lot::with_thread_data", "parking_lot::grow_hashtable",
                 "parking_lot::HashTable")
+THREAD_LOCAL_DTOR = "thread_local::native::lazy"
 
 
 def _thread_setup(path, sites):
@@ -191,8 +195,17 @@ def _thread_setup(path, sites):
     if not sites:
         return collections.Counter()
     names = _symbolize(path, sorted({a for frames in sites for a in frames}))
-    return collections.Counter({frames: n for frames, n in sites.items()
-                                if any(k in names[a] for a in frames for k in THREAD_SETUP)})
+    def setup(frames):
+        syms = [names[a] for a in frames]
+        if any(k in s for s in syms for k in THREAD_SETUP):
+            return True
+        # The thread-local's destructor registration, made by a parking_lot
+        # lock call: the innermost frames are the standard library's
+        # thread-local machinery, the first one outside it is parking_lot.
+        outside = next((s for s in syms if not s.startswith(("alloc::", "core::", "std::", "<()"))
+                        and THREAD_LOCAL_DTOR not in s), "")
+        return any(THREAD_LOCAL_DTOR in s for s in syms) and "parking_lot" in outside
+    return collections.Counter({frames: n for frames, n in sites.items() if setup(frames)})
 
 
 def _report(protocol, result, per_task):
