@@ -114,6 +114,8 @@ class LocalCluster:
             self._env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         self._env.update(env or {})
         self._log_dir = log_dir
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
         self._name = name
         self._logs = []
         for job, i in names:
