@@ -5,6 +5,7 @@ whose transport cannot start (test_server_start.py).
 Each runs in its own task process (task_main.py, role
 "start_scenarios.<name>") and returns its result as a dict."""
 
+import sys
 import time
 
 import numpy as np
@@ -69,6 +70,48 @@ def step_at_once(spec, ready):
             got = [sess.run(out).tolist() for _ in range(spec["steps"])]
     counters = rdma_device.stats()["counters"]
     return {"start_s": start_s, "values": got, "counters": counters}
+
+
+def step_past_route_deadline(spec, ready):
+    """Like step_at_once, but the route to /job:worker/task:1 stays pending
+    longer than a transfer may wait for it: the first step must fail (how
+    long it took and what TF raised are returned); once the route is
+    chosen, the next step runs over the transport."""
+    import tensorflow as tf
+
+    import rdma_device
+
+    tf.compat.v1.disable_eager_execution()
+    server, start_s = _server(spec, tf)
+    ready()
+    n = spec["elements"]
+    peer = "/job:worker/replica:0/task:1"
+    out = {"start_s": start_s}
+    with tf.Graph().as_default():
+        with tf.device("/job:worker/task:1"):
+            v = tf.Variable(np.arange(n, dtype=np.float32), name="held")
+            grown = v.assign_add(tf.ones([n]))
+        with tf.device("/job:worker/task:0"):
+            doubled = grown * 2.0
+        with tf.compat.v1.Session(server.target) as sess:
+            print("PHASE session", file=sys.stderr, flush=True)
+            sess.run(v.initializer)
+            print("PHASE initialized", file=sys.stderr, flush=True)
+            t0 = time.monotonic()
+            try:
+                sess.run(doubled)
+                out["first"] = "no error"
+            except tf.errors.OpError as e:
+                out["first"] = f"{type(e).__name__}: {e.message[:400]}"
+            out["first_s"] = time.monotonic() - t0
+            deadline = time.monotonic() + spec["routed_within_s"]
+            while peer not in rdma_device.stats()["peers"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            out["route"] = rdma_device.stats()["peers"].get(peer)
+            before = rdma_device.stats()["counters"]["tensors_received"]
+            out["second"] = sess.run(doubled)[:4].tolist()
+            out["received"] = rdma_device.stats()["counters"]["tensors_received"] - before
+    return out
 
 
 def bad_setting_then_good(spec, ready):

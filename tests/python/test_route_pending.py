@@ -33,7 +33,7 @@ PEERS = 6
 START_BOUND_S = PEERS * SLOW_MS / 1000 / 2
 # All routes chosen at once: about one SLOW_MS, not PEERS of them.
 ROUTED_BOUND_S = PEERS * SLOW_MS / 1000 / 2
-RESULT_TIMEOUT_S = 180
+RESULT_TIMEOUT_S = 90
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +111,49 @@ def test_steps_wait_for_pending_routes(log_dir, plugin_built, resolver_lib, tmp_
     c = r["counters"]
     assert c["fallback_tensors"] == 0 and held["fallback_tensors"] == 0, (c, held)
     assert c["tensors_received"] >= 3 and held["tensors_pushed"] >= 3, (c, held)
+
+
+# A transfer waits this long for a pending route (tf_plugin/transport_routes.cc).
+ROUTE_WAIT_S = 20.0
+
+
+def test_a_route_pending_past_its_deadline_fails_the_step_then_recovers(log_dir, plugin_built,
+                                                                        resolver_lib, tmp_path):
+    # Only the plugin's control threads (which choose routes) resolve
+    # slowly, for longer than a transfer waits; gRPC resolves at once, so
+    # the step starts at once and its transfers queue behind the route.
+    slow_s = ROUTE_WAIT_S + 10
+    ports = harness.free_ports(2)
+    cluster = {"worker": [f"w0.slow.test:{ports[0]}", f"w1.slow.test:{ports[1]}"]}
+    env = slow_env(resolver_lib, str(tmp_path / "lookups"))
+    env.update(SLOW_RESOLVER_MS=str(int(slow_s * 1000)), SLOW_RESOLVER_THREAD="tf_rdev_control")
+    env.pop("RDMA_DEVICE_STRICT")
+    holder = harness.Task(dict(role="server", cluster=cluster, job="worker", task=1,
+                               protocol=harness.PROTOCOL_RDMA), log_dir, env=env)
+    client = None
+    try:
+        holder.wait_ready()
+        client = harness.Task(dict(role="start_scenarios.step_past_route_deadline",
+                                   cluster=cluster, job="worker", task=0,
+                                   protocol=harness.PROTOCOL_RDMA, elements=4096,
+                                   routed_within_s=2 * slow_s), log_dir, env=env)
+        client.wait_ready()
+        try:
+            r = client.result(RESULT_TIMEOUT_S)
+        except TimeoutError:
+            pytest.fail(f"the step hung\n{client.dump_stacks()}\n{holder.dump_stacks()}")
+    finally:
+        if client is not None:
+            client.close()
+        holder.close()
+    print(f"first step: {r['first']} after {r['first_s']:.1f} s; route then {r['route']}")
+    # The first step fails, naming the pending route, once a transfer has
+    # waited its deadline (the holder, started first, may hit it first),
+    # not after the name finally resolves.
+    assert "still being chosen after" in r["first"], r
+    assert r["first_s"] < slow_s, r
+    # The route is chosen in the end, and the next step goes over it.
+    assert r["route"] == "shm", r
+    # (The failed step's assign_add on the holder may have run or not.)
+    assert r["second"] in ([(i + 1) * 2.0 for i in range(4)], [(i + 2) * 2.0 for i in range(4)]), r
+    assert r["received"] >= 1, r

@@ -7,6 +7,11 @@
  * name goes to glibc's own getaddrinfo unchanged. gRPC resolves through
  * getaddrinfo when GRPC_DNS_RESOLVER=native.
  *
+ * With $SLOW_RESOLVER_THREAD set, only lookups made on threads whose name
+ * starts with it wait (e.g. the plugin's control pool, "tf_rdev_control",
+ * while gRPC resolves the same names at once); every thread gets the same
+ * answer.
+ *
  * A measurement tool: it only delays, and counts the slow lookups in
  * $SLOW_RESOLVER_COUNT (a file it appends one line to per lookup) when set. */
 #define _GNU_SOURCE
@@ -16,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 typedef int (*getaddrinfo_fn)(const char *, const char *, const struct addrinfo *,
@@ -28,6 +34,15 @@ static int is_slow(const char *node) {
     return n > m && strcmp(node + n - m, suffix) == 0;
 }
 
+/* Whether this thread's lookups wait (all, unless $SLOW_RESOLVER_THREAD). */
+static int waits_here(void) {
+    const char *thread = getenv("SLOW_RESOLVER_THREAD");
+    if (thread == NULL || *thread == '\0') return 1;
+    char name[17] = {0};
+    if (prctl(PR_GET_NAME, name, 0, 0, 0) != 0) return 0;
+    return strncmp(name, thread, strlen(thread)) == 0;
+}
+
 int getaddrinfo(const char *node, const char *service, const struct addrinfo *hints,
                 struct addrinfo **res) {
     static getaddrinfo_fn real = NULL;
@@ -36,7 +51,7 @@ int getaddrinfo(const char *node, const char *service, const struct addrinfo *hi
     if (node == NULL || !is_slow(node)) return real(node, service, hints, res);
     const char *ms = getenv("SLOW_RESOLVER_MS");
     long delay = ms != NULL ? strtol(ms, NULL, 10) : 1000;
-    if (delay > 0) {
+    if (delay > 0 && waits_here()) {
         struct timespec ts = {delay / 1000, (delay % 1000) * 1000000L};
         while (nanosleep(&ts, &ts) != 0) {
         }
