@@ -247,6 +247,26 @@ enum rdev_status rdev_recv(const struct rdev_context *ctx,
                            rdev_recv_done_cb cb,
                            void *userdata);
 
+// `rdev_recv`, for a callback fit to run on the transport's event thread
+// (the thread that saw the tensor land: shm progress or reader thread,
+// verbs completion thread): a successful receive's `cb` then runs there,
+// which saves a thread wake-up per tensor; a failed one still runs on
+// `rdev-callbacks`, the calling thread, or where `rdev_recv` says. The
+// caller promises that `cb` returns promptly (microseconds: no waiting,
+// no I/O, no copy of the tensor) and calls only the functions that never
+// block (`rdev_send`, `rdev_recv*`, `rdev_buffer_release`,
+// `rdev_step_done`, `rdev_abort_step`, `rdev_cancel_recv`, and
+// `rdev_context_free`): it delays every other completion of its
+// connection while it runs.
+enum rdev_status rdev_recv_inline(const struct rdev_context *ctx,
+                                  const char *peer,
+                                  size_t peer_len,
+                                  const char *key,
+                                  size_t key_len,
+                                  uint64_t step_id,
+                                  rdev_recv_done_cb cb,
+                                  void *userdata);
+
 // The step is over: unclaimed arrivals for it are released and late
 // pushes for it dropped.
 enum rdev_status rdev_step_done(const struct rdev_context *ctx, uint64_t step_id);

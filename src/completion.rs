@@ -21,6 +21,15 @@ pub trait Complete<T>: Send {
     fn runs_anywhere(&self) -> bool {
         false
     }
+
+    /// True when a *successful* completion may run on a backend's event
+    /// thread: the application promised that its callback returns promptly
+    /// and calls only the library's non-blocking functions (`rdev_recv_inline`).
+    /// A failed one still goes to `rdev-callbacks` (its handling may start
+    /// a fallback). False by default.
+    fn inline_ok(&self) -> bool {
+        false
+    }
 }
 
 impl<T, F: FnOnce(T) + Send> Complete<T> for F {

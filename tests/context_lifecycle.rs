@@ -1,7 +1,8 @@
 //! A context's life through the C ABI, as the TensorFlow shim drives it:
 //! one receive cancelled alone (`rdev_cancel_recv`, the eager context's
 //! receives), and a context freed from inside one of its own callbacks
-//! (the shim's last reference to its transport can drop there).
+//! (the shim's last reference to its transport can drop there), and
+//! receives whose callbacks run on the event thread (`rdev_recv_inline`).
 
 mod common;
 
@@ -162,6 +163,120 @@ fn a_context_freed_inside_its_own_callback_fails_the_rest_once_and_hangs_nothing
     }
     let (name, (st, _, sum)) = next(&got);
     assert_eq!((name.as_str(), st, sum), ("again@2", rdev_status::RDEV_OK, Some(checksum(&data))));
+    // SAFETY: each freed once.
+    unsafe {
+        rdev_context_free(a);
+        rdev_context_free(b2);
+    }
+}
+
+/// Where an `rdev_recv_inline` callback ran, and what it got.
+struct Where {
+    out: WhereTx,
+    name: String,
+    free: Option<*mut rdev_context>,
+}
+
+unsafe extern "C" fn received_where(ud: *mut c_void, st: rdev_status, _: *const c_char, _: usize, buf: *mut rdev_buffer) {
+    // SAFETY: `ud` is the Box<Where> leaked by `recv_inline`, handed back once.
+    let w = unsafe { Box::from_raw(ud as *mut Where) };
+    let thread = std::thread::current().name().unwrap_or("?").to_string();
+    let event = rdma_device::fabric::on_event_thread();
+    let sum = (!buf.is_null()).then(|| {
+        // SAFETY: a live buffer; released right after, here.
+        let b = unsafe { std::slice::from_raw_parts(rdev_buffer_data(buf), rdev_buffer_len(buf)) };
+        let s = checksum(b);
+        unsafe { rdev_buffer_release(buf) };
+        s
+    });
+    if let Some(c) = w.free {
+        // SAFETY: the test hands each context to one callback, freed once.
+        unsafe { rdev_context_free(c) };
+    }
+    let _ = w.out.send((w.name, st, event, thread, sum));
+}
+
+type WhereTx = mpsc::Sender<(String, rdev_status, bool, String, Option<u64>)>;
+
+fn recv_where(c: *mut rdev_context, peer: &str, key: &str, step: u64, out: &WhereTx, free: Option<*mut rdev_context>, inline: bool) {
+    let ud = Box::into_raw(Box::new(Where { out: out.clone(), name: format!("{key}@{step}"), free }));
+    let f = if inline { rdev_recv_inline } else { rdev_recv };
+    // SAFETY: valid context and strings; `ud` lives until the callback.
+    let st = unsafe { f(c, peer.as_ptr().cast(), peer.len(), key.as_ptr().cast(), key.len(), step, Some(received_where), ud.cast()) };
+    assert_eq!(st, rdev_status::RDEV_OK);
+}
+
+fn recv_inline(c: *mut rdev_context, peer: &str, key: &str, step: u64, out: &WhereTx, free: Option<*mut rdev_context>) {
+    recv_where(c, peer, key, step, out, free, true)
+}
+
+#[test]
+fn an_inline_receive_completes_on_the_event_thread_a_failed_one_does_not_and_freeing_there_hangs_nothing() {
+    let (pa, pb) = (free_port(), free_port());
+    let (ta, tb) = (task(0), task(1));
+    let (a, b) = (new_ctx(&ta, &addr(pa)), new_ctx(&tb, &addr(pb)));
+    add_peer(a, &tb, &addr(pb));
+    add_peer(b, &ta, &addr(pa));
+    let (out, got) = mpsc::channel();
+    let (done, sends) = mpsc::channel();
+    let next_where = || got.recv_timeout(Duration::from_secs(10)).expect("a receive completes within 10 s");
+    // Posted before the tensor lands, small and large (a written slot, or
+    // streamed): the callback runs on the thread that saw it land.
+    for (step, len) in [(1u64, 4096usize), (2, 1 << 20)] {
+        recv_inline(b, &ta, "x", step, &out, None);
+        let data = pattern(step, len);
+        send(a, &tb, "x", step, &data, &done);
+        assert_eq!(sends.recv_timeout(Duration::from_secs(10)).unwrap(), rdev_status::RDEV_OK);
+        let (name, st, event, thread, sum) = next_where();
+        assert_eq!((name, st, sum), (format!("x@{step}"), rdev_status::RDEV_OK, Some(checksum(&data))));
+        assert!(event, "an inline receive's callback ran on {thread}, not on an event thread");
+    }
+    // A plain receive's callback never runs there (rdev-callbacks).
+    recv_where(b, &ta, "x", 3, &out, None, false);
+    let data = pattern(3, 4096);
+    send(a, &tb, "x", 3, &data, &done);
+    assert_eq!(sends.recv_timeout(Duration::from_secs(10)).unwrap(), rdev_status::RDEV_OK);
+    let (name, st, event, thread, sum) = next_where();
+    assert_eq!((name.as_str(), st, sum), ("x@3", rdev_status::RDEV_OK, Some(checksum(&data))));
+    assert!(!event && thread == "rdev-callbacks", "a plain receive's callback ran on {thread}");
+    // A receive failed by an event (the sender aborts its step, the abort
+    // arrives as a message) is handed to rdev-callbacks all the same.
+    recv_inline(b, &ta, "y", 4, &out, None);
+    let why = "the sender gave up";
+    // SAFETY: valid context and strings.
+    assert_eq!(unsafe { rdev_abort_step(a, 4, why.as_ptr().cast(), why.len(), true) }, rdev_status::RDEV_OK);
+    let (name, st, event, thread, _) = next_where();
+    assert_eq!((name.as_str(), st), ("y@4", rdev_status::RDEV_ABORTED));
+    assert!(!event && thread == "rdev-callbacks", "a failed inline receive ran on {thread}");
+    // Freeing the context inside an inline callback, on the event thread
+    // (the shim's last reference to its transport can drop there): the
+    // other receive fails once, nothing hangs, and a new context at the
+    // same address works with the same peer.
+    recv_inline(b, &ta, "first", 5, &out, Some(b));
+    recv_inline(b, &ta, "other", 5, &out, None);
+    let data = pattern(9, 1 << 16);
+    send(a, &tb, "first", 5, &data, &done);
+    assert_eq!(sends.recv_timeout(Duration::from_secs(10)).unwrap(), rdev_status::RDEV_OK);
+    let mut seen = vec![next_where(), next_where()];
+    assert!(got.recv_timeout(Duration::from_millis(300)).is_err(), "a callback ran twice: {:?}", seen.len());
+    seen.sort_by(|x, y| x.0.cmp(&y.0));
+    assert_eq!((seen[0].0.as_str(), seen[0].1, seen[0].4), ("first@5", rdev_status::RDEV_OK, Some(checksum(&data))));
+    assert!(seen[0].2, "the freeing callback ran on {}", seen[0].3);
+    assert_eq!((seen[1].0.as_str(), seen[1].1), ("other@5", rdev_status::RDEV_ABORTED));
+    let b2 = new_ctx(&tb, &addr(pb));
+    add_peer(b2, &ta, &addr(pa));
+    recv_inline(b2, &ta, "again", 6, &out, None);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        send(a, &tb, "again", 6, &data, &done);
+        if sends.recv_timeout(Duration::from_secs(10)).unwrap() == rdev_status::RDEV_OK {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no send reached the new context");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (name, st, _, _, sum) = next_where();
+    assert_eq!((name.as_str(), st, sum), ("again@6", rdev_status::RDEV_OK, Some(checksum(&data))));
     // SAFETY: each freed once.
     unsafe {
         rdev_context_free(a);

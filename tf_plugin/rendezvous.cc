@@ -248,6 +248,12 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     this->Ref();
     VLOG(2) << "recv step " << step_id_ << " " << parsed.FullKey();
     const int64_t traced = TraceStart();
+    // A tensor for host memory goes straight to TF's `done`: the executor
+    // queues the consumer on its pool and returns (TF's own gRPC client
+    // runs it on its completion-queue thread too), so it may run on the
+    // transport's thread that saw the tensor land, one wake-up sooner. A
+    // copy to a device may not (THREADS.md).
+    const bool on_event_thread = OnHost(parsed.dst, recv_args);
     absl::Status s = transport_->Recv(
         peer, parsed.FullKey(), step_id_,
         [this, call, peer, parsed, recv_args, done, traced](
@@ -278,7 +284,8 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
             CopyToDevice(parsed, recv_args, tensor, done);
           }
           Unref();  // may destroy the rendezvous: nothing of `this` after it
-        });
+        },
+        on_event_thread);
     if (!s.ok()) {
       DeregisterCall(call, recv_args);
       delete call;

@@ -334,15 +334,16 @@ absl::Status Transport::Send(const std::string& peer_task, absl::string_view key
 }
 
 absl::Status Transport::Recv(const std::string& peer_task, absl::string_view key,
-                             int64_t step_id, RecvDone done) {
+                             int64_t step_id, RecvDone done, bool on_event_thread) {
   rdev_context* ctx = ctx_.load();
   if (ctx == nullptr) return absl::FailedPreconditionError("rdma_device: transport not started");
   std::unique_ptr<RecvState> owned = RecvStates().Get();
   owned->peer.assign(peer_task);
   owned->done = std::move(done);
   RecvState* state = owned.release();  // the callback's on RDEV_OK
-  rdev_status st = rdev_recv(ctx, peer_task.data(), peer_task.size(), key.data(), key.size(),
-                             static_cast<uint64_t>(step_id), OnRecvDone, state);
+  rdev_status st = (on_event_thread ? rdev_recv_inline : rdev_recv)(
+      ctx, peer_task.data(), peer_task.size(), key.data(), key.size(),
+      static_cast<uint64_t>(step_id), OnRecvDone, state);
   if (st != RDEV_OK) {
     absl::Status s = WithPeer(CallStatus(st), peer_task);
     RecycleRecv(std::unique_ptr<RecvState>(state));

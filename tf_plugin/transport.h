@@ -135,9 +135,12 @@ class Transport : public std::enable_shared_from_this<Transport> {
 
   // Receives (key, step) from `peer_task`. On OK, `done` runs exactly once
   // (any thread, possibly before this returns); on error it never runs.
-  // The tensor wraps the receive slot without a copy when it can.
+  // The tensor wraps the receive slot without a copy when it can. With
+  // `on_event_thread`, a successful `done` runs on the transport's thread
+  // that saw the tensor land (rdev_recv_inline): it must return within
+  // microseconds and wait for nothing (THREADS.md).
   absl::Status Recv(const std::string& peer_task, absl::string_view key,
-                    int64_t step_id, RecvDone done);
+                    int64_t step_id, RecvDone done, bool on_event_thread = false);
 
   // true when tensors with `peer_task` travel over this transport (never
   // an error, even in strict mode: for callers that only optimise; false

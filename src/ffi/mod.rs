@@ -146,9 +146,15 @@ impl Complete<Result<(), Error>> for SendCb {
 struct RecvCb {
     cb: unsafe extern "C" fn(*mut c_void, rdev_status, *const c_char, usize, *mut rdev_buffer),
     ud: UserData,
+    /// `rdev_recv_inline`: a success may run on the event thread.
+    inline: bool,
 }
 
 impl Complete<Result<Lease, Error>> for RecvCb {
+    fn inline_ok(&self) -> bool {
+        self.inline
+    }
+
     fn complete(self: Box<Self>, r: Result<Lease, Error>) {
         let (cb, ud) = (self.cb, self.ud.0);
         RECV_DONES.recycle(self);
@@ -493,7 +499,42 @@ pub unsafe extern "C" fn rdev_recv(
         let Some(cb) = cb else {
             return Err(Error::InvalidArgument("callback is NULL".into()));
         };
-        c.node.recv(peer, key, step_id, RECV_DONES.boxed(RecvCb { cb, ud: UserData(userdata) }));
+        c.node.recv(peer, key, step_id, RECV_DONES.boxed(RecvCb { cb, ud: UserData(userdata), inline: false }));
+        Ok(())
+    })
+}
+
+/// `rdev_recv`, for a callback fit to run on the transport's event thread
+/// (the thread that saw the tensor land: shm progress or reader thread,
+/// verbs completion thread): a successful receive's `cb` then runs there,
+/// which saves a thread wake-up per tensor; a failed one still runs on
+/// `rdev-callbacks`, the calling thread, or where `rdev_recv` says. The
+/// caller promises that `cb` returns promptly (microseconds: no waiting,
+/// no I/O, no copy of the tensor) and calls only the functions that never
+/// block (`rdev_send`, `rdev_recv*`, `rdev_buffer_release`,
+/// `rdev_step_done`, `rdev_abort_step`, `rdev_cancel_recv`, and
+/// `rdev_context_free`): it delays every other completion of its
+/// connection while it runs.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_recv_inline(
+    ctx: *const rdev_context,
+    peer: *const c_char,
+    peer_len: usize,
+    key: *const c_char,
+    key_len: usize,
+    step_id: u64,
+    cb: rdev_recv_done_cb,
+    userdata: *mut c_void,
+) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per the documented contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
+        let key = unsafe { str_arg(key, key_len, "key") }?;
+        let Some(cb) = cb else {
+            return Err(Error::InvalidArgument("callback is NULL".into()));
+        };
+        c.node.recv(peer, key, step_id, RECV_DONES.boxed(RecvCb { cb, ud: UserData(userdata), inline: true }));
         Ok(())
     })
 }

@@ -9,8 +9,11 @@
 //! thread) only update the protocol state and send control messages:
 //! completions for the application (a receive's or send's callback) and
 //! writes that an event released (a queued send) are handed to the node's
-//! `rdev-callbacks` thread (handoff.rs), so no tensor copy, memory
-//! registration or TensorFlow callback ever runs on an event thread.
+//! `rdev-callbacks` thread (handoff.rs), so no tensor copy or memory
+//! registration ever runs on an event thread, and no application callback
+//! but a successful receive's that the application declared fit for it
+//! (`rdev_recv_inline`: returns promptly, calls only non-blocking
+//! functions; TensorFlow's receive `done` for host memory).
 //! Callbacks run on the calling thread or on `rdev-callbacks`, and must
 //! not call the blocking functions below.
 //!
@@ -33,7 +36,7 @@
 //! | shm writes whose doorbell ring is full (8192 entries: only when the receiver's progress thread has stopped) | `rdev-shm-send` (one per process) | ring space, polled every millisecond | 10 s, then the write fails with Timeout |
 //! | shm control messages the socket did not take at once | `rdev-shm-send` | socket space (poll) | `CONTROL_SEND_TIMEOUT_MS` (10 s) without progress, then the link fails |
 //! | shm/verbs progress threads | own threads | events (sleep on the doorbell / CQ channel) | woken by events or shutdown |
-//! | callbacks and writes released by events | `rdev-callbacks` (one per node, queued) | what the callback does; a write as `send` on a live link | as `send` |
+//! | callbacks and writes released by events | `rdev-callbacks` (one per node, queued); a successful `rdev_recv_inline` receive's callback on the event thread itself | what the callback does; a write as `send` on a live link | as `send` |
 //! | probing links with work waiting on their peer (`Msg::Ping`, keepalive.rs); failing calls past their deadline | `rdev-keepalive` (one per node) | nothing: a control message, as below | — |
 //! | granting a placed slot to its sender (`NodeGranter` → `Listener::grant`, under the protocol lock) | whichever thread placed it (an event thread included) | nothing: shm maps the window's pages; verbs allocates a memory window and queues its bind on the sender's QP ahead of the Publish (ordered by the send queue, never awaited; see `fabric::verbs::mw`); a new 64 MiB arena extent the window needs is registered on `rdev-verbs-setup` and the bind waits for it in the QP's queue (`fabric::no_blocking` marks the lock; debug builds assert no registration runs under it) | — |
 //!
@@ -645,8 +648,11 @@ impl Inner {
             // themselves; a message-borne chunk is copied here, so it moves.
             let copies = matches!(a, Action::SendChunk { .. } | Action::CopyChunk { src: rendezvous::ChunkSrc::Bytes(_), .. });
             // A receive whose completion only wakes a waiting thread
-            // (`Complete::runs_anywhere`) is delivered here.
-            let waiter = matches!(&a, Action::Deliver { done, .. } if done.runs_anywhere());
+            // (`Complete::runs_anywhere`), or whose callback the
+            // application declared fit for an event thread
+            // (`rdev_recv_inline`, on success), is delivered here: one
+            // thread wake-up less between the tensor landing and its user.
+            let waiter = matches!(&a, Action::Deliver { done, result } if done.runs_anywhere() || (result.is_ok() && done.inline_ok()));
             if on_event_thread
                 && !waiter
                 && (copies || matches!(a, Action::Write { .. } | Action::Deliver { .. } | Action::SendDone { .. } | Action::StreamAlloc { .. }))

@@ -561,6 +561,10 @@ impl crate::completion::Complete<Result<crate::rendezvous::Received>> for ToLeas
         self.done.as_ref().is_some_and(|d| d.runs_anywhere())
     }
 
+    fn inline_ok(&self) -> bool {
+        self.done.as_ref().is_some_and(|d| d.inline_ok())
+    }
+
     fn complete(mut self: Box<Self>, res: Result<crate::rendezvous::Received>) {
         let node = std::mem::take(&mut self.node);
         let done = self.done.take();
