@@ -51,6 +51,61 @@ TIMELINE = (
 )
 
 
+# The hand-offs between spans on a step's path: (what, (span, task, edge),
+# (span, task, edge)), edge "start" or "end"; the gap is the second point
+# minus the first, in each traced step (the first span of each name in it).
+W, P = "/job:worker/task:0", "/job:ps/task:0"
+HANDOFFS = (
+    ("the RunGraph call reaches the ps's reader thread", ("call:RunGraph", W, "start"), ("call in", P, "start")),
+    ("reader thread → TF's worker (serve)", ("call in", P, "end"), ("serve", P, "start")),
+    ("served call → the ps's Send (TF's executor)", ("serve", P, "start"), ("tf:Send", P, "start")),
+    ("Send → the write starts", ("tf:Send", P, "start"), ("write", P, "start")),
+    ("write done → the receiver sees it (< 0: the doorbell rang before the write's span ended)",
+     ("write", P, "end"), ("arrive", W, "start")),
+    ("seen → handed to TF's Recv", ("arrive", W, "start"), ("deliver", W, "start")),
+    ("handed over → the worker's partition ends (TF: consumer, end of step)", ("deliver", W, "end"), ("RunGraph", W, "end")),
+    ("RunGraph reply written → read by the worker's reader thread", ("reply", P, "end"), ("reply in", W, "start")),
+    ("reply read → handed to the master", ("reply in", W, "end"), ("call done", W, "start")),
+)
+
+
+def handoffs(events, client_runs):
+    """Per hand-off of HANDOFFS: the median, 10th and 90th percentile gap
+    in µs over the traced steps ``client_runs``; and in how many of them
+    the RunGraph reply reached the master after the worker's own
+    partition ended (the reply on the step's critical path)."""
+    names = _process_names(events)
+    spans = [e for e in events if e.get("ph") == "X"]
+    gaps = {what: [] for what, _, _ in HANDOFFS}
+    late, steps = 0, 0
+    for t0, t1 in client_runs:
+        inside = [e for e in spans if t0 <= e["ts"] <= t1]
+
+        def first(name, task):
+            hit = [e for e in inside if e["name"] == name and names.get(e["pid"]) == task]
+            return min(hit, key=lambda e: e["ts"]) if hit else None
+
+        def at(point):
+            e = first(point[0], point[1])
+            return None if e is None else e["ts"] + (e["dur"] if point[2] == "end" else 0)
+
+        for what, a, b in HANDOFFS:
+            x, y = at(a), at(b)
+            if x is not None and y is not None:
+                gaps[what].append(y - x)
+        done, part = at(("call done", W, "end")), at(("RunGraph", W, "end"))
+        if done is not None and part is not None:
+            steps += 1
+            late += done > part
+    rows = []
+    for what, g in gaps.items():
+        if g:
+            g = sorted(g)
+            rows.append({"handoff": what, "steps": len(g), "median_us": round(statistics.median(g), 1),
+                         "p10_us": round(g[len(g) // 10], 1), "p90_us": round(g[len(g) * 9 // 10], 1)})
+    return rows, {"reply_after_partition": late, "steps": steps}
+
+
 def _graph(tf, src, dst, size):
     from rdma_device._sweep import transfer_graph
 
@@ -155,6 +210,7 @@ def run(args):
             got = rdma.trace_take()
             events += got
             rows, traced_step = timeline(got, runs)
+            hand, reply = handoffs(got, runs)
             for s, _ in sess.values():
                 s.close()
             med = {m: statistics.median(t) * 1e3 for m, t in untraced.items()}
@@ -162,6 +218,7 @@ def run(args):
                             "over_one_task_ms": {m: round(med[m] - med["one task"], 3)
                                                  for m in ("grpc", "grpc+rdma_device", RPCS_OVER_GRPC)},
                             "traced_step_us": round(traced_step, 1), "timeline": rows,
+                            "handoffs": hand, "reply": reply,
                             "spans": sum(1 for e in got if e.get("ph") == "X")})
     finally:
         for c in clusters.values():
@@ -239,6 +296,11 @@ def print_results(results, out, plot_path=""):
         print(f"   {'span':<20} {'task':<20} {'start µs':>9} {'dur µs':>8}  what")
         for t in r["timeline"]:
             print(f"   {t['span']:<20} {t['task']:<20} {t['start_us']:>9.1f} {t['dur_us']:>8.1f}  {t['what']}")
+        print(f"   hand-offs, µs per traced step (median [10th–90th percentile]); the RunGraph reply reached the "
+              f"master after the worker's partition ended in {r['reply']['reply_after_partition']} of "
+              f"{r['reply']['steps']} steps:")
+        for h in r["handoffs"]:
+            print(f"   {h['median_us']:>8.1f} [{h['p10_us']:.0f}–{h['p90_us']:.0f}]  {h['handoff']}")
     print(f"\nChrome trace: {out} (chrome://tracing or https://ui.perfetto.dev)")
     if plot_path:
         print(f"Picture of one step per size: {plot_path}")
@@ -275,6 +337,17 @@ def markdown(runs):
         for t in r["timeline"]:
             lines.append(f"| {t['span']} | {t['task'].replace('/job:', '')} | "
                          f"{t['start_us']:.0f} | {t['dur_us']:.0f} |")
+    lines += ["", "Hand-offs, the first run's traced steps (µs per step: median [10th–90th percentile]):", "",
+              "| hand-off | " + " | ".join(_human(r["size"]) for r in runs[0]) + " |",
+              "|---|" + "---:|" * len(runs[0])]
+    for i, (what, _, _) in enumerate(HANDOFFS):
+        cells = []
+        for r in runs[0]:
+            h = next((h for h in r["handoffs"] if h["handoff"] == what), None)
+            cells.append("–" if h is None else f"{h['median_us']:.0f} [{h['p10_us']:.0f}–{h['p90_us']:.0f}]")
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    lines.append("| steps whose RunGraph reply reached the master after the worker's partition ended | "
+                 + " | ".join(f"{r['reply']['reply_after_partition']} of {r['reply']['steps']}" for r in runs[0]) + " |")
     return "\n".join(lines)
 
 
