@@ -28,8 +28,13 @@ fi
 
 section "Rust tests (cargo test --features verbs; verbs device tests run in the VM below)"
 cargo test --features verbs
-section "the shm-only build (no rdma-core needed): its own tests (cargo test, no features)"
-cargo test
+# The shm-only build differs from the one above only where the verbs
+# backend is compiled in or out (src/fabric/mod.rs: which backends exist;
+# tests/fabric_verbs.rs): its unit tests, the C ABI (transport choice and
+# errors), the shm fabric and the node end to end prove it; the other
+# suites run the same code in both builds and ran above.
+section "the shm-only build (no rdma-core needed): unit, C ABI, shm fabric and node tests (no features)"
+cargo test --lib --test c_abi --test fabric_shm --test node_shm --test header
 
 section "coverage-guided fuzzing of every peer-fed decoder and the protocol state machine (60 s)"
 bash tests/fuzz/run.sh 60
