@@ -236,13 +236,19 @@ class Transport : public std::enable_shared_from_this<Transport> {
   void AddPeer(const std::string& task, const std::string& addr) TF_LOCKS_EXCLUDED(mu_);
   // Fails (through RouteTo) the work of routes whose wait ran out.
   void ExpirePending() TF_LOCKS_EXCLUDED(mu_);
-  // Arms ExpirePending for kRouteWaitMs from now (a timer, no pool thread).
-  void ArmExpiry();
+  // Arms ExpirePending for the earliest deadline of a route still being
+  // chosen (a timer, no pool thread), unless one is armed: one timer at a
+  // time, which re-arms itself for the routes left (TF's POSIX Env runs
+  // each timer on a thread of its own, so one per AddPeers call would be
+  // a sleeping thread per cluster update).
+  void ArmExpiry() TF_LOCKS_EXCLUDED(mu_);
   // On the data-path pool: runs `task`'s queued work in order.
   void Drain(const std::string& task) TF_LOCKS_EXCLUDED(mu_);
 
   std::atomic<rdev_context*> ctx_{nullptr};
   tensorflow::mutex mu_;
+  // An ExpirePending timer is armed (ArmExpiry).
+  bool expiry_armed_ TF_GUARDED_BY(mu_) = false;
   std::string self_task_ TF_GUARDED_BY(mu_);
   bool strict_ TF_GUARDED_BY(mu_) = false;
   bool static_placement_ TF_GUARDED_BY(mu_) = false;

@@ -3,6 +3,7 @@
 // while the control pool chooses it; work that meets a pending route
 // queues behind it and runs, in order, on the data-path pool once it is
 // chosen, or fails once kRouteWaitMs has passed.
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <string>
@@ -73,8 +74,28 @@ void Transport::ArmExpiry() {
   // meets a pending route is queued, never waited for, and the one bounded
   // wait that can sit behind a route (RegisterGraph's placement wait,
   // kRegisterPlacementWaitMs) ends on its own deadline first.
+  int64_t delay_us = 0;
+  {
+    tf::mutex_lock l(mu_);
+    if (expiry_armed_) return;  // it re-arms for what is left when it fires
+    const auto now = std::chrono::steady_clock::now();
+    bool any = false;
+    std::chrono::steady_clock::time_point earliest;
+    for (const auto& [task, p] : pending_) {
+      // Past its deadline: work that meets it fails at once (WhenRouted).
+      if (routes_.count(task) > 0 || p.deadline <= now) continue;
+      if (!any || p.deadline < earliest) earliest = p.deadline;
+      any = true;
+    }
+    if (!any) return;
+    expiry_armed_ = true;
+    const auto left = earliest - now;
+    delay_us = std::max<int64_t>(
+        0, std::chrono::duration_cast<std::chrono::microseconds>(left).count());
+  }
   std::weak_ptr<Transport> weak = weak_from_this();
-  tsl::Env::Default()->SchedClosureAfter(kRouteWaitMs * 1000 + 1000, [weak] {
+  // A millisecond late, so that the deadline has passed when it runs.
+  tsl::Env::Default()->SchedClosureAfter(delay_us + 1000, [weak] {
     if (auto self = weak.lock()) self->ExpirePending();
   });
 }
@@ -119,6 +140,7 @@ void Transport::ExpirePending() {
   std::vector<std::string> due;
   {
     tf::mutex_lock l(mu_);
+    expiry_armed_ = false;
     const auto now = std::chrono::steady_clock::now();
     for (auto& [task, p] : pending_) {
       if (routes_.count(task) > 0 || p.draining || p.queued.empty() || now < p.deadline) continue;
@@ -135,6 +157,8 @@ void Transport::ExpirePending() {
       if (auto self = weak.lock()) self->Drain(task);
     });
   }
+  // Routes chosen later than this one's deadline, if any, still wait.
+  ArmExpiry();
 }
 
 void Transport::Drain(const std::string& task) {
