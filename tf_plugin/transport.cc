@@ -1,3 +1,4 @@
+#include "pool.h"
 #include "transport.h"
 
 #include <chrono>
@@ -253,6 +254,26 @@ absl::Status Transport::ConnectPeer(const std::string& peer_task) {
   rdev_context* ctx = ctx_.load();
   if (ctx == nullptr) return absl::FailedPreconditionError("rdma_device: transport not started");
   return CallStatus(rdev_connect_peer(ctx, peer_task.data(), peer_task.size()));
+}
+
+void Transport::ConnectSoon(const std::string& peer_task) {
+  constexpr int64_t kConnectRetryMs = 5000;
+  {
+    tf::mutex_lock l(mu_);
+    const auto now = std::chrono::steady_clock::now();
+    auto it = connect_tried_.find(peer_task);
+    if (it != connect_tried_.end() && now - it->second < std::chrono::milliseconds(kConnectRetryMs)) {
+      return;
+    }
+    connect_tried_[peer_task] = now;
+  }
+  std::weak_ptr<Transport> weak = weak_from_this();
+  ScheduleControl([weak, peer_task] {
+    auto self = weak.lock();
+    if (self == nullptr) return;
+    absl::Status s = self->ConnectPeer(peer_task);
+    VLOG(1) << "rdma_device: connecting to " << peer_task << " for its worker RPCs: " << s;
+  });
 }
 
 absl::Status Transport::PlaceEdge(const std::string& peer_task, absl::string_view key,

@@ -158,6 +158,11 @@ class Transport : public std::enable_shared_from_this<Transport> {
   // Connects to `peer_task` now rather than at its first tensor. Blocks up
   // to RDMA_DEVICE_CONNECT_TIMEOUT_MS: call it from the plugin's pool only.
   absl::Status ConnectPeer(const std::string& peer_task);
+  // ConnectPeer on the control pool, returning at once: for a peer this
+  // task calls (per-step worker RPCs) but exchanges no tensor with, so no
+  // transfer connects them. One attempt per peer at a time, at most one
+  // every kConnectRetryMs.
+  void ConnectSoon(const std::string& peer_task) TF_LOCKS_EXCLUDED(mu_);
 
   // Sender side, before the edge's first step: asks `peer_task` to place
   // the edge `key` for `bytes` bytes and waits up to `timeout_ms` (plus a
@@ -247,6 +252,8 @@ class Transport : public std::enable_shared_from_this<Transport> {
 
   std::atomic<rdev_context*> ctx_{nullptr};
   tensorflow::mutex mu_;
+  // ConnectSoon: when each peer's last attempt started.
+  std::map<std::string, std::chrono::steady_clock::time_point> connect_tried_ TF_GUARDED_BY(mu_);
   // An ExpirePending timer is armed (ArmExpiry).
   bool expiry_armed_ TF_GUARDED_BY(mu_) = false;
   std::string self_task_ TF_GUARDED_BY(mu_);

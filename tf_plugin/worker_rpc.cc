@@ -76,6 +76,9 @@ class TransportWorker : public tf::WorkerInterface {
       // Nothing reached the peer: the call goes over gRPC.
       if (opts != nullptr) opts->ClearCancelCallback();
       VLOG(1) << "rdma_device: RunGraph on " << target_ << " over gRPC: " << started;
+      // No connection with the peer yet (no tensor crossed between us):
+      // make one, so that the next steps' calls go over the transport.
+      if (Transport::IsNotViable(started)) transport_->ConnectSoon(target_);
       OverGrpc();
       stock_->RunGraphAsync(opts, request, response, std::move(done));
       return;

@@ -12,6 +12,12 @@ if os.path.exists(os.path.join(REPO, "python", "rdma_device", "lib", "librdma_de
     sys.path.insert(0, os.path.join(REPO, "python"))
 import rdma_device  # noqa: E402
 
+# Every task process the tests start (LocalCluster, harness.Task, the
+# bench CLI) imports this same package, not whichever one the venv holds.
+_pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(rdma_device.__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_pkg_parent] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _pkg_parent])
+
 sys.path.insert(0, HERE)
 
 import harness  # noqa: E402

@@ -204,3 +204,40 @@ def test_a_ps_killed_during_run_graph_fails_the_step(plugin_built, log_dir):
     assert float(took) < 10.0, f"the step failed {took} s after the kill"
     # Worded as TF's gRPC errors, naming the peer (fault handling relies on it).
     assert "/job:ps/replica:0/task:0" in lines["MESSAGE"], lines["MESSAGE"]
+
+
+def test_a_peer_with_no_tensor_link_gets_its_run_graph_over_the_transport_soon(plugin_built, log_dir):
+    # A step whose only remote partition exchanges no tensor with the
+    # master's task (an update that runs on the ps alone): nothing else
+    # connects the two tasks, so the master connects to the ps itself once
+    # it has a RunGraph for it, and later steps go over the transport.
+    tf = _tf()
+    c = LocalCluster("grpc+rdma_device", {"ps": 1, "worker": 1}, env={"RDMA_DEVICE_STRICT": "1"},
+                     log_dir=log_dir, name="worker-rpc-no-link")
+    try:
+        g = tf.Graph()
+        with g.as_default():
+            with tf.device(c.device("ps", 0)):
+                v = tf.Variable(0.0, name="counter")
+                bump = v.assign_add(1.0).op
+        with tf.compat.v1.Session(c.target(), graph=g) as s:
+            s.run(v.initializer)
+            deadline = time.time() + 10
+            steps = 0
+            while time.time() < deadline:
+                s.run(bump)
+                steps += 1
+                if _counters(c)["/job:worker/task:0"]["worker_rpcs_over_transport"] > 0:
+                    break
+                time.sleep(0.02)
+            c.reset_stats()
+            for _ in range(STEPS):
+                s.run(bump)
+            assert s.run(v.value()) == float(steps + STEPS)
+        master = _counters(c)["/job:worker/task:0"]
+        # Every RunGraph of the counted steps went over the transport (their
+        # CleanupGraph may still be on its way).
+        assert master["worker_rpcs_over_transport"] >= STEPS, (steps, master)
+        assert master["worker_rpcs_over_grpc"] == 0, (steps, master)
+    finally:
+        c.close()
