@@ -256,8 +256,8 @@ enum rdev_status rdev_recv(const struct rdev_context *ctx,
 // no I/O, no copy of the tensor) and calls only the functions that never
 // block (`rdev_send`, `rdev_recv*`, `rdev_buffer_release`,
 // `rdev_step_done`, `rdev_abort_step`, `rdev_cancel_recv`, and
-// `rdev_context_free`): it delays every other completion of its
-// connection while it runs.
+// `rdev_context_free`): it delays every other completion that thread
+// handles while it runs.
 enum rdev_status rdev_recv_inline(const struct rdev_context *ctx,
                                   const char *peer,
                                   size_t peer_len,

@@ -513,8 +513,8 @@ pub unsafe extern "C" fn rdev_recv(
 /// no I/O, no copy of the tensor) and calls only the functions that never
 /// block (`rdev_send`, `rdev_recv*`, `rdev_buffer_release`,
 /// `rdev_step_done`, `rdev_abort_step`, `rdev_cancel_recv`, and
-/// `rdev_context_free`): it delays every other completion of its
-/// connection while it runs.
+/// `rdev_context_free`): it delays every other completion that thread
+/// handles while it runs.
 #[no_mangle]
 pub unsafe extern "C" fn rdev_recv_inline(
     ctx: *const rdev_context,
