@@ -491,17 +491,8 @@ pub unsafe extern "C" fn rdev_recv(
     cb: rdev_recv_done_cb,
     userdata: *mut c_void,
 ) -> rdev_status {
-    boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
-        let key = unsafe { str_arg(key, key_len, "key") }?;
-        let Some(cb) = cb else {
-            return Err(Error::InvalidArgument("callback is NULL".into()));
-        };
-        c.node.recv(peer, key, step_id, RECV_DONES.boxed(RecvCb { cb, ud: UserData(userdata), inline: false }));
-        Ok(())
-    })
+    // SAFETY: the caller's contract is rdev_recv's.
+    unsafe { recv_as(ctx, peer, peer_len, key, key_len, step_id, cb, userdata, false) }
 }
 
 /// `rdev_recv`, for a callback fit to run on the transport's event thread
@@ -526,6 +517,24 @@ pub unsafe extern "C" fn rdev_recv_inline(
     cb: rdev_recv_done_cb,
     userdata: *mut c_void,
 ) -> rdev_status {
+    // SAFETY: the caller's contract is rdev_recv's.
+    unsafe { recv_as(ctx, peer, peer_len, key, key_len, step_id, cb, userdata, true) }
+}
+
+/// `rdev_recv` and `rdev_recv_inline`: `inline` says where a successful
+/// completion may run.
+#[allow(clippy::too_many_arguments)]
+unsafe fn recv_as(
+    ctx: *const rdev_context,
+    peer: *const c_char,
+    peer_len: usize,
+    key: *const c_char,
+    key_len: usize,
+    step_id: u64,
+    cb: rdev_recv_done_cb,
+    userdata: *mut c_void,
+    inline: bool,
+) -> rdev_status {
     boundary(|| {
         // SAFETY: arguments per the documented contract.
         let c = unsafe { ctx_arg(ctx) }?;
@@ -534,7 +543,7 @@ pub unsafe extern "C" fn rdev_recv_inline(
         let Some(cb) = cb else {
             return Err(Error::InvalidArgument("callback is NULL".into()));
         };
-        c.node.recv(peer, key, step_id, RECV_DONES.boxed(RecvCb { cb, ud: UserData(userdata), inline: true }));
+        c.node.recv(peer, key, step_id, RECV_DONES.boxed(RecvCb { cb, ud: UserData(userdata), inline }));
         Ok(())
     })
 }
