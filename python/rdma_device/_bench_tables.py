@@ -127,15 +127,23 @@ def soak_md(runs):
 
 def suite_md(runs):
     """Median step per workload and worker count for every mode, and the
-    ratios of each other mode's step to grpc+rdma_device's, per run."""
+    ratios of each other mode's step to grpc+rdma_device's, per run; then
+    the compute-only step (the same graph with every variable on the worker
+    that uses it: no tensor crosses tasks) and the ceiling it sets, stock
+    gRPC's step over it: what a transport that moved every tensor for free
+    would reach against gRPC."""
     per_run = []
     modes = []
     for rows in runs:
         by = {}
+        compute = {}
         for r in rows:
             if "mode" not in r or "step_ms" not in r:
                 continue
-            by.setdefault((r["workload"], r["workers"]), {})[r["mode"]] = r["step_ms"]
+            key = (r["workload"], r["workers"])
+            by.setdefault(key, {})[r["mode"]] = r["step_ms"]
+            if r.get("compute_ms"):
+                compute[key] = r["compute_ms"]
             if r["mode"] not in modes:
                 modes.append(r["mode"])
         flat = []
@@ -145,6 +153,11 @@ def suite_md(runs):
                 row[f"{mode} ms"] = ms
                 if mode != "grpc+rdma_device" and m.get("grpc+rdma_device"):
                     row[f"vs {mode}"] = ms / m["grpc+rdma_device"]
+            c = compute.get((w, n))
+            if c:
+                row["compute ms"] = c
+                if m.get("grpc"):
+                    row["ceiling"] = m["grpc"] / c
             flat.append(row)
         per_run.append(flat)
     agg = aggregate(per_run, lambda r: (r["workload"], r["workers"]))
@@ -152,9 +165,11 @@ def suite_md(runs):
     rows = []
     for (w, n), d in agg.items():
         rows.append([w, str(n), " / ".join(_med(d.get(f"{m} ms"), "{:.1f}") for m in modes)]
-                    + [_rng(d.get(f"vs {m}"), bold=True) for m in others])
-    return _table(["workload", "workers", "step ms " + " / ".join(modes)] + [f"vs {m} (median, range)" for m in others],
-                  ["---", "---:", "---:"] + ["---:"] * len(others), rows)
+                    + [_rng(d.get(f"vs {m}"), bold=True) for m in others]
+                    + [_med(d.get("compute ms"), "{:.1f}"), _rng(d.get("ceiling"))])
+    return _table(["workload", "workers", "step ms " + " / ".join(modes)] + [f"vs {m} (median, range)" for m in others]
+                  + ["compute-only step ms", "ceiling vs grpc: grpc / compute-only (median, range)"],
+                  ["---", "---:", "---:"] + ["---:"] * (len(others) + 2), rows)
 
 
 RENDER = {"fabric": fabric_md, "transfer": transfer_md, "train": train_md, "allreduce": allreduce_md,
