@@ -141,3 +141,53 @@ def servers_in_one_process(spec, ready):
     for t in threads:
         t.join()
     return {"replies": replies}
+
+
+def eager_cancel(spec, ready):
+    """A tf.function across tasks cancelled while its receive waits (the
+    way ClusterCoordinator cancels closures): the worker's receive of a
+    value the ps has not produced yet (a dequeue from an empty queue) is
+    cancelled after 1 s; the call must fail with CancelledError soon after,
+    and the next call must run and return the right value."""
+    import threading
+    import time
+
+    import tensorflow as tf
+    from tensorflow.python.eager import cancellation
+
+    tf.config.experimental_connect_to_cluster(
+        tf.train.ClusterSpec(spec["cluster"]), job_name="chief", task_index=0,
+        protocol=spec["protocol"])
+    ready()
+    ps, worker = "/job:ps/replica:0/task:0", "/job:worker/replica:0/task:0"
+    with tf.device(ps):
+        q = tf.queue.FIFOQueue(8, tf.float32, shapes=[[1024]])
+
+    @tf.function
+    def consume():
+        with tf.device(ps):
+            v = q.dequeue()
+        with tf.device(worker):
+            return tf.reduce_sum(v * 2.0)
+
+    cm = cancellation.CancellationManager()
+    cancelable = cm.get_cancelable_function(consume.get_concrete_function())
+    timer = threading.Timer(1.0, cm.start_cancel)
+    t0 = time.monotonic()
+    timer.start()
+    error = None
+    try:
+        cancelable()
+    except Exception as e:  # noqa: BLE001 (the type is the result)
+        error = type(e).__name__
+    cancelled_after = time.monotonic() - t0
+    timer.join()
+    # The cancelled call's dequeue may still be waiting on the ps (TF does
+    # not cancel a remote component's ops): feed it and the next call.
+    with tf.device(ps):
+        q.enqueue(tf.fill([1024], 1.5))
+        q.enqueue(tf.fill([1024], 1.5))
+    t1 = time.monotonic()
+    value = float(consume())
+    return {"error": error, "cancelled_after": cancelled_after, "value": value,
+            "next_call_s": time.monotonic() - t1, "stats": _stats(spec)}
