@@ -113,7 +113,8 @@ typedef void (*rdev_trace_sink_cb)(const char *name,
 // Outcome of `rdev_call`: `code` 0 (OK) with the response `body`, or
 // TensorFlow's error code with its message in `body` (UTF-8). `body` is
 // valid during the call. Runs exactly once, on the context's callback
-// thread (`rdev-callbacks`).
+// thread (`rdev-callbacks`), or for `rdev_call_inline` on the event thread
+// that read a successful reply.
 typedef void (*rdev_call_done_cb)(void *userdata,
                                   uint32_t code,
                                   const uint8_t *body,
@@ -121,7 +122,8 @@ typedef void (*rdev_call_done_cb)(void *userdata,
 
 // A call from a peer (`rdev_serve`): answer it exactly once with
 // `rdev_serve_reply(handle, ...)`, from any thread. `body` is valid
-// during the call. Runs on `rdev-callbacks`.
+// during the call. Runs on `rdev-callbacks`, or for a method made inline
+// (`rdev_serve_inline`) on the event thread that read the call.
 typedef void (*rdev_serve_call_cb)(void *userdata,
                                    uint64_t handle,
                                    uint32_t method,
@@ -427,6 +429,24 @@ enum rdev_status rdev_call(const struct rdev_context *ctx,
                            void *userdata,
                            uint64_t *out_id);
 
+// `rdev_call`, for a callback fit to run on the transport's event thread
+// (the thread that read the reply): a successful reply of at most 64 KiB
+// then runs `cb` there, one thread wake-up sooner; failures, deadlines,
+// cancellations and larger replies still run it on `rdev-callbacks`. The
+// caller promises what `rdev_recv_inline` asks: `cb` returns within
+// microseconds, waits for nothing and calls only functions that never
+// block.
+enum rdev_status rdev_call_inline(const struct rdev_context *ctx,
+                                  const char *peer,
+                                  size_t peer_len,
+                                  uint32_t method,
+                                  const uint8_t *body,
+                                  size_t body_len,
+                                  uint64_t timeout_ms,
+                                  rdev_call_done_cb cb,
+                                  void *userdata,
+                                  uint64_t *out_id);
+
 // Give up call `id`: its callback runs with CANCELLED unless it ran
 // already; the peer is told.
 enum rdev_status rdev_call_cancel(const struct rdev_context *ctx, uint64_t id);
@@ -439,6 +459,14 @@ enum rdev_status rdev_serve(const struct rdev_context *ctx,
                             rdev_serve_call_cb call,
                             rdev_serve_cancel_cb cancel,
                             void *userdata);
+
+// Serve calls of `method` (below 64) on the transport's event thread that
+// read them instead of `rdev-callbacks`, one thread wake-up sooner: for a
+// method whose `call` callback returns within microseconds, waits for
+// nothing and calls only functions that never block (it delays every
+// other message that thread handles meanwhile); its `rdev_serve_reply`
+// may then come from inside the callback. Lasts as long as the context.
+enum rdev_status rdev_serve_inline(const struct rdev_context *ctx, uint32_t method);
 
 // Answer served call `handle`: `code` 0 with the response `body`, or an
 // error code with its message. A call cancelled meanwhile: nothing.

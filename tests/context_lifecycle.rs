@@ -257,7 +257,7 @@ fn an_inline_receive_completes_on_the_event_thread_a_failed_one_does_not_and_fre
     let data = pattern(9, 1 << 16);
     send(a, &tb, "first", 5, &data, &done);
     assert_eq!(sends.recv_timeout(Duration::from_secs(10)).unwrap(), rdev_status::RDEV_OK);
-    let mut seen = vec![next_where(), next_where()];
+    let mut seen = [next_where(), next_where()];
     assert!(got.recv_timeout(Duration::from_millis(300)).is_err(), "a callback ran twice: {:?}", seen.len());
     seen.sort_by(|x, y| x.0.cmp(&y.0));
     assert_eq!((seen[0].0.as_str(), seen[0].1, seen[0].4), ("first@5", rdev_status::RDEV_OK, Some(checksum(&data))));

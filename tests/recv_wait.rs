@@ -68,7 +68,7 @@ fn a_waited_receive_times_out_then_gets_its_tensor_once() {
     let (st, buf) = wait(w, 10_000);
     assert_eq!(st, rdev_status::RDEV_OK, "{}", last_error());
     // SAFETY: a buffer the wait handed us.
-    let got = unsafe { std::slice::from_raw_parts(rdev_buffer_data(buf) as *const u8, rdev_buffer_len(buf)) };
+    let got = unsafe { std::slice::from_raw_parts(rdev_buffer_data(buf), rdev_buffer_len(buf)) };
     assert_eq!(checksum(got), checksum(&data));
     // Taken once.
     let (st, again) = wait(w, 0);

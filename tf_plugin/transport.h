@@ -202,11 +202,14 @@ class Transport : public std::enable_shared_from_this<Transport> {
   // Calls `method` on `peer_task` with `body`; `done` runs exactly once on
   // the transport's callback thread with TF's status (errors worded as
   // gRPC's, naming the peer) and the response. `timeout_ms` 0: none.
+  // `inline_ok`: `done` returns within microseconds and never waits, so a
+  // successful reply of at most 64 KiB may run it on the transport's
+  // thread that read the reply (rdev_call_inline), one wake-up sooner.
   // Not OK: the call could not start (no connection with the peer yet):
   // nothing was sent, `done` never runs, make the call over gRPC. Does not
   // block (the message is written to the connection's socket).
   absl::Status Call(const std::string& peer_task, uint32_t method, const std::string& body,
-                    int64_t timeout_ms, CallDone done, uint64_t* id);
+                    int64_t timeout_ms, bool inline_ok, CallDone done, uint64_t* id);
   // Gives up call `id` (done runs with CANCELLED unless it ran).
   void CancelCall(uint64_t id);
   // Serves peers' calls: `call(handle, method, body)` on the transport's
@@ -215,6 +218,10 @@ class Transport : public std::enable_shared_from_this<Transport> {
   using ServeCall = std::function<void(uint64_t handle, uint32_t method, std::string body)>;
   using ServeCancel = std::function<void(uint64_t handle)>;
   void Serve(ServeCall call, ServeCancel cancel);
+  // Calls of `method` (< 64) reach `call` on the transport's thread that
+  // read them instead (rdev_serve_inline): `call` must return within
+  // microseconds and never wait. Call before Serve.
+  void ServeInline(uint32_t method);
   void Reply(uint64_t handle, const absl::Status& status, const std::string& body);
   void RecordWorkerRpcOverGrpc();
   // Counts a collective chunk (collectives.h): received or sent over the

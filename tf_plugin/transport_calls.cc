@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "tensorflow/core/platform/logging.h"
 #include "transport.h"
 #include "transport_status.h"
 
@@ -16,7 +17,8 @@ struct CallState {
   Transport::CallDone done;
 };
 
-// On the transport's callback thread: TF's status, worded as gRPC's.
+// On the transport's callback thread (or, for an inline call's success,
+// the thread that read the reply): TF's status, worded as gRPC's.
 void OnCallDone(void* userdata, uint32_t code, const uint8_t* body, size_t len) {
   std::unique_ptr<CallState> state(static_cast<CallState*>(userdata));
   std::string bytes(reinterpret_cast<const char*>(body), len);
@@ -47,15 +49,15 @@ void OnServeCancel(void* userdata, uint64_t handle) {
 }  // namespace
 
 absl::Status Transport::Call(const std::string& peer_task, uint32_t method,
-                             const std::string& body, int64_t timeout_ms, CallDone done,
-                             uint64_t* id) {
+                             const std::string& body, int64_t timeout_ms, bool inline_ok,
+                             CallDone done, uint64_t* id) {
   rdev_context* ctx = ctx_.load();
   if (ctx == nullptr) return FromRdev(RDEV_NOT_VIABLE, "transport not started");
   auto* state = new CallState{peer_task, std::move(done)};
-  rdev_status rc = rdev_call(ctx, peer_task.data(), peer_task.size(), method,
-                             reinterpret_cast<const uint8_t*>(body.data()), body.size(),
-                             timeout_ms > 0 ? static_cast<uint64_t>(timeout_ms) : 0, &OnCallDone,
-                             state, id);
+  rdev_status rc = (inline_ok ? rdev_call_inline : rdev_call)(
+      ctx, peer_task.data(), peer_task.size(), method,
+      reinterpret_cast<const uint8_t*>(body.data()), body.size(),
+      timeout_ms > 0 ? static_cast<uint64_t>(timeout_ms) : 0, &OnCallDone, state, id);
   if (rc != RDEV_OK) {
     delete state;  // the callback will not run
     return CallStatus(rc);
@@ -76,6 +78,13 @@ void Transport::Serve(ServeCall call, ServeCancel cancel) {
   // process anyway).
   auto* served = new Served{std::move(call), std::move(cancel)};
   rdev_serve(ctx, &OnServeCall, &OnServeCancel, served);
+}
+
+void Transport::ServeInline(uint32_t method) {
+  rdev_context* ctx = ctx_.load();
+  if (ctx == nullptr) return;
+  rdev_status st = rdev_serve_inline(ctx, method);
+  if (st != RDEV_OK) LOG(WARNING) << "rdma_device: method " << method << " served on the callback thread: " << CallStatus(st);
 }
 
 void Transport::Reply(uint64_t handle, const absl::Status& status, const std::string& body) {

@@ -70,8 +70,11 @@ class TransportWorker : public tf::WorkerInterface {
       done(status);
     };
     uint64_t id = 0;
-    absl::Status started = transport_->Call(target_, kRunGraph, body,
-                                            opts != nullptr ? opts->GetTimeout() : 0, on_reply, &id);
+    // on_reply parses the response and hands it to TF's master, which only
+    // counts it down: fit for the transport's thread that reads the reply.
+    absl::Status started =
+        transport_->Call(target_, kRunGraph, body, opts != nullptr ? opts->GetTimeout() : 0,
+                         /*inline_ok=*/true, on_reply, &id);
     if (!started.ok()) {
       // Nothing reached the peer: the call goes over gRPC.
       if (opts != nullptr) opts->ClearCancelCallback();
@@ -97,8 +100,10 @@ class TransportWorker : public tf::WorkerInterface {
       return;
     }
     uint64_t id = 0;
+    // TF's `done` here counts the step's cleanup down (MasterSession marks
+    // the run complete): fit for the thread that reads the reply.
     absl::Status started = transport_->Call(
-        target_, kCleanupGraph, body, 0,
+        target_, kCleanupGraph, body, 0, /*inline_ok=*/true,
         [response, done](const absl::Status& s, std::string reply) {
           absl::Status status = s;
           if (status.ok() && !response->ParseFromString(reply)) {
@@ -289,6 +294,12 @@ tf::WorkerCacheInterface* NewTransportWorkerCache(tf::WorkerCacheInterface* stoc
 void ServeWorkerRpcs(const std::shared_ptr<Transport>& transport, tf::WorkerInterface* worker) {
   auto served = std::make_shared<Served>();
   std::weak_ptr<Transport> weak = transport;
+  // Both are served on the transport's thread that read the call: RunGraph
+  // only prepares the partition and queues its first ops on TF's pool (its
+  // executors never run a kernel on the calling thread), CleanupGraph drops
+  // the step's rendezvous and collective state; neither waits for anything.
+  transport->ServeInline(kRunGraph);
+  transport->ServeInline(kCleanupGraph);
   transport->Serve(
       [weak, worker, served](uint64_t handle, uint32_t method, std::string body) {
         std::shared_ptr<Transport> t = weak.lock();

@@ -18,10 +18,13 @@
 // (ServeWorkerRpcs), exactly as TF's gRPC worker service does.
 //
 // Threads: a call is written to the connection from the caller's thread
-// (TF's master); its completion runs on the transport's callback thread.
-// A served call starts on that thread (RunGraphAsync only schedules the
-// partition's executors) and its reply is written from the plugin's pool,
-// never from TF's executor thread that finished the partition.
+// (TF's master); a successful reply of at most 64 KiB completes on the
+// transport's thread that read it (rdev_call_inline), anything else on its
+// callback thread. A served call starts on the thread that read it
+// (rdev_serve_inline: RunGraphAsync only prepares the partition and queues
+// its first ops on TF's pool) and its reply is written by the thread that
+// finished the call (for RunGraph, TF's executor thread that finished the
+// partition): one non-blocking send.
 #ifndef RDMA_DEVICE_TF_PLUGIN_WORKER_RPC_H_
 #define RDMA_DEVICE_TF_PLUGIN_WORKER_RPC_H_
 

@@ -14,13 +14,15 @@ use status::rdev_status;
 /// Outcome of `rdev_call`: `code` 0 (OK) with the response `body`, or
 /// TensorFlow's error code with its message in `body` (UTF-8). `body` is
 /// valid during the call. Runs exactly once, on the context's callback
-/// thread (`rdev-callbacks`).
+/// thread (`rdev-callbacks`), or for `rdev_call_inline` on the event thread
+/// that read a successful reply.
 #[allow(non_camel_case_types)]
 pub type rdev_call_done_cb = Option<unsafe extern "C" fn(userdata: *mut c_void, code: u32, body: *const u8, body_len: usize)>;
 
 /// A call from a peer (`rdev_serve`): answer it exactly once with
 /// `rdev_serve_reply(handle, ...)`, from any thread. `body` is valid
-/// during the call. Runs on `rdev-callbacks`.
+/// during the call. Runs on `rdev-callbacks`, or for a method made inline
+/// (`rdev_serve_inline`) on the event thread that read the call.
 #[allow(non_camel_case_types)]
 pub type rdev_serve_call_cb = Option<unsafe extern "C" fn(userdata: *mut c_void, handle: u64, method: u32, body: *const u8, body_len: usize)>;
 
@@ -49,6 +51,50 @@ pub unsafe extern "C" fn rdev_call(
     userdata: *mut c_void,
     out_id: *mut u64,
 ) -> rdev_status {
+    // SAFETY: the caller's contract is this function's.
+    unsafe { call_as(ctx, peer, peer_len, method, body, body_len, timeout_ms, cb, userdata, out_id, false) }
+}
+
+/// `rdev_call`, for a callback fit to run on the transport's event thread
+/// (the thread that read the reply): a successful reply of at most 64 KiB
+/// then runs `cb` there, one thread wake-up sooner; failures, deadlines,
+/// cancellations and larger replies still run it on `rdev-callbacks`. The
+/// caller promises what `rdev_recv_inline` asks: `cb` returns within
+/// microseconds, waits for nothing and calls only functions that never
+/// block.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_call_inline(
+    ctx: *const rdev_context,
+    peer: *const c_char,
+    peer_len: usize,
+    method: u32,
+    body: *const u8,
+    body_len: usize,
+    timeout_ms: u64,
+    cb: rdev_call_done_cb,
+    userdata: *mut c_void,
+    out_id: *mut u64,
+) -> rdev_status {
+    // SAFETY: the caller's contract is rdev_call's.
+    unsafe { call_as(ctx, peer, peer_len, method, body, body_len, timeout_ms, cb, userdata, out_id, true) }
+}
+
+/// `rdev_call` and `rdev_call_inline`: `inline` says where a successful
+/// reply may complete.
+#[allow(clippy::too_many_arguments)]
+unsafe fn call_as(
+    ctx: *const rdev_context,
+    peer: *const c_char,
+    peer_len: usize,
+    method: u32,
+    body: *const u8,
+    body_len: usize,
+    timeout_ms: u64,
+    cb: rdev_call_done_cb,
+    userdata: *mut c_void,
+    out_id: *mut u64,
+    inline: bool,
+) -> rdev_status {
     boundary(|| {
         // SAFETY: arguments per the documented contract.
         let c = unsafe { ctx_arg(ctx) }?;
@@ -66,7 +112,11 @@ pub unsafe extern "C" fn rdev_call(
             unsafe { cb(ud.0, code, reply.as_ptr(), reply.len()) };
         });
         let timeout = (timeout_ms > 0).then(|| std::time::Duration::from_millis(timeout_ms));
-        let id = c.node.rpc_call(peer, method, body, timeout, done)?;
+        let id = if inline {
+            c.node.rpc_call_inline(peer, method, body, timeout, done)
+        } else {
+            c.node.rpc_call(peer, method, body, timeout, done)
+        }?;
         if !out_id.is_null() {
             // SAFETY: non-NULL out-param.
             unsafe { *out_id = id };
@@ -118,6 +168,20 @@ pub unsafe extern "C" fn rdev_serve(ctx: *const rdev_context, call: rdev_serve_c
         let server = call.map(|call| Arc::new(CServer { call, cancel, ud: userdata as usize }) as Arc<dyn Server>);
         c.node.rpc_serve(server);
         Ok(())
+    })
+}
+
+/// Serve calls of `method` (below 64) on the transport's event thread that
+/// read them instead of `rdev-callbacks`, one thread wake-up sooner: for a
+/// method whose `call` callback returns within microseconds, waits for
+/// nothing and calls only functions that never block (it delays every
+/// other message that thread handles meanwhile); its `rdev_serve_reply`
+/// may then come from inside the callback. Lasts as long as the context.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_serve_inline(ctx: *const rdev_context, method: u32) -> rdev_status {
+    boundary(|| {
+        // SAFETY: ctx per contract.
+        unsafe { ctx_arg(ctx) }?.node.rpc_serve_inline(method)
     })
 }
 

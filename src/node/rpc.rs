@@ -19,6 +19,14 @@
 //!   answers later, from any thread, with [`Inner::rpc_reply`]; a call whose
 //!   link is lost, or that its caller cancelled, is cancelled there
 //!   (`Server::cancel`) and its reply, if any, goes nowhere.
+//! - Inline, one thread wake-up fewer at each end: a method the server
+//!   declared fit (`rpc_serve_inline`: its `call` returns within
+//!   microseconds and never waits) is handed to it on the event thread
+//!   that read the call's last part; a caller that declared its `done` fit
+//!   (`rpc_call(.., inline: true, ..)`) gets a successful reply of at most
+//!   `INLINE_REPLY_MAX` bytes on the event thread that read it. Failures,
+//!   cancellations, deadlines and larger replies still run on
+//!   `rdev-callbacks`.
 //! - A call that cannot start over the transport (no live link with the
 //!   peer, or its first part could not be sent) is refused at once
 //!   (`Err`), so the caller can make it over gRPC: nothing of it reached
@@ -49,6 +57,12 @@ use crate::stats::Stats;
 pub const MAX_CALL_BYTES: usize = 1 << 30;
 /// Most calls one link may have being served at once.
 pub const MAX_SERVED: usize = 4096;
+/// Largest reply handed to an inline caller on the event thread (a larger
+/// one, e.g. a RunGraph response carrying fetched tensors, is parsed on
+/// `rdev-callbacks`, not on the thread that reads the link).
+pub const INLINE_REPLY_MAX: usize = 64 << 10;
+/// Method ids a server may declare inline (`rpc_serve_inline`): below this.
+pub const INLINE_METHODS: u32 = 64;
 
 /// TensorFlow's status codes the transport produces itself.
 pub const CODE_CANCELLED: u32 = 1;
@@ -73,6 +87,8 @@ pub trait Server: Send + Sync {
 struct Outgoing {
     link: ConnId,
     done: CallDone,
+    /// A successful reply may complete on the event thread.
+    inline: bool,
     deadline: Option<Instant>,
     /// Reply parts so far.
     reply: Vec<u8>,
@@ -101,6 +117,8 @@ pub(super) struct Rpc {
     out: Mutex<HashMap<u64, Outgoing>>,
     served: Mutex<Served>,
     server: RwLock<Option<Arc<dyn Server>>>,
+    /// Bit m: calls of method m are served on the event thread.
+    inline_methods: std::sync::atomic::AtomicU64,
 }
 
 impl Inner {
@@ -118,9 +136,10 @@ impl Inner {
     }
 
     /// Call `method` on `peer` with `body`; `done` runs exactly once (see
-    /// the module docs). `Err`: the call could not start over the
+    /// the module docs; `inline`: a successful small reply may run it on
+    /// the event thread). `Err`: the call could not start over the
     /// transport (`done` dropped uncalled; make it another way).
-    pub(super) fn rpc_call(&self, peer: &str, method: u32, body: &[u8], timeout: Option<Duration>, done: CallDone) -> Result<u64> {
+    pub(super) fn rpc_call(&self, peer: &str, method: u32, body: &[u8], timeout: Option<Duration>, inline: bool, done: CallDone) -> Result<u64> {
         let Some(link) = self.link_with(peer) else {
             return Err(Error::NotViable(format!("no connection with {peer} yet")));
         };
@@ -129,7 +148,7 @@ impl Inner {
         }
         let id = self.rpc.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         let deadline = timeout.map(|t| Instant::now() + t);
-        self.rpc.out.lock().insert(id, Outgoing { link, done, deadline, reply: Vec::new() });
+        self.rpc.out.lock().insert(id, Outgoing { link, done, inline, deadline, reply: Vec::new() });
         let mut parts = body.chunks(CALL_PART_BYTES).peekable();
         let mut first = true;
         loop {
@@ -198,6 +217,21 @@ impl Inner {
         *self.rpc.server.write() = server;
     }
 
+    /// Serve calls of `method` on the event thread that read them (the
+    /// server promises its `call` for it returns within microseconds and
+    /// never waits).
+    pub(super) fn rpc_serve_inline(&self, method: u32) -> Result<()> {
+        if method >= INLINE_METHODS {
+            return Err(Error::InvalidArgument(format!("method {method}: only methods below {INLINE_METHODS} can be served inline")));
+        }
+        self.rpc.inline_methods.fetch_or(1 << method, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn served_inline(&self, method: u32) -> bool {
+        method < INLINE_METHODS && self.rpc.inline_methods.load(std::sync::atomic::Ordering::Relaxed) & (1 << method) != 0
+    }
+
     /// A `Call`, `Reply` or `CallCancel` arrived on `link` (an event
     /// thread): `Err` fails the link.
     pub(super) fn on_call_msg(&self, link: ConnId, msg: &[u8]) -> Result<()> {
@@ -257,11 +291,18 @@ impl Inner {
         let Some((handle, body)) = whole else { return Ok(()) };
         let server = self.rpc.server.read().clone();
         match server {
-            Some(srv) => self.later(move || {
-                let (t, n) = (crate::trace::start(), body.len() as u64);
-                srv.call(handle, method, body);
-                crate::trace::end("serve", t, 0, n, None);
-            }),
+            Some(srv) => {
+                let serve = move || {
+                    let (t, n) = (crate::trace::start(), body.len() as u64);
+                    srv.call(handle, method, body);
+                    crate::trace::end("serve", t, 0, n, None);
+                };
+                if self.served_inline(method) {
+                    serve();
+                } else {
+                    self.later(serve);
+                }
+            }
             None => self.rpc_reply(handle, CODE_UNIMPLEMENTED, b"this task serves no calls over the transport"),
         }
         Ok(())
@@ -285,11 +326,17 @@ impl Inner {
         }
         let o = out.remove(&id).expect("found above");
         drop(out);
-        self.later(move || {
+        let inline = o.inline && code == 0 && o.reply.len() <= INLINE_REPLY_MAX;
+        let done = move || {
             let (t, n) = (crate::trace::start(), o.reply.len() as u64);
             (o.done)(code, o.reply);
             crate::trace::end("call done", t, 0, n, None);
-        });
+        };
+        if inline {
+            done();
+        } else {
+            self.later(done);
+        }
         Ok(())
     }
 
