@@ -57,7 +57,8 @@ TIMELINE = (
 W, P = "/job:worker/task:0", "/job:ps/task:0"
 HANDOFFS = (
     ("the RunGraph call reaches the ps's reader thread", ("call:RunGraph", W, "start"), ("call in", P, "start")),
-    ("reader thread → TF's worker (serve)", ("call in", P, "end"), ("serve", P, "start")),
+    ("the call read → TF's worker serves it (start to start: served on the reader thread)",
+     ("call in", P, "start"), ("serve", P, "start")),
     ("served call → the ps's Send (TF's executor)", ("serve", P, "start"), ("tf:Send", P, "start")),
     ("Send → the write starts", ("tf:Send", P, "start"), ("write", P, "start")),
     ("write done → the receiver sees it (< 0: the doorbell rang before the write's span ended)",
@@ -65,7 +66,8 @@ HANDOFFS = (
     ("seen → handed to TF's Recv", ("arrive", W, "start"), ("deliver", W, "start")),
     ("handed over → the worker's partition ends (TF: consumer, end of step)", ("deliver", W, "end"), ("RunGraph", W, "end")),
     ("RunGraph reply written → read by the worker's reader thread", ("reply", P, "end"), ("reply in", W, "start")),
-    ("reply read → handed to the master", ("reply in", W, "end"), ("call done", W, "start")),
+    ("the reply read → handed to the master (start to start: on the reader thread)",
+     ("reply in", W, "start"), ("call done", W, "start")),
 )
 
 
