@@ -258,46 +258,57 @@ def soak(args):
             k = res["kill"]
             print(f"  worker:1 killed inside step {res['restarted_at_step']}, after the ps had written "
                   f"{k['ps_stream_chunks_before_kill']} stream chunks of that step (step still running: "
-                  f"{k['step_still_running']})")
+                  f"{k['step_still_running']}; runs of that step that ended before a poll saw their stream: {k['missed']})")
         for e in res["errors"]:
             print(f"  failed attempt: {e}")
     return res
 
 
-def _run_killing_mid_stream(cluster, sess, fetch, feed, options, res):
+def _run_killing_mid_stream(cluster, sess, fetch, feed, options, res, tries=5):
     """Run one step and SIGKILL worker:1 while the ps streams a tensor to
     it: once the ps has sent a chunk of a streamed tensor since the step
     began (the ps -> worker:1 hop is the ps's only send), then restart it.
     A chunk goes through a stream slot (``stream_chunks``) or, when the
     receiver has no room for stream slots, as a control message
-    (``stream_messages``): both count. Records the chunks the ps had sent
-    by then in ``res["kill"]``."""
+    (``stream_messages``): both count. The ps's counters are polled (one
+    round trip to the task per poll), so a step can stream and end
+    between two polls: such a run is not a kill mid-stream; it is counted
+    (``missed``) and the same step is run again, up to ``tries`` times.
+    Records the chunks the ps had sent by the kill in ``res["kill"]``."""
     import threading
 
     def chunks():
         c = cluster.task_stats("ps", 0).get("counters", {})
         return c.get("stream_chunks", 0) + c.get("stream_messages", 0)
 
-    before = chunks()
-    out, err = {}, {}
+    missed = 0
+    while True:
+        before = chunks()
+        out, err = {}, {}
 
-    def run():
-        try:
-            out["v"] = sess.run(fetch, feed, options=options)
-        except Exception as e:  # noqa: BLE001 (re-raised on the caller's thread)
-            err["e"] = e
+        def run():
+            try:
+                out["v"] = sess.run(fetch, feed, options=options)
+            except Exception as e:  # noqa: BLE001 (re-raised on the caller's thread)
+                err["e"] = e
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    deadline = time.time() + 60
-    now = before
-    while t.is_alive() and time.time() < deadline:
-        now = chunks()
-        if now > before:
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        deadline = time.time() + 60
+        now = before
+        while t.is_alive() and time.time() < deadline:
+            now = chunks()
+            if now > before:
+                break
+        running = t.is_alive()
+        if running or missed + 1 >= tries or "e" in err:
             break
-    running = t.is_alive()
+        # The step ended before a poll saw its stream: not mid-stream.
+        t.join()
+        missed += 1
     cluster.kill(*VICTIM)
-    res["kill"] = {"ps_stream_chunks_before_kill": now - before, "step_still_running": running}
+    res["kill"] = {"ps_stream_chunks_before_kill": now - before, "step_still_running": running,
+                   "missed": missed}
     cluster.restart(*VICTIM)
     t.join(timeout=options.timeout_in_ms / 1e3 + 30)
     if t.is_alive():
