@@ -25,8 +25,8 @@
 // | choosing a peer's route (rdev_context_add_peer: name resolution, rdma_cm probe) | control pool | the resolver's timeouts + 500 ms; work that needs the route queues (Transport::WhenRouted) |
 // | PlacementRun::WaitUntil | RegisterGraph caller; the tf.function pass's caller unless it is a TF pool thread (passes.cc) | kRegisterPlacementWaitMs |
 // | shape inference of a registered partition (CPU only) | RegisterGraph caller | graph size |
-// | Transport::Call for RunGraph / CleanupGraph (worker_rpc.h: rdev_call) | TF's master thread | writes the request to the connection's socket (never waits for the reply) |
-// | Transport::Reply to a served call | the thread that finished the call (an executor thread) | one non-blocking send; what the socket does not take waits for rdev-shm-send |
+// | Transport::Call for RunGraph / CleanupGraph (worker_rpc.h: rdev_call_inline) | TF's master thread | writes the request to the connection's socket (never waits for the reply) |
+// | Transport::Reply to a served call | the thread that finished the call (RunGraph: an executor thread; CleanupGraph: the transport's thread that read it, rdev_serve_inline) | one non-blocking send; what the socket does not take waits for rdev-shm-send |
 // Everything else in tf_plugin/ returns without waiting: Send, Recv,
 // StartAbort (its transport call only fails waiters), StepDone, and the
 // collectives' PostToPeer/RecvFromPeer/StartAbort (collectives.h).
