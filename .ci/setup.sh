@@ -36,11 +36,22 @@ log "cargo build --release --features verbs"
 (cd "$ROOT" && cargo build --release --quiet --features verbs --lib --bins)
 
 # --- Python venv with pinned TensorFlow --------------------------------------
+# One TensorFlow distribution: `tensorflow` (the PyPI build every other
+# package names; tf_keras requires it by that name). `tensorflow-cpu`
+# beside it would ship the same files under a second name: the one
+# installed last wins file by file, and the plugin is built against
+# whichever that was. A venv that holds both (earlier set-ups made one)
+# keeps `tensorflow` alone, its files restored.
 if ! "$VENV/bin/python" -c "import tensorflow as tf, sys; sys.exit(tf.__version__ != '$TF_VERSION')" >/dev/null 2>&1; then
-  log "creating $VENV with tensorflow-cpu==$TF_VERSION (a few hundred MB, downloaded once)"
+  log "creating $VENV with tensorflow==$TF_VERSION (a few hundred MB, downloaded once)"
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q "tensorflow-cpu==$TF_VERSION" "tf_keras==$TF_VERSION" pytest portpicker
+  "$VENV/bin/pip" install -q "tensorflow==$TF_VERSION" "tf_keras==$TF_VERSION" pytest portpicker
+fi
+if "$VENV/bin/python" -c "import importlib.metadata as m; m.version('tensorflow-cpu')" >/dev/null 2>&1; then
+  log "removing tensorflow-cpu from $VENV (it overwrote tensorflow's files; keeping tensorflow==$TF_VERSION alone)"
+  "$VENV/bin/pip" uninstall -q -y tensorflow-cpu
+  "$VENV/bin/pip" install -q --force-reinstall --no-deps "tensorflow==$TF_VERSION"
 fi
 "$VENV/bin/python" -c "import pytest, portpicker" 2>/dev/null || "$VENV/bin/pip" install -q pytest portpicker
 # matplotlib: the evaluation suite's plots (python -m rdma_device.bench suite)

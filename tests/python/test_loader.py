@@ -48,3 +48,19 @@ def test_another_build_is_refused_with_the_difference(tmp_path, running, key, va
 def test_a_build_info_without_the_build_is_refused(tmp_path, running):
     with pytest.raises(RuntimeError, match="git version"):
         _loader._check_built_for(running, _write(tmp_path, {"tensorflow": running["tensorflow"]}))
+
+
+# Distributions that ship the `tensorflow` package's files.
+_TF_DISTRIBUTIONS = {"tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-intel", "tf-nightly", "tf-nightly-cpu"}
+
+
+def test_the_environment_holds_one_tensorflow_distribution():
+    """The set-up installs ``tensorflow`` alone. A second distribution of
+    the same files (``tensorflow-cpu`` beside it, as tf_keras's dependency
+    once made) overwrites them file by file, so the plugin would be built
+    against whichever came last while pip reports the other."""
+    from importlib import metadata
+
+    names = sorted({(d.metadata["Name"] or "").lower().replace("_", "-") for d in metadata.distributions()}
+                   & _TF_DISTRIBUTIONS)
+    assert len(names) == 1, f"TensorFlow is installed as {names}: one distribution expected"

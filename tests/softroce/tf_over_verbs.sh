@@ -9,7 +9,7 @@
 # and prints "tf-over-verbs: ..." (steps, bit-identity, verbs counters).
 #
 #   tests/softroce/tf_over_verbs.sh
-#   RDMA_DEVICE_VENV=...   the venv with tensorflow-cpu and the plugin
+#   RDMA_DEVICE_VENV=...   the venv with tensorflow and the plugin
 #                          (default ~/.cache/rdma_device/venv, .ci/setup.sh)
 #   TF_VERBS_STEPS=5       training steps per run
 #   SOFTROCE_TIMEOUT=2400  bound on the whole run, in seconds
