@@ -12,6 +12,7 @@
 #include "tensorflow/core/framework/device_base.h"
 #include "tensorflow/core/platform/logging.h"
 #include "pool.h"
+#include "recv_call.h"
 #include "recycle.h"
 #include "transport.h"
 #include "trace.h"
@@ -21,68 +22,6 @@ namespace rdma_device {
 namespace tf = ::tensorflow;
 
 namespace {
-
-// TF ends every step with StartAbort(Aborted("Cleanup <step>")), and server
-// teardown with Aborted("Shutdown") (common_runtime/eager/rendezvous_cache.h):
-// normal ends, not failures to tell the peers about.
-bool IsCleanup(const absl::Status& status, int64_t step_id) {
-  return absl::IsAborted(status) &&
-         (status.message() == absl::StrCat("Cleanup ", step_id) || status.message() == "Shutdown");
-}
-
-std::string TaskOf(const tsl::DeviceNameUtils::ParsedName& device) {
-  return TaskName(device.job, device.replica, device.task);
-}
-
-// TaskOf into `out`, reusing its capacity (no allocation per tensor).
-void TaskOfInto(const tsl::DeviceNameUtils::ParsedName& device, std::string* out) {
-  out->clear();
-  absl::StrAppend(out, "/job:", device.job, "/replica:", device.replica, "/task:", device.task);
-}
-
-// Tensors on a device other than host memory are staged through host
-// memory: the transport only ever sees host bytes.
-bool OnHost(const tsl::DeviceNameUtils::ParsedName& device,
-            const tf::Rendezvous::Args& args) {
-  return args.alloc_attrs.on_host() || device.type == "CPU" || args.device_context == nullptr;
-}
-
-class RdmaRemoteRendezvous;
-
-// A receive in flight through the transport, registered with the base
-// rendezvous so that step aborts and cancellation reach it.
-//
-// TF calls StartAbort() while holding the rendezvous' call lock, and our
-// completion path takes that lock (DeregisterCall); the transport may run
-// completions on the calling thread. So StartAbort() never calls into the
-// transport directly: it records the status and hands the abort to the
-// plugin's pool.
-class RecvCall : public tf::BaseRecvTensorCall {
- public:
-  RecvCall(std::function<void(const absl::Status&)> abort_async)
-      : abort_async_(std::move(abort_async)) {}
-
-  void Start(std::function<void()> recv_done) override {}  // driven by the transport
-
-  void StartAbort(const absl::Status& s) override {
-    {
-      tf::mutex_lock l(mu_);
-      if (!status_.ok()) return;
-      status_ = s;
-    }
-    abort_async_(s);
-  }
-
-  absl::Status status() const override {
-    tf::mutex_lock l(mu_);
-    return status_;
-  }
-
- private:
-  mutable tf::mutex mu_;
-  absl::Status status_ TF_GUARDED_BY(mu_);
-  const std::function<void(const absl::Status&)> abort_async_;
-};
 
 // One per step on this task. Tensors whose peer our transport serves are
 // pushed by the sender (Send override) and claimed by the receiver
@@ -281,7 +220,16 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
           } else if (is_dead || OnHost(parsed.dst, recv_args)) {
             done(s, Args(), recv_args, tensor, is_dead);
           } else {
-            CopyToDevice(parsed, recv_args, tensor, done);
+            // The copy into the device's memory is queued on the data-path
+            // pool: staging a large copy can hold its thread for
+            // milliseconds, and rdev-callbacks serves every completion.
+            this->Ref();
+            if (recv_args.device_context != nullptr) recv_args.device_context->Ref();
+            Schedule([this, parsed, recv_args, tensor, done] {
+              CopyToDevice(parsed, recv_args, tensor, done);
+              if (recv_args.device_context != nullptr) recv_args.device_context->Unref();
+              Unref();  // may destroy the rendezvous
+            });
           }
           Unref();  // may destroy the rendezvous: nothing of `this` after it
         },
@@ -327,7 +275,7 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     const int64_t traced = TraceStart();
     if (!is_dead && !OnHost(parsed.src, args)) return StageAndPush(parsed, args, peer, val);
     bool refused = false;
-    absl::Status s = Push(peer, parsed.FullKey(), val, is_dead, &refused, &args);
+    absl::Status s = Push(peer, parsed.FullKey(), val, is_dead, &refused, &args, nullptr);
     TraceEnd("tf:Send", traced, step_id_, is_dead ? 0 : val.TotalBytes(), parsed.FullKey());
     if (refused) {
       // The receiver does not take pushes from us (plain gRPC, or it routes
@@ -372,10 +320,12 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
   }
 
   // `args`: the Send's arguments, for a refusal learnt after Send returned
-  // (the tensor then goes to our table for the receiver's gRPC pull); null
-  // when the tensor cannot go that way (a staged device tensor).
+  // (the tensor then goes to our table for the receiver's gRPC pull).
+  // `device_val`: for a staged push, the device tensor `val` was copied
+  // from: that one, not the host copy, is what the pull takes (TF's
+  // RecvTensor handler copies it off the device with `args`' context).
   absl::Status Push(const std::string& peer, absl::string_view key, const tf::Tensor& val,
-                    bool is_dead, bool* refused, const Args* args) {
+                    bool is_dead, bool* refused, const Args* args, const tf::Tensor* device_val) {
     // The rendezvous (hence the step) stays alive until the transport is
     // done with the tensor. A failed push fails the step here too, so the
     // sender learns of a lost peer without waiting for the receiver.
@@ -388,6 +338,11 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     c->is_dead = is_dead;
     c->has_args = args != nullptr;
     if (args != nullptr) c->args = *args;
+    c->staged = device_val != nullptr;
+    if (c->staged) {
+      c->device_val = *device_val;
+      if (c->args.device_context != nullptr) c->args.device_context->Ref();
+    }
     // One pointer: the callback fits std::function's inline storage.
     absl::Status s = transport_->Send(
         peer, key, step_id_, val, is_dead,
@@ -409,6 +364,9 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     bool is_dead = false;
     bool has_args = false;
     Args args;
+    // A staged push: the device tensor, and a reference on args' context.
+    bool staged = false;
+    tf::Tensor device_val;
   };
 
   static FreeList<PushCtx>& PushCtxs() {
@@ -418,6 +376,9 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
 
   static void Recycle(PushCtx* c) {
     c->rendezvous = nullptr;
+    if (c->staged && c->args.device_context != nullptr) c->args.device_context->Unref();
+    c->staged = false;
+    c->device_val = tf::Tensor();
     c->val = tf::Tensor();
     c->args = Args();
     PushCtxs().Put(std::unique_ptr<PushCtx>(c));
@@ -431,7 +392,10 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
       if (failed.ok()) {
         Rendezvous::ParsedKey parsed;
         failed = Rendezvous::ParseKey(c->key, &parsed);
-        if (failed.ok()) failed = BaseRemoteRendezvous::Send(parsed, c->args, c->val, c->is_dead);
+        if (failed.ok()) {
+          failed = BaseRemoteRendezvous::Send(parsed, c->args, c->staged ? c->device_val : c->val,
+                                              c->is_dead);
+        }
       }
     }
     if (!failed.ok()) FailLate(failed, c->key, c->peer);
@@ -440,24 +404,38 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
   }
 
   // Device tensor -> host copy -> push. Send() must return at once, so the
-  // push starts from the copy's completion; failures abort the step.
+  // push starts from the copy's completion. The staging tensor is pinned
+  // host memory (gpu_compatible: the device's host allocator), so the copy
+  // is a DMA and verbs can register it. A receiver that refuses pushes
+  // (learnt now or while connecting) gets the device tensor through its
+  // gRPC pull, and the peer is demoted so later steps skip the staging; in
+  // strict mode, or when the copy fails, the step fails.
   absl::Status StageAndPush(const ParsedKey& parsed, const Args& args, const std::string& peer,
                             const tf::Tensor& val) {
     tf::Device* device = nullptr;
     TF_RETURN_IF_ERROR(session()->device_mgr()->LookupDevice(parsed.src_device, &device));
     tf::AllocatorAttributes host_attrs;
     host_attrs.set_on_host(true);
+    host_attrs.set_gpu_compatible(true);
     auto* host = new tf::Tensor(device->GetAllocator(host_attrs), val.dtype(), val.shape());
     this->Ref();
+    args.device_context->Ref();
     args.device_context->CopyDeviceTensorToCPU(
         &val, parsed.edge_name, device, host,
-        [this, host, peer, key = std::string(parsed.FullKey())](const absl::Status& copied) {
-          // A refusal cannot fall back here (Send has returned and the gRPC
-          // pull would want the device tensor): it fails the step.
+        [this, host, peer, args, val, key = std::string(parsed.FullKey())](const absl::Status& copied) {
           bool refused = false;
-          absl::Status s = copied.ok() ? Push(peer, key, *host, false, &refused, nullptr) : copied;
+          absl::Status s =
+              copied.ok() ? Push(peer, key, *host, false, &refused, &args, &val) : copied;
           delete host;  // Push holds its own reference to the buffer
+          if (refused) {
+            // Refused at once: the receiver pulls the device tensor.
+            s = transport_->Demote(peer, s);
+            Rendezvous::ParsedKey parsed;
+            if (s.ok()) s = Rendezvous::ParseKey(key, &parsed);
+            if (s.ok()) s = BaseRemoteRendezvous::Send(parsed, args, val, false);
+          }
           if (!s.ok()) StartAbort(s);
+          args.device_context->Unref();
           Unref();
         });
     return absl::OkStatus();

@@ -1,0 +1,85 @@
+// The rendezvous' small parts (rendezvous.cc): what a step's end looks
+// like, task names, where a tensor lives, and a receive in flight as TF's
+// base rendezvous tracks it for aborts and cancellation.
+#ifndef RDMA_DEVICE_TF_PLUGIN_RECV_CALL_H_
+#define RDMA_DEVICE_TF_PLUGIN_RECV_CALL_H_
+
+#include <functional>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/distributed_runtime/base_rendezvous_mgr.h"
+#include "tensorflow/core/framework/rendezvous.h"
+#include "tensorflow/core/platform/mutex.h"
+#include "tsl/platform/thread_annotations.h"
+#include "transport.h"
+
+namespace rdma_device {
+
+namespace tf = ::tensorflow;
+
+// TF ends every step with StartAbort(Aborted("Cleanup <step>")), and server
+// teardown with Aborted("Shutdown") (common_runtime/eager/rendezvous_cache.h):
+// normal ends, not failures to tell the peers about.
+inline bool IsCleanup(const absl::Status& status, int64_t step_id) {
+  return absl::IsAborted(status) &&
+         (status.message() == absl::StrCat("Cleanup ", step_id) || status.message() == "Shutdown");
+}
+
+inline std::string TaskOf(const tsl::DeviceNameUtils::ParsedName& device) {
+  return TaskName(device.job, device.replica, device.task);
+}
+
+// TaskOf into `out`, reusing its capacity (no allocation per tensor).
+inline void TaskOfInto(const tsl::DeviceNameUtils::ParsedName& device, std::string* out) {
+  out->clear();
+  absl::StrAppend(out, "/job:", device.job, "/replica:", device.replica, "/task:", device.task);
+}
+
+// Tensors on a device other than host memory are staged through host
+// memory: the transport only ever sees host bytes.
+inline bool OnHost(const tsl::DeviceNameUtils::ParsedName& device,
+                   const tf::Rendezvous::Args& args) {
+  return args.alloc_attrs.on_host() || device.type == "CPU" || args.device_context == nullptr;
+}
+
+// A receive in flight through the transport, registered with the base
+// rendezvous so that step aborts and cancellation reach it.
+//
+// TF calls StartAbort() while holding the rendezvous' call lock, and our
+// completion path takes that lock (DeregisterCall); the transport may run
+// completions on the calling thread. So StartAbort() never calls into the
+// transport directly: it records the status and hands the abort to the
+// plugin's pool.
+class RecvCall : public tf::BaseRecvTensorCall {
+ public:
+  RecvCall(std::function<void(const absl::Status&)> abort_async)
+      : abort_async_(std::move(abort_async)) {}
+
+  void Start(std::function<void()> recv_done) override {}  // driven by the transport
+
+  void StartAbort(const absl::Status& s) override {
+    {
+      tf::mutex_lock l(mu_);
+      if (!status_.ok()) return;
+      status_ = s;
+    }
+    abort_async_(s);
+  }
+
+  absl::Status status() const override {
+    tf::mutex_lock l(mu_);
+    return status_;
+  }
+
+ private:
+  mutable tf::mutex mu_;
+  absl::Status status_ TF_GUARDED_BY(mu_);
+  const std::function<void(const absl::Status&)> abort_async_;
+};
+
+}  // namespace rdma_device
+
+#endif  // RDMA_DEVICE_TF_PLUGIN_RECV_CALL_H_
