@@ -34,7 +34,7 @@ RPCS_OVER_GRPC = "grpc+rdma_device, worker RPCs over gRPC"
 TIMELINE = (
     ("call:RunGraph", "/job:worker/task:0", "the master's RunGraph call to the ps, to its reply"),
     ("call in", "/job:ps/task:0", "the call read by the ps's reader thread"),
-    ("serve", "/job:ps/task:0", "the call handed to TF's worker (rdev-callbacks)"),
+    ("serve", "/job:ps/task:0", "the call handed to TF's worker (on the reader thread; rdev-callbacks for a call not served inline)"),
     ("RunGraph", "/job:ps/task:0", "ps's partition (worker RPC)"),
     ("tf:Send", "/job:ps/task:0", "TF's Send → transport"),
     ("send", "/job:ps/task:0", "rdev send (queue the write)"),
@@ -47,7 +47,7 @@ TIMELINE = (
     ("send_done", "/job:ps/task:0", "sender's done callback"),
     ("reply", "/job:ps/task:0", "the RunGraph reply written (by the thread that ended the partition)"),
     ("reply in", "/job:worker/task:0", "the reply read by the worker's reader thread"),
-    ("call done", "/job:worker/task:0", "the reply handed to the master (rdev-callbacks)"),
+    ("call done", "/job:worker/task:0", "the reply handed to the master (on the reader thread; rdev-callbacks for a failure or a reply over 64 KiB)"),
 )
 
 
