@@ -191,3 +191,50 @@ def eager_cancel(spec, ready):
     value = float(consume())
     return {"error": error, "cancelled_after": cancelled_after, "value": value,
             "next_call_s": time.monotonic() - t1, "stats": _stats(spec)}
+
+
+def eager_errors(spec, ready):
+    """Cross-task work after a failed op, the way an eager user meets it:
+    a tf.function whose op on the worker fails (check_numerics of a tensor
+    made on the ps from the call's argument), then the same function on
+    good data; and an op-by-op failure on the worker, then op-by-op copies
+    between the tasks. (The value comes in as an argument: a variable
+    assigned between calls is not ordered before a remote function's read
+    of it, under stock gRPC too.)"""
+    import tensorflow as tf
+
+    tf.config.experimental_connect_to_cluster(
+        tf.train.ClusterSpec(spec["cluster"]), job_name="chief", task_index=0,
+        protocol=spec["protocol"])
+    ready()
+    ps, worker = "/job:ps/replica:0/task:0", "/job:worker/replica:0/task:0"
+
+    @tf.function
+    def checked_sum(s):
+        with tf.device(ps):
+            x = tf.fill([4096], s) * 2.0
+        with tf.device(worker):
+            return tf.reduce_sum(tf.debugging.check_numerics(x, "bad value"))
+
+    out = {"values": [], "errors": []}
+    out["values"].append(float(checked_sum(tf.constant(1.0))))
+    for i in range(3):
+        try:
+            got = float(checked_sum(tf.constant(float("nan"))))
+            out["errors"].append(f"no error: {got}")
+        except tf.errors.OpError as e:
+            out["errors"].append(type(e).__name__)
+        out["values"].append(float(checked_sum(tf.constant(float(i + 2)))))
+    # Op by op: a failure on the worker, then copies both ways.
+    with tf.device(worker):
+        try:
+            tf.debugging.check_numerics(tf.constant([float("nan")]), "bad value").numpy()
+            out["errors"].append("no error")
+        except tf.errors.OpError as e:
+            out["errors"].append(type(e).__name__)
+        w = tf.fill([4096], 3.0) + 1.0
+    with tf.device(ps):
+        back = tf.reduce_sum(w)
+    out["values"].append(float(back.numpy()))
+    out["stats"] = _stats(spec)
+    return out
