@@ -13,13 +13,13 @@
 // (optimize_function_graph_utils.cc: `!options.is_component_function`), and
 // no RegisterGraph happens. So this pass places every partition's static
 // edges from here: its own directly, the other tasks' by asking each sender
-// (rdev_request_placement), and waits for them, so the function's first run
-// already pushes. See the README section "Placement at graph-registration
-// time".
+// (rdev_request_placement), and on the main thread waits for them, so the
+// function's first run already pushes. See the README section "Placement
+// at graph-registration time".
 //
 // TF1 sessions do not come here: their workers run POST_PARTITIONING with
 // is_function_graph false, and are handled at RegisterGraph (worker.h).
-#include <pthread.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstring>
@@ -65,15 +65,14 @@ class ShapeAnnotationPass : public tf::GraphOptimizationPass {
 // its edges' placement (the same bound as RegisterGraph's, worker.cc).
 constexpr int64_t kFunctionPlacementWaitMs = 2000;
 
-// True on a thread of a TF (tsl) thread pool, the plugin's included: they
-// are started by tsl's Env, which names each "tf_<pool name>" (the inter-op
-// pool's "tf_Compute", tf.data's, the plugin's "tf_rdev_plugin"). A thread
-// whose name cannot be read counts as a pool thread (it never waits).
-bool OnTfPoolThread() {
-  char name[16] = {};
-  if (pthread_getname_np(pthread_self(), name, sizeof(name)) != 0) return true;
-  return std::strncmp(name, "tf_", 3) == 0;
-}
+// True on the process's main thread: the user's own (Python's) thread,
+// which calls the function next and would wait for its run anyway. Every
+// other thread (TF's and the plugin's pools, gRPC's handler threads where a
+// worker instantiates a function a ParameterServerStrategy closure sent it,
+// the user's other threads) starts the placement and goes on: a function's
+// first run places what is not placed yet, so not waiting costs that run
+// only time, never correctness.
+bool OnMainThread() { return gettid() == getpid(); }
 
 class FunctionPlacementPass : public tf::GraphOptimizationPass {
  public:
@@ -87,8 +86,8 @@ class FunctionPlacementPass : public tf::GraphOptimizationPass {
     if (here == nullptr) return absl::OkStatus();
     // Every partition's placement runs at once on the plugin's control
     // pool; this thread (the one instantiating the function) waits for
-    // them, bounded, unless it is a TF pool thread (see the file comment).
-    const bool wait = !OnTfPoolThread();
+    // them, bounded, only if it is the process's main thread (above).
+    const bool wait = OnMainThread();
     const auto deadline =
         std::chrono::steady_clock::now() + std::chrono::milliseconds(kFunctionPlacementWaitMs);
     std::vector<PlacementRun> runs;
@@ -114,7 +113,7 @@ class FunctionPlacementPass : public tf::GraphOptimizationPass {
     }
     if (!wait) {
       VLOG(1) << "rdma_device: function " << options.debug_filename_prefix
-              << " instantiated on a TF pool thread: placement goes on in the background";
+              << " instantiated off the main thread: placement goes on in the background";
       return absl::OkStatus();
     }
     for (const PlacementRun& run : runs) {
