@@ -9,13 +9,17 @@ server (workers, PS, chief, eager client)::
     server = tf.distribute.Server(cluster, job_name="worker", task_index=0,
                                   protocol="grpc+rdma_device")
 
-:func:`stats` and :func:`config` report what the transport did and which
-settings are in effect (``RDMA_DEVICE_*`` environment variables);
+:func:`create_local_server` is ``tf.distribute.Server.create_local_server``
+with this protocol. :func:`stats` and :func:`config` report what the
+transport did and which settings are in effect (``RDMA_DEVICE_*``
+environment variables);
 :func:`trace_enable` and :func:`trace_take` record where each transfer's
 time goes (``python -m rdma_device.bench trace`` writes a Chrome trace).
 """
 
 from rdma_device._loader import (PROTOCOL, config, lib_dir, load, reset_stats, stats, trace_enable,
                                  trace_take)
+from rdma_device._local import create_local_server
 
-__all__ = ["PROTOCOL", "config", "lib_dir", "load", "reset_stats", "stats", "trace_enable", "trace_take"]
+__all__ = ["PROTOCOL", "config", "create_local_server", "lib_dir", "load", "reset_stats", "stats",
+           "trace_enable", "trace_take"]
