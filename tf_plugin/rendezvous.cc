@@ -251,9 +251,15 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     }
   }
 
+  // TF's cache holds rendezvous weakly (rendezvous_cache.h): a step's may be
+  // destroyed and made again by a later Find(), e.g. by a partial run's
+  // next call or the step's CleanupGraph. Only one that was initialized
+  // (used for the step's sends and receives) ends the step in the
+  // transport; one made only to be looked up or cleaned up does not.
   ~RdmaRemoteRendezvous() override {
+    if (transport_ == nullptr || !is_initialized()) return;
     VLOG(2) << "end of step " << step_id_;
-    if (transport_ != nullptr) transport_->StepDone(step_id_);
+    transport_->StepDone(step_id_);
   }
 
   absl::Status abort_status() {

@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "tensorflow/core/distributed_runtime/call_options.h"
+#include "tensorflow/core/distributed_runtime/message_wrappers.h"
+#include "tensorflow/core/distributed_runtime/worker.h"
 #include "tensorflow/core/platform/logging.h"
 #include "tensorflow/core/platform/mutex.h"
 #include "tensorflow/core/protobuf/worker.pb.h"
@@ -38,7 +40,11 @@ class TransportWorker : public tf::WorkerInterface {
                      tf::MutableRunGraphResponseWrapper* response,
                      tf::StatusCallback done) override {
     std::string body;
-    if (!Direct() || !request->ToProto().SerializeToString(&body)) {
+    // A response kept in memory (what an in-process worker creates) has no
+    // proto to parse a reply into: TF's own call only (its get_proto()
+    // aborts the process).
+    if (!Direct() || dynamic_cast<tf::InMemoryRunGraphResponse*>(response) != nullptr ||
+        !request->ToProto().SerializeToString(&body)) {
       OverGrpc();
       stock_->RunGraphAsync(opts, request, response, std::move(done));
       return;
@@ -218,6 +224,10 @@ class TransportWorkerCache : public tf::WorkerCacheInterface {
   tf::WorkerInterface* GetOrCreateWorker(const std::string& target) override {
     tf::WorkerInterface* w = stock_->GetOrCreateWorker(target);
     if (w == nullptr) return nullptr;
+    // This process's own worker, called in-process (no RPC at all), under
+    // whatever name the cache knows it by: a session's ClusterDef may name
+    // this task otherwise than the server does (ClusterSpec propagation).
+    if (dynamic_cast<tf::Worker*>(w) != nullptr) return w;
     return new TransportWorker(target, w, transport_);
   }
   void ReleaseWorker(const std::string& target, tf::WorkerInterface* worker) override {

@@ -530,32 +530,28 @@ def _two_local_servers(protocol):
 
 def test_two_local_servers_joined_by_a_session_cluster_def(plugin_built):
     """Two create_local_server() servers, one session whose ClusterDef names
-    both: stock gRPC runs it (the reference); under "grpc+rdma_device" the
-    master process aborts on its first step (a known bug, see below). When
-    it is fixed, this test checks the values and that each task counted
-    every tensor it received (over the transport or as a fallback: each
-    server knows itself as /job:localhost/task:0, the session calls it
-    /job:worker/task:N, and the transport's handshake refuses a peer
-    under another name)."""
+    both (ClusterSpec propagation): the same values as under stock gRPC.
+    Each server knows itself as /job:localhost/task:0 while the session
+    calls them /job:worker/task:N, so the transport's handshake refuses the
+    peer under its new name and the tensors go by stock gRPC, counted with
+    that reason; the master's own worker is called in-process. (This
+    aborted the master process: the worker cache's in-process worker was
+    taken for a peer and called over the transport with TensorFlow's
+    in-memory RunGraph response, whose get_proto() CHECK-fails.)"""
     rc, out, err = _two_local_servers(GRPC)
     assert rc == 0, err[-3000:]
     want = _result(out, err)["z"]
     assert want == [3.0 * 0.5 * 1024] * 3, want
 
     rc, out, err = _two_local_servers(RDMA)
-    if rc == -6 and "Cannot get a mutable protobuf for an InMemoryRunGraphResponse" in err:
-        # The session's cluster names this task /job:worker/task:0; the
-        # transport knows itself as /job:localhost/task:0, so
-        # TransportWorker (tf_plugin/worker_rpc.cc) takes the master's own,
-        # in-process worker for a peer (Local() compares names) and calls it
-        # over the transport with TensorFlow's InMemoryRunGraphResponse,
-        # whose get_proto() CHECK-fails.
-        pytest.xfail("known bug: a session ClusterDef that renames the master's own task aborts the "
-                     "master (TransportWorker::RunGraphAsync -> InMemoryRunGraphResponse::get_proto)")
     assert rc == 0, err[-3000:]
     r = _result(out, err)
     assert r["z"] == want, r
     n = r["stats"]["counters"]
-    # The master's task receives v once per step, over the transport or
-    # pulled over gRPC (counted as a fallback).
-    assert n["tensors_received"] + n["fallback_tensors"] == 3, n
+    # The master's task receives two tensors from worker 1 per step (v for
+    # y, and z for the fetch), by gRPC pull, each counted as a fallback
+    # with the handshake's reason; nothing over the transport.
+    assert n["tensors_received"] == 0 and n["tensors_pushed"] == 0, r["stats"]
+    assert n["fallback_tensors"] == 6, r["stats"]
+    reasons = r["stats"]["fallback_reasons"]
+    assert sum(reasons.values()) == 6 and all("not /job:worker/replica:0/task:1" in k for k in reasons), reasons
