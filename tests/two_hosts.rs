@@ -12,7 +12,17 @@
 //!                            then b1 SIGKILLs itself;
 //!       step 2N+2            a2 must fail within KILL_BOUND;
 //!   P3  steps 2N+3..=3N+2    a2 <-> b2 (the restarted b is reached again).
-//!   P4  from step 3N+3       a2 streams tensors to b2, which takes them,
+//!   B   steps 3N+3..=3N+2+BLIP_STEPS, paced by a: a network blip. Once a
+//!                            says so, the host script stops B's VM for
+//!                            BLIP_PAUSE (its NIC goes silent, as in a
+//!                            switch reboot or a link flap) and continues
+//!                            it: every step must still complete, with the
+//!                            right bytes, on the same connections (the
+//!                            QPs ride the pause out on their retries, as
+//!                            TCP does), and one of a's steps must have
+//!                            waited out the pause.
+//!   P4  from step 3N+3+BLIP_STEPS
+//!                            a2 streams tensors to b2, which takes them,
 //!                            until host B vanishes: the host script kills
 //!                            B's whole VM (no FIN, no NAK: its NIC is
 //!                            gone). a2's writes must fail within the
@@ -35,6 +45,14 @@ use rdma_device::node::Node;
 use rdma_device::rendezvous::TensorMeta;
 
 const N: u64 = 30;
+/// Steps of the blip phase; a waits BLIP_PACE between them, so the phase
+/// lasts several seconds and the host script's pause lands inside it.
+const BLIP_STEPS: u64 = 60;
+const BLIP_PACE: Duration = Duration::from_millis(100);
+/// How long the host script stops B's VM (tests/softroce/two_hosts.sh):
+/// three times the ~0.47 s a QP used to resend for before failing, well
+/// within the ~3.76 s it does now.
+const BLIP_PAUSE_MS: u64 = 1500;
 /// How long the survivor may take to fail its waiters after the peer's
 /// SIGKILL, counted from the survivor's last step: the 2 s the peer waits
 /// before killing itself (see `die`), then the kernel's disconnect of the
@@ -42,10 +60,11 @@ const N: u64 = 30;
 /// TCG), plus 900 ms of margin for the emulated VMs' scheduling.
 const KILL_BOUND: Duration = Duration::from_secs(3);
 /// Over the documented dead-host bound (4.096 µs × 2^ack_timeout ×
-/// (retry_count + 1), ~469 ms by default): rxe's retransmit timer ticks in
+/// (retry_count + 1), ~3.76 s by default): rxe's retransmit timer ticks in
 /// jiffies (each of the 7 tries may round up by one), and the bound counts
 /// from the failed write's first transmission while the test counts from
-/// the last completed write. Measured under TCG: 465–481 ms in all.
+/// the last completed write. Measured under TCG: 3592 ms (465–481 ms with
+/// the earlier 469 ms bound).
 const VANISH_MARGIN: Duration = Duration::from_millis(150);
 /// How long a write to the vanished host may take to complete or fail at
 /// all before the test gives up waiting (then the assertions say why).
@@ -121,6 +140,32 @@ impl Side {
             }
         }
         say(tag, &format!("steps {from}..={to} exchanged ({} retries before the first)", retries));
+    }
+
+    /// The blip phase (see the file comment): steps `from..=to`, paced on
+    /// a's side, which asks for the pause and checks that a step waited
+    /// it out.
+    fn blip(&mut self, tag: &str, from: u64, to: u64) {
+        let mut longest = Duration::ZERO;
+        let t0 = Instant::now();
+        for step in from..=to {
+            if self.me == 0 && step == from + 2 {
+                say(tag, &format!("blip: exchanging; stop host B for {BLIP_PAUSE_MS} ms now"));
+            }
+            let s0 = Instant::now();
+            if let Err(e) = self.exchange(step) {
+                panic!("{tag}: step {step} of the blip phase failed after {} ms: {e}\n{}", s0.elapsed().as_millis(), self.node.describe());
+            }
+            longest = longest.max(s0.elapsed());
+            if self.me == 0 {
+                std::thread::sleep(BLIP_PACE);
+            }
+        }
+        say(tag, &format!("blip: steps {from}..={to} exchanged in {} ms, the longest {} ms", t0.elapsed().as_millis(), longest.as_millis()));
+        if self.me == 0 {
+            assert!(longest >= Duration::from_millis(BLIP_PAUSE_MS / 2),
+                    "{tag}: no step waited out host B's pause (longest {longest:?}): the pause missed the phase");
+        }
     }
 
     /// The peer died after its last step: our next step must fail, fast.
@@ -273,14 +318,16 @@ fn two_hosts_role() {
             s.phase(&tag, N + 2, 2 * N + 1);
             s.detect(&tag, 2 * N + 2);
             s.phase(&tag, 2 * N + 3, 3 * N + 2);
+            s.blip(&tag, 3 * N + 3, 3 * N + 2 + BLIP_STEPS);
             // 4.096 µs × 2^ack_timeout per try, retry_count + 1 tries.
             let per_try = Duration::from_nanos(4096 << cfg.verbs_ack_timeout);
-            s.stream_until_vanished(&tag, 3 * N + 3, per_try * (cfg.verbs_retry_count as u32 + 1));
+            s.stream_until_vanished(&tag, 3 * N + 3 + BLIP_STEPS, per_try * (cfg.verbs_retry_count as u32 + 1));
         }
         (1, 2) => {
             s.phase(&tag, 2 * N + 3, 3 * N + 2);
+            s.blip(&tag, 3 * N + 3, 3 * N + 2 + BLIP_STEPS);
             say(&tag, &format!("done: {} tensors, {} bytes exchanged", s.tensors, s.bytes));
-            s.take_until_killed(&tag, 3 * N + 3);
+            s.take_until_killed(&tag, 3 * N + 3 + BLIP_STEPS);
         }
         _ => panic!("unknown role/life {role}/{life}"),
     }

@@ -8,9 +8,13 @@
 # verbs only; SIGKILL of A, then of B, each must fail the survivor's
 # waiters within 3 s of its last step (2 s of which the killed side waits
 # before its SIGKILL), and the restarted process must be reached again.
+# Then a network blip: while A and B exchange, this script stops B's VM
+# (SIGSTOP to its qemu: the NIC goes silent) for 1.5 s and continues it;
+# every step must complete on the same connections (the QPs resend for
+# ~3.76 s before they give up), one of them having waited the pause out.
 # Last, host B vanishes while A streams tensors to it: this script kills
 # B's whole VM (its NIC goes silent: no FIN, no NAK), and A's writes must
-# fail within the bound the verbs settings document (~469 ms) plus 150 ms,
+# fail within the bound the verbs settings document (~3.76 s) plus 150 ms,
 # counted from A's last completed write; a receive A waits on from B must
 # fail within one keepalive interval (1 s) plus that after the writes.
 # Prints "two-hosts: ..." with the tensors exchanged and the kill results.
@@ -87,9 +91,19 @@ boot b 10.0.3.2 52:54:00:00:03:02 "connect=127.0.0.1:$port" "$log_b"
 pid_b=$!
 trap 'kill "$pid_a" "$pid_b" 2>/dev/null || true; rm -rf "$stage"' EXIT
 
-# Kill host B's VM once A streams to it (the vanishing host), then wait.
+# Pause host B's VM for 1.5 s once A asks for the blip; kill it once A
+# streams to it (the vanishing host); then wait.
 vanished=no
+blipped=no
 while kill -0 "$pid_a" 2>/dev/null; do
+    if [ $blipped = no ] && grep -qa 'two-hosts-a2: blip: exchanging' "$log_a"; then
+        sleep 0.3
+        say "network blip: stopping host B's VM (qemu pid $pid_b) for 1.5 s"
+        pkill -STOP -P "$pid_b" 2>/dev/null || true
+        sleep 1.5
+        pkill -CONT -P "$pid_b" 2>/dev/null || true
+        blipped=yes
+    fi
     # (grep reads the file itself: `tr | grep -q` fails under pipefail
     # when grep stops early.)
     if [ $vanished = no ] && grep -qa 'two-hosts-a2: vanish: streaming' "$log_a"; then
@@ -123,13 +137,15 @@ kill_a="$(strip "$log_b" | sed -n 's/^two-hosts-b1: peer SIGKILLed: waiters fail
 kill_b="$(strip "$log_a" | sed -n 's/^two-hosts-a2: peer SIGKILLed: waiters failed after \([0-9]*\) ms.*/\1/p')"
 reach_a="$(strip "$log_b" | grep -c '^two-hosts-b1: steps 32\.\.' || true)"
 reach_b="$(strip "$log_a" | grep -c '^two-hosts-a2: steps 63\.\.' || true)"
+blip="$(strip "$log_a" | sed -n 's/^two-hosts-a2: blip: steps [0-9.=]* exchanged in [0-9]* ms, the longest \([0-9]*\) ms.*/\1/p')"
 vanish="$(strip "$log_a" | sed -n 's/^two-hosts-a2: host B vanished: writes failed \([0-9]*\) ms after the last completed one (documented bound \([0-9]*\) ms).*/\1 ms (documented bound \2 ms)/p')"
 vanish_recv="$(strip "$log_a" | sed -n 's/^two-hosts-a2: host B vanished: the waiting receive failed \([0-9]*\) ms after the writes.*/\1/p')"
 ok=FAILED
-if [ "$rc_a" = 0 ] && [ "$b_ok" = yes ] && [ -n "$kill_a" ] && [ -n "$kill_b" ] && [ -n "$vanish" ] && [ -n "$vanish_recv" ]; then ok=ok; fi
+if [ "$rc_a" = 0 ] && [ "$b_ok" = yes ] && [ -n "$kill_a" ] && [ -n "$kill_b" ] && [ -n "$blip" ] && [ -n "$vanish" ] && [ -n "$vanish_recv" ]; then ok=ok; fi
 echo "two-hosts: $ok tensors_exchanged=$((tensors / 2)) bytes=$((bytes / 2)) over verbs rxe0 10.0.3.1 <-> rxe0 10.0.3.2;" \
     "SIGKILL A (2 s after its last step): B's waiters failed in ${kill_a:-?} ms, restarted A reached=$([ "$reach_a" = 1 ] && echo yes || echo no);" \
     "SIGKILL B (2 s after its last step): A's waiters failed in ${kill_b:-?} ms, restarted B reached=$([ "$reach_b" = 1 ] && echo yes || echo no);" \
+    "B's VM stopped 1.5 s mid-exchange: every step completed, the longest ${blip:-?} ms;" \
     "host B vanished (VM killed): A's writes failed ${vanish:-?} after its last completed write," \
     "A's waiting receive ${vanish_recv:-?} ms after that" \
     "($((SECONDS - start)) s under TCG)"
