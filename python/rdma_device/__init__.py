@@ -10,7 +10,8 @@ server (workers, PS, chief, eager client)::
                                   protocol="grpc+rdma_device")
 
 :func:`create_local_server` is ``tf.distribute.Server.create_local_server``
-with this protocol. :func:`stats` and :func:`config` report what the
+with this protocol; :func:`use_with_dtensor` makes DTensor's multi-client
+set-up use it. :func:`stats` and :func:`config` report what the
 transport did and which settings are in effect (``RDMA_DEVICE_*``
 environment variables);
 :func:`trace_enable` and :func:`trace_take` record where each transfer's
@@ -19,7 +20,7 @@ time goes (``python -m rdma_device.bench trace`` writes a Chrome trace).
 
 from rdma_device._loader import (PROTOCOL, config, lib_dir, load, reset_stats, stats, trace_enable,
                                  trace_take)
-from rdma_device._local import create_local_server
+from rdma_device._local import create_local_server, use_with_dtensor
 
 __all__ = ["PROTOCOL", "config", "create_local_server", "lib_dir", "load", "reset_stats", "stats",
-           "trace_enable", "trace_take"]
+           "trace_enable", "trace_take", "use_with_dtensor"]

@@ -25,3 +25,22 @@ def create_local_server(config=None, start=True):
     load()
     return tf.distribute.Server({"localhost": ["localhost:0"]}, protocol=PROTOCOL, config=config,
                                 start=start)
+
+
+def use_with_dtensor():
+    """Make DTensor's multi-client set-up use protocol "grpc+rdma_device".
+
+    ``tf.experimental.dtensor.initialize_accelerator_system`` builds its
+    ServerDef with the protocol TensorFlow's platform hook names
+    (``tensorflow.python.platform.remote_utils.
+    get_default_communication_protocol``), which is "grpc" in the PyPI
+    build, and takes no argument for it. This loads the plugin (:func:`load`)
+    and points that hook at this transport's protocol, for this process;
+    call it in every client before ``initialize_accelerator_system``. The
+    collectives DTensor runs across clients then move their chunks over the
+    transport (counted in ``collective_tensors``).
+    """
+    from tensorflow.python.platform import remote_utils
+
+    load()
+    remote_utils.get_default_communication_protocol = lambda: PROTOCOL
