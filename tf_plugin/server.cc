@@ -1,10 +1,16 @@
 // ServerFactory for protocol "grpc+rdma_device" and its GrpcServer subclass.
 //
 // Loading this library (tf.load_library) runs the static registrar below.
-// The shim is compiled against one exact TensorFlow (C++ classes, layouts):
-// when the running TensorFlow's version differs it registers nothing and
-// says why (rdma_device_tf_load_error); the Python loader compares the
-// build more closely (git version, compiler, ABI flags) before loading.
+// The shim is compiled against one exact TensorFlow build (C++ classes,
+// layouts): when the running TensorFlow is another build (another version,
+// or the same version's other binaries: `tensorflow-cpu` for `tensorflow`)
+// it registers nothing and says why (rdma_device_tf_load_error), however
+// it was loaded (rdma_device.load() or tf.load_library by hand).
+#include <dlfcn.h>
+#include <link.h>
+
+#include <cinttypes>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -22,8 +28,9 @@
 #include "tensorflow/core/distributed_runtime/server_lib.h"
 #include "trace.h"
 
-#ifndef RDMA_DEVICE_TF_BUILT_VERSION
-#error "RDMA_DEVICE_TF_BUILT_VERSION must be defined by the build"
+#if !defined(RDMA_DEVICE_TF_BUILT_VERSION) || !defined(RDMA_DEVICE_TF_BUILT_DISTRIBUTION) || \
+    !defined(RDMA_DEVICE_TF_BUILT_FRAMEWORK_SEGMENTS) || !defined(RDMA_DEVICE_TF_BUILT_CC_SEGMENTS)
+#error "RDMA_DEVICE_TF_BUILT_* (version, distribution, segments) must be defined by the build"
 #endif
 
 namespace rdma_device {
@@ -36,21 +43,120 @@ constexpr char kProtocol[] = "grpc+rdma_device";
 
 }  // namespace
 
-// Empty when the running TensorFlow is the one the shim was built against.
+namespace {
+
+// One of the two libraries the shim links, as the dynamic loader mapped it.
+struct TfLibrary {
+  const char* name;           // its file name
+  const void* symbol;         // a function of it the shim binds to
+  const char* built;          // its PT_LOAD segments when the shim was built
+  std::string path;           // where the running one was mapped from
+  std::string segments;       // its PT_LOAD segments now, as `built` spells them
+};
+
+struct FindLibrary {
+  TfLibrary* lib;
+  const char* mapped_from;  // dladdr's file name for `symbol`, or null
+};
+
+// The PT_LOAD segments of one mapped object, "vaddr:filesz:memsz" in hex
+// joined by "," (CMakeLists.txt reads the files' program headers the same
+// way at configure time).
+std::string LoadSegments(const dl_phdr_info* info) {
+  std::string out;
+  for (int i = 0; i < info->dlpi_phnum; ++i) {
+    const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+    if (ph.p_type != PT_LOAD) continue;
+    char buf[3 * 17 + 4];
+    std::snprintf(buf, sizeof(buf), "%" PRIx64 ":%" PRIx64 ":%" PRIx64,
+                  static_cast<uint64_t>(ph.p_vaddr), static_cast<uint64_t>(ph.p_filesz),
+                  static_cast<uint64_t>(ph.p_memsz));
+    if (!out.empty()) out += ',';
+    out += buf;
+  }
+  return out;
+}
+
+const char* BaseName(const char* path) {
+  const char* slash = std::strrchr(path, '/');
+  return slash != nullptr ? slash + 1 : path;
+}
+
+// The object the shim's symbol resolved into (dladdr's file name), else the
+// first one of that file name.
+int VisitObject(dl_phdr_info* info, size_t, void* data) {
+  auto* find = static_cast<FindLibrary*>(data);
+  const char* name = info->dlpi_name != nullptr ? info->dlpi_name : "";
+  const bool match = find->mapped_from != nullptr
+                         ? std::strcmp(name, find->mapped_from) == 0
+                         : std::strcmp(BaseName(name), find->lib->name) == 0;
+  if (!match) return 0;
+  find->lib->path = name;
+  find->lib->segments = LoadSegments(info);
+  return 1;  // found: stop
+}
+
+// "" when the running TensorFlow's binaries are those the shim was built
+// against, else what differs. In memory only (no file is read): dladdr and
+// dl_iterate_phdr over the mapped objects, some microseconds.
+std::string TensorFlowBinariesDiffer() {
+  // TF_Version lives in libtensorflow_cc.so.2, ServerFactory::Register in
+  // libtensorflow_framework.so.2: the objects the shim's symbols bind to,
+  // whatever their path.
+  void (*const register_factory)(const std::string&, tf::ServerFactory*) =
+      &tf::ServerFactory::Register;
+  TfLibrary libs[] = {
+      {"libtensorflow_framework.so.2", reinterpret_cast<const void*>(register_factory),
+       RDMA_DEVICE_TF_BUILT_FRAMEWORK_SEGMENTS, "", ""},
+      {"libtensorflow_cc.so.2", reinterpret_cast<const void*>(&TF_Version),
+       RDMA_DEVICE_TF_BUILT_CC_SEGMENTS, "", ""},
+  };
+  std::string differ;
+  for (TfLibrary& lib : libs) {
+    Dl_info where{};
+    FindLibrary find{&lib, nullptr};
+    if (dladdr(lib.symbol, &where) != 0 && where.dli_fname != nullptr) {
+      find.mapped_from = where.dli_fname;
+    }
+    dl_iterate_phdr(VisitObject, &find);
+    if (lib.segments == lib.built) continue;
+    if (!differ.empty()) differ += "; ";
+    differ += std::string(lib.name) + " (" + (lib.path.empty() ? "not found" : lib.path) +
+              ") has the load segments [" + lib.segments + "], the build's had [" + lib.built +
+              "]";
+  }
+  return differ;
+}
+
+}  // namespace
+
+// Empty when the running TensorFlow is the build the shim was compiled
+// against: the same version string and the same binaries (two builds share
+// a version string, and `tensorflow` and `tensorflow-cpu` 2.21.0 even their
+// git version, compiler and compile flags).
 const std::string& TensorFlowVersionError() {
   static const std::string* const error = [] {
     const char* running = TF_Version();
-    if (running != nullptr &&
-        std::strcmp(running, RDMA_DEVICE_TF_BUILT_VERSION) == 0) {
-      return new std::string();
+    if (running == nullptr || std::strcmp(running, RDMA_DEVICE_TF_BUILT_VERSION) != 0) {
+      return new std::string(
+          std::string("rdma_device: librdma_device_tf.so was built against "
+                      "TensorFlow " RDMA_DEVICE_TF_BUILT_VERSION
+                      " but the running TensorFlow is ") +
+          (running ? running : "(unknown)") +
+          "; nothing is registered (no \"grpc+rdma_device\" server); rebuild the plugin in "
+          "this environment (pip install --no-build-isolation ./python)");
     }
+    const std::string differ = TensorFlowBinariesDiffer();
+    if (differ.empty()) return new std::string();
     return new std::string(
-        std::string("rdma_device: librdma_device_tf.so was built against "
-                    "TensorFlow " RDMA_DEVICE_TF_BUILT_VERSION
-                    " but the running TensorFlow is ") +
-        (running ? running : "(unknown)") +
-        "; rebuild the plugin in this environment (pip install the "
-        "rdma_device package again)");
+        "rdma_device: librdma_device_tf.so was built against another build of TensorFlow " +
+        std::string(running) +
+        " than the one running (distribution " RDMA_DEVICE_TF_BUILT_DISTRIBUTION
+        " when built; the same version string, other binaries, as `tensorflow-cpu` has for "
+        "`tensorflow`): " +
+        differ +
+        "; nothing is registered (no \"grpc+rdma_device\" server); rebuild the plugin in "
+        "this environment (pip install --no-build-isolation ./python)");
   }();
   return *error;
 }
