@@ -91,10 +91,13 @@ def _running_build(tf):
 
 def _check_built_for(running, directory):
     """Refuses, before dlopen, a shim built against another TensorFlow (its
-    C++ symbols would not resolve, or worse, resolve to other layouts). Two
-    builds can share a version string (``tensorflow`` and ``tensorflow-cpu``,
-    a release candidate): the git version, compiler and compile flags must
-    match too. ``running``: what ``_running_build`` returns."""
+    C++ symbols would not resolve, or worse, resolve to other layouts): the
+    version, git version, compiler and compile flags must match. That does
+    not tell every build apart (``tensorflow`` and ``tensorflow-cpu`` 2.21.0
+    share all four): the shim itself then compares the loaded TensorFlow
+    libraries' segments with those it was built against, and registers
+    nothing on a difference (server.cc; the load error says so).
+    ``running``: what ``_running_build`` returns."""
     info_path = os.path.join(directory, "build_info.json")
     try:
         with open(info_path) as f:

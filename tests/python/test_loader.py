@@ -1,7 +1,8 @@
 """The loader refuses a plugin built against another TensorFlow build
-before it is loaded, with the reason. Two builds can share a version
-string (``tensorflow`` and ``tensorflow-cpu`` 2.21.0 differ in their git
-version), so the git version, compiler and ABI flags are compared too."""
+before it is loaded, with the reason: the version string, git version,
+compiler and ABI flags are compared. (``tensorflow`` and ``tensorflow-cpu``
+2.21.0 share all of them; the shim's own check of the loaded libraries
+tells those apart: test_other_tf_build.py.)"""
 
 import json
 
