@@ -359,6 +359,12 @@ void rdev_stats_reset(void);
 // RDEV_CONFIG with the reason in `rdev_last_error`.
 enum rdev_status rdev_config_json(char *buf, size_t cap, size_t *out_len);
 
+// Whether RDMA_DEVICE_STRICT is on in the settings (from the environment
+// now), into `out`: for a server whose transport did not start, so that
+// its fallbacks still fail in strict mode. A bad value yields RDEV_CONFIG
+// and leaves `out` alone.
+enum rdev_status rdev_config_strict(bool *out);
+
 // A static, NUL-terminated name for `status`.
 const char *rdev_status_str(enum rdev_status status);
 

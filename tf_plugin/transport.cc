@@ -222,6 +222,16 @@ std::string TaskName(absl::string_view job, int replica, int task) {
 Transport::~Transport() { rdev_context_free(ctx_.exchange(nullptr)); }
 
 absl::Status Transport::Start(const std::string& self_task, const std::string& addr) {
+  {
+    // Strict mode holds even if the transport does not start (the server
+    // then routes every peer over gRPC, and each such step must fail).
+    bool strict = false;
+    if (rdev_config_strict(&strict) == RDEV_OK) {
+      tf::mutex_lock l(mu_);
+      strict_ = strict;
+      self_task_ = self_task;
+    }
+  }
   rdev_context* ctx = nullptr;
   TF_RETURN_IF_ERROR(CallStatus(
       rdev_context_new(self_task.data(), self_task.size(), addr.data(), addr.size(), &ctx)));

@@ -13,8 +13,8 @@ side, each checked the way a user meets it, each under a deadline.
    that runs before Init passed (the settings are valid).
    (Pre-binding the shm listener's socket name does not reach that branch:
    Node::new only logs a listener that cannot listen, src/node/mod.rs.)
-   A defect found on the way is kept as an expected failure (xfail,
-   strict): such a server ignores RDMA_DEVICE_STRICT=1 (see that test).
+   Such a server in strict mode fails each step that would fall back,
+   saying why (it ignored RDMA_DEVICE_STRICT=1 before: see that test).
 
 2. Two AddPeers calls meeting over the same new peer, and two tasks
    choosing their routes to each other at once: a side that routed the
@@ -180,18 +180,13 @@ def test_transport_failing_after_init_leaves_the_server_whole_on_grpc(log_dir, p
     assert rc == 0, f"exit status {rc}\n{log[-3000:]}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a server whose transport did not start ignores RDMA_DEVICE_STRICT=1: "
-    "Transport::Start sets strict_ only after rdev_context_new succeeded "
-    "(transport.cc), so RouteTo returns OK for the 'transport not started' "
-    "gRPC route and every step falls back silently, against server.cc's "
-    "'in strict mode each such step fails, saying why' and README's "
-    "'RDMA_DEVICE_STRICT=1: any fallback to gRPC is an error'"))
 def test_strict_task_whose_transport_did_not_start_fails_its_steps(log_dir, plugin_built):
     """Only the task whose transport failed is strict (its peer is not, so
     only the failed task can refuse the fallback): each step must fail with
-    FailedPrecondition naming RDMA_DEVICE_STRICT. Observed instead: 3 steps
-    with exact values and 6 tensors over gRPC, no error."""
+    FailedPrecondition naming RDMA_DEVICE_STRICT. (It did not: the server
+    learnt strict mode from its transport's context, which never existed,
+    so 3 steps ran with 6 tensors over gRPC and no error; Transport::Start
+    now reads the setting first, rdev_config_strict.)"""
     r, _after, _peer, _log, rc = _failed_start(log_dir, STRICT)
     assert r["created"] is None, r["created"]
     assert rc == 0
