@@ -14,7 +14,8 @@
 # ~3.76 s before they give up), one of them having waited the pause out.
 # Last, host B vanishes while A streams tensors to it: this script kills
 # B's whole VM (its NIC goes silent: no FIN, no NAK), and A's writes must
-# fail within the bound the verbs settings document (~3.76 s) plus 150 ms,
+# fail within the bound the verbs settings document (~3.76 s) plus 150 ms
+# and a tenth of the bound,
 # counted from A's last completed write; a receive A waits on from B must
 # fail within one keepalive interval (1 s) plus that after the writes.
 # Prints "two-hosts: ..." with the tensors exchanged and the kill results.
