@@ -19,6 +19,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [_pkg_parent] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _pkg_parent])
 
 sys.path.insert(0, HERE)
+# cmake/ for tf_fingerprint.py, the ELF reader that CMakeLists.txt runs on
+# TensorFlow's libraries: tests import it too.
+sys.path.append(os.path.join(REPO, "cmake"))
 
 import harness  # noqa: E402
 
@@ -38,6 +41,14 @@ def plugin_built():
 @pytest.fixture(scope="session")
 def log_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("task-logs"))
+
+
+@pytest.fixture(scope="session")
+def slow_resolver(tmp_path_factory):
+    """libslow_resolver.so (slow_resolver/slow_resolver.c, which says
+    more), for LD_PRELOAD: each lookup of a "*.slow.test" name takes
+    SLOW_RESOLVER_MS, then answers 127.0.0.1."""
+    return harness.build_preload(tmp_path_factory, "slow_resolver", "the slow resolver", ["-ldl"])
 
 
 class ServerSet:

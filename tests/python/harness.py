@@ -10,12 +10,14 @@ from a pipe, never a sleep.
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+import pytest
 from rdma_device._cluster import free_ports  # noqa: F401  (the package's helper; tests use it via harness)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -151,6 +153,19 @@ class Task:
         with open(self.log_path) as f:
             lines = f.readlines()
         return "".join(lines[-n:])
+
+
+def build_preload(tmp_path_factory, name, what, libs=()):
+    """Compiles <name>/<name>.c beside this file into lib<name>.so in a new
+    temporary directory, for LD_PRELOAD; returns its path. Fails the test,
+    naming `what`, where there is no C compiler."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.fail(f"no C compiler (cc) to build {what}")
+    out = str(tmp_path_factory.mktemp(name) / f"lib{name}.so")
+    subprocess.run([cc, "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-o", out,
+                    os.path.join(HERE, name, f"{name}.c"), *libs], check=True, timeout=120)
+    return out
 
 
 def start_tasks(specs, log_dir, env=None, timeout=START_TIMEOUT):

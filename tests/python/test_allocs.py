@@ -27,8 +27,8 @@ import time
 import pytest
 
 import harness
+import tf_fingerprint
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 WARMUP, STEPS = 20, 50
 DEPTH = 8
 RECORD = struct.Struct(f"<{3 + DEPTH}Q")
@@ -39,13 +39,7 @@ SHIM, CORE = "librdma_device_tf.so", "librdma_device.so"
 
 @pytest.fixture(scope="module")
 def counter_lib(tmp_path_factory):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.fail("no C compiler (cc) to build the allocation counter")
-    out = str(tmp_path_factory.mktemp("malloc_count") / "libmalloc_count.so")
-    subprocess.run([cc, "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-o", out,
-                    os.path.join(HERE, "malloc_count", "malloc_count.c")], check=True, timeout=120)
-    return out
+    return harness.build_preload(tmp_path_factory, "malloc_count", "the allocation counter")
 
 
 def _read_snapshot(prefix, pid, n):
@@ -97,28 +91,12 @@ def _attribute(pcs, maps):
     return (found[0], found[1], tuple(offsets)) if found else ("?", None, ())
 
 
-def _load_segments(path):
-    """(p_offset, p_vaddr, p_filesz) of each PT_LOAD of a 64-bit ELF file."""
-    with open(path, "rb") as f:
-        head = f.read(64)
-        phoff, = struct.unpack_from("<Q", head, 32)
-        phentsize, phnum = struct.unpack_from("<HH", head, 54)
-        f.seek(phoff)
-        table = f.read(phentsize * phnum)
-    segs = []
-    for i in range(phnum):
-        p_type, _, p_offset, p_vaddr, _, p_filesz = struct.unpack_from("<IIQQQQ", table, i * phentsize)
-        if p_type == 1:
-            segs.append((p_offset, p_vaddr, p_filesz))
-    return segs
-
-
 def _symbolize(path, offsets):
     """File offsets -> "function (file:line)" through addr2line."""
-    segs = _load_segments(path)
+    segs = tf_fingerprint.pt_loads(path)
     vaddr = {}
     for off in offsets:
-        vaddr[off] = next((off - o + v for o, v, n in segs if o <= off < o + n), off)
+        vaddr[off] = next((off - o + v for o, v, n, _ in segs if o <= off < o + n), off)
     if not offsets or shutil.which("addr2line") is None:
         return {a: hex(vaddr[a]) for a in offsets}
     # -i would list inlined frames too; the outermost function names the site.
@@ -198,8 +176,8 @@ RPC_SERVING = ("on_call_msg", "call_part", "rpc_reply", "rdev_serve_reply")
 def _inlined(path, offsets):
     """File offsets -> every function at that address, inlined ones
     included (addr2line -i), as one string."""
-    segs = _load_segments(path)
-    vaddr = {off: next((off - o + v for o, v, n in segs if o <= off < o + n), off) for off in offsets}
+    segs = tf_fingerprint.pt_loads(path)
+    vaddr = {off: next((off - o + v for o, v, n, _ in segs if o <= off < o + n), off) for off in offsets}
     if not offsets or shutil.which("addr2line") is None:
         return {a: "" for a in offsets}
     out = subprocess.run(["addr2line", "-a", "-f", "-C", "-i", "-e", path] + [hex(vaddr[a] - 1) for a in offsets],

@@ -29,7 +29,6 @@ import fcntl
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 from importlib import metadata
@@ -37,6 +36,7 @@ from importlib import metadata
 import pytest
 
 import rdma_device
+import tf_fingerprint
 
 TF_VERSION = "2.21.0"
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "rdma_device")
@@ -155,22 +155,6 @@ def _run(python, script, *args, env=None):
     return json.loads(lines[-1][len("RESULT "):]), done.stderr
 
 
-def _load_segments(path):
-    """The PT_LOAD segments of an ELF64 file as the shim spells them."""
-    with open(path, "rb") as f:
-        ehdr = f.read(64)
-        phoff, = struct.unpack_from("<Q", ehdr, 0x20)
-        phentsize, phnum = struct.unpack_from("<HH", ehdr, 0x36)
-        f.seek(phoff)
-        table = f.read(phentsize * phnum)
-    segments = []
-    for i in range(phnum):
-        p_type, _, _, vaddr, _, filesz, memsz, _ = struct.unpack_from("<IIQQQQQQ", table, i * phentsize)
-        if p_type == 1:
-            segments.append(f"{vaddr:x}:{filesz:x}:{memsz:x}")
-    return ",".join(segments)
-
-
 def _tf_dir(python):
     out, _ = _run(python, "import json, os, tensorflow as tf; print('RESULT ' + json.dumps(["
                   "os.path.dirname(tf.__file__), tf.__version__, tf.version.GIT_VERSION, "
@@ -181,11 +165,13 @@ def _tf_dir(python):
 
 def test_the_two_distributions_share_the_version_but_not_the_binaries(cpu_python):
     """What the shim's check rests on: everything the version strings say
-    is equal, the libraries' load segments are not."""
+    is equal, the libraries' load segments (read as CMakeLists.txt reads
+    them) are not."""
     ours, cpu = _tf_dir(sys.executable), _tf_dir(cpu_python)
     assert ours[1:] == cpu[1:], (ours, cpu)  # version, git version, compiler, ABI flags
     for lib in LIBS:
-        a, b = _load_segments(os.path.join(ours[0], lib)), _load_segments(os.path.join(cpu[0], lib))
+        a = tf_fingerprint.load_segments(os.path.join(ours[0], lib))
+        b = tf_fingerprint.load_segments(os.path.join(cpu[0], lib))
         assert a != b, (lib, a)
 
 

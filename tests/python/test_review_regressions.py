@@ -217,7 +217,8 @@ def simultaneous_rounds(spec, ready):
     offset) creates a server for task `task` of `cluster` (a new job per
     round: a new transport, all routes to choose) and at once runs `steps`
     steps of a graph that moves a tensor from every other task to this one
-    and back; replies with the checks. "end" returns."""
+    and back; replies with the checks. "stats" and "end" as
+    _answer_rounds."""
     _stacks_on_sigusr1()
     import numpy as np
     import tensorflow as tf
@@ -225,18 +226,9 @@ def simultaneous_rounds(spec, ready):
     import rdma_device
 
     tf.compat.v1.disable_eager_execution()
-    ready()
     servers = []  # TF servers cannot be stopped: keep them referenced
-    while True:
-        line = sys.stdin.readline()
-        if not line:
-            return {}
-        cmd = json.loads(line)
-        if cmd["cmd"] == "end":
-            return {}
-        if cmd["cmd"] == "stats":
-            harness_say("REPLY", rdma_device.stats())
-            continue
+
+    def run_round(cmd):
         job, me, n = cmd["job"], cmd["task"], cmd["n"]
         peers = [j for j in range(len(cmd["cluster"][job])) if j != me]
         delay = cmd["at"] - time.time()
@@ -276,8 +268,10 @@ def simultaneous_rounds(spec, ready):
                         want = np.full([n], ((j + 1) + s) * 2.0 + (me + 1) + 1.0, np.float32)
                         if not np.array_equal(z, want):
                             bad.append([s, j, float(z[0]), float(want[0])])
-        harness_say("REPLY", {"created_s": created_s, "steps_s": time.monotonic() - t0,
-                              "pending": len(pending), "bad": bad, "errors": errors})
+        return {"created_s": created_s, "steps_s": time.monotonic() - t0,
+                "pending": len(pending), "bad": bad, "errors": errors}
+
+    return _answer_rounds(ready, run_round)
 
 
 def _stacks_on_sigusr1():
@@ -294,16 +288,56 @@ def harness_say(prefix, payload):
     sys.stdout.flush()
 
 
-@pytest.fixture(scope="module")
-def slow_resolver(tmp_path_factory):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.fail("no C compiler (cc) to build the slow resolver")
-    out = str(tmp_path_factory.mktemp("slow_resolver") / "libslow_resolver.so")
-    subprocess.run([cc, "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-o", out,
-                    os.path.join(HERE, "slow_resolver", "slow_resolver.c"), "-ldl"],
-                   check=True, timeout=120)
+def _answer_rounds(ready, answer):
+    """Says READY, then answers this task's commands (a JSON object a line
+    on stdin) until "end" or EOF, returning {}: "stats" with
+    rdma_device.stats(), any other with answer(cmd)'s reply."""
+    import rdma_device
+
+    ready()
+    while True:
+        line = sys.stdin.readline()
+        if not line:
+            return {}
+        cmd = json.loads(line)
+        if cmd["cmd"] == "end":
+            return {}
+        harness_say("REPLY", rdma_device.stats() if cmd["cmd"] == "stats" else answer(cmd))
+
+
+def _counters(tasks):
+    """Each task's transfer counters (tensors received and pushed over the
+    transport, tensors over gRPC), asked of all the tasks at once."""
+    for t in tasks:
+        t.send("stats")
+    out = []
+    for t in tasks:
+        c = t.expect("REPLY", 30)["counters"]
+        out.append({k: c[k] for k in ("tensors_received", "tensors_pushed", "fallback_tensors")})
     return out
+
+
+def _round_replies(tasks, rnd, deadline_s, everyone):
+    """Each task's reply to round `rnd`, all within deadline_s of the call;
+    when one misses it, fails the test with the stacks of `everyone`."""
+    deadline = time.monotonic() + deadline_s
+    replies = []
+    try:
+        for t in tasks:
+            replies.append(t.expect("REPLY", max(1.0, deadline - time.monotonic())))
+    except TimeoutError:
+        stacks = "\n\n".join(f"##### {t.name}\n{t.dump_stacks()}" for t in everyone)
+        pytest.fail(f"round {rnd} missed its {deadline_s} s deadline\n{stacks}")
+    return replies
+
+
+def _end_rounds(tasks):
+    """Ends every task's round commands ("end") and waits for each one's
+    RESULT."""
+    for t in tasks:
+        t.send("end")
+    for t in tasks:
+        t.result(30)
 
 
 def test_routes_chosen_on_both_sides_at_once_move_every_tensor(log_dir, plugin_built,
@@ -334,18 +368,7 @@ def test_routes_chosen_on_both_sides_at_once_move_every_tensor(log_dir, plugin_b
     try:
         for t in tasks:
             t.wait_ready()
-
-        def totals():
-            out = []
-            for t in tasks:
-                t.send("stats")
-            for t in tasks:
-                c = t.expect("REPLY", 30)["counters"]
-                out.append({k: c[k] for k in ("tensors_received", "tensors_pushed",
-                                              "fallback_tensors")})
-            return out
-
-        before = totals()
+        before = _counters(tasks)
         # Per step, per other task: x (j -> me), y (me -> j), and the feed of
         # j's placeholder and the fetch of z, which TF routes through the
         # master's task (me -> j, j -> me): 4 tensors.
@@ -360,21 +383,14 @@ def test_routes_chosen_on_both_sides_at_once_move_every_tensor(log_dir, plugin_b
                 offset = 0.0 if rnd < 3 else 0.002 * role
                 t.send("round", cluster=cluster, job=job, task=role, n=ELEMENTS,
                        steps=STEPS_PER_ROUND, at=at + offset, protocol=harness.PROTOCOL_RDMA)
-            deadline = time.monotonic() + ROUND_DEADLINE_S
-            replies = []
-            try:
-                for t in tasks:
-                    replies.append(t.expect("REPLY", max(1.0, deadline - time.monotonic())))
-            except TimeoutError:
-                stacks = "\n\n".join(f"##### {t.name}\n{t.dump_stacks()}" for t in tasks)
-                pytest.fail(f"round {rnd} missed its {ROUND_DEADLINE_S} s deadline\n{stacks}")
+            replies = _round_replies(tasks, rnd, ROUND_DEADLINE_S, tasks)
             for t, r in zip(tasks, replies):
                 assert r["errors"] == [], (rnd, t.name, r["errors"], t.log_tail())
                 assert r["bad"] == [], (rnd, t.name, r["bad"])
             # The slower choosers (120, 350 ms) started stepping with both of
             # their routes pending.
             assert sorted(r["pending"] for r in replies)[1:] == [TASKS - 1] * 2, (rnd, replies)
-            after = totals()
+            after = _counters(tasks)
             got = {k: sum(a[k] - b[k] for a, b in zip(after, before)) for k in after[0]}
             print(f"round {rnd}: {got}, routes pending at the first step "
                   f"{[r['pending'] for r in replies]}, step times "
@@ -382,10 +398,7 @@ def test_routes_chosen_on_both_sides_at_once_move_every_tensor(log_dir, plugin_b
             assert got == {"tensors_received": per_round, "tensors_pushed": per_round,
                            "fallback_tensors": 0}, (rnd, got)
             before = after
-        for t in tasks:
-            t.send("end")
-        for t in tasks:
-            t.result(30)
+        _end_rounds(tasks)
     finally:
         for t in tasks:
             t.close()
@@ -418,28 +431,19 @@ JOIN_DEADLINE_S = 45
 
 def server_rounds(spec, ready):
     """Answers "serve" (creates a server for `cluster`/`job`/`task`, kept
-    for the process's life) and "stats" commands; "end" returns."""
+    for the process's life); "stats" and "end" as _answer_rounds."""
     _stacks_on_sigusr1()
     import tensorflow as tf
 
-    import rdma_device
-
-    ready()
     servers = []
-    while True:
-        line = sys.stdin.readline()
-        if not line:
-            return {}
-        cmd = json.loads(line)
-        if cmd["cmd"] == "end":
-            return {}
-        if cmd["cmd"] == "stats":
-            harness_say("REPLY", rdma_device.stats())
-            continue
+
+    def serve(cmd):
         servers.append(tf.distribute.Server(tf.train.ClusterSpec(cmd["cluster"]),
                                             job_name=cmd["job"], task_index=cmd["task"],
                                             protocol=cmd["protocol"], start=True))
-        harness_say("REPLY", {})
+        return {}
+
+    return _answer_rounds(ready, serve)
 
 
 def eager_client_rounds(spec, ready):
@@ -447,19 +451,13 @@ def eager_client_rounds(spec, ready):
     context to `cluster` as task 0 of `job` (a new job per round), then per
     copy makes a tensor on the ps, computes from it on the worker (ps ->
     worker), from that on the ps again (worker -> ps) and reads the result
-    (ps -> here); replies with the checks. "end" returns."""
+    (ps -> here); replies with the checks. "stats" and "end" as
+    _answer_rounds."""
     _stacks_on_sigusr1()
     import numpy as np
     import tensorflow as tf
 
-    ready()
-    while True:
-        line = sys.stdin.readline()
-        if not line:
-            return {}
-        cmd = json.loads(line)
-        if cmd["cmd"] == "end":
-            return {}
+    def connect(cmd):
         delay = cmd["at"] - time.time()
         if delay > 0:
             time.sleep(delay)
@@ -486,8 +484,10 @@ def eager_client_rounds(spec, ready):
             want = (np.arange(n, dtype=np.float32) + v) * 2.0 + 1.0 + 3.0
             if not np.array_equal(got, want):
                 bad.append([s, float(got[0]), float(want[0])])
-        harness_say("REPLY", {"connected_s": connected_s, "s": time.monotonic() - t0,
-                              "bad": bad, "errors": errors})
+        return {"connected_s": connected_s, "s": time.monotonic() - t0, "bad": bad,
+                "errors": errors}
+
+    return _answer_rounds(ready, connect)
 
 
 def test_two_eager_clients_connecting_at_once_move_every_tensor(log_dir, plugin_built,
@@ -521,11 +521,6 @@ def test_two_eager_clients_connecting_at_once_move_every_tensor(log_dir, plugin_
     ps = task("join-ps", "server_rounds", 0)
     clients = [task(f"join-client-{k}", "eager_client_rounds", 0) for k in range(2)]
     everyone = [worker, ps] + clients
-
-    def counters(t):
-        c = t.command("stats", timeout=30)["counters"]
-        return {k: c[k] for k in ("tensors_received", "tensors_pushed", "fallback_tensors")}
-
     try:
         for t in everyone:
             t.wait_ready()
@@ -537,7 +532,7 @@ def test_two_eager_clients_connecting_at_once_move_every_tensor(log_dir, plugin_
                            protocol=harness.PROTOCOL_RDMA)
             ps.command("serve", cluster={pj: [p_addr]}, job=pj, task=0,
                        protocol=harness.PROTOCOL_RDMA)
-            before = {"worker": counters(worker), "ps": counters(ps)}
+            before = dict(zip(("worker", "ps"), _counters([worker, ps])))
             at = time.time() + 0.3
             for k, c in enumerate(clients):
                 cj = f"c{rnd}x{k}"
@@ -547,15 +542,8 @@ def test_two_eager_clients_connecting_at_once_move_every_tensor(log_dir, plugin_
                        ps=f"/job:{pj}/replica:0/task:0/device:CPU:0", n=JOIN_ELEMENTS,
                        copies=JOIN_COPIES, at=at + k * CLIENT_STAGGER_S,
                        protocol=harness.PROTOCOL_RDMA)
-            deadline = time.monotonic() + JOIN_DEADLINE_S
-            replies = []
-            try:
-                for c in clients:
-                    replies.append(c.expect("REPLY", max(1.0, deadline - time.monotonic())))
-            except TimeoutError:
-                stacks = "\n\n".join(f"##### {t.name}\n{t.dump_stacks()}" for t in everyone)
-                pytest.fail(f"round {rnd} missed its {JOIN_DEADLINE_S} s deadline\n{stacks}")
-            after = {"worker": counters(worker), "ps": counters(ps)}
+            replies = _round_replies(clients, rnd, JOIN_DEADLINE_S, everyone)
+            after = dict(zip(("worker", "ps"), _counters([worker, ps])))
             delta = {t: {k: after[t][k] - before[t][k] for k in after[t]} for t in after}
             print(f"round {rnd}: " + "; ".join(
                 f"connect {r['connected_s']:.2f} s, all {r['s']:.2f} s" for r in replies)
@@ -575,10 +563,7 @@ def test_two_eager_clients_connecting_at_once_move_every_tensor(log_dir, plugin_
             p_routes = ps.command("stats", timeout=30)["peers"]
             assert w_routes.get(f"/job:{pj}/replica:0/task:0") == "shm", w_routes
             assert p_routes.get(f"/job:{wj}/replica:0/task:0") == "shm", p_routes
-        for c in everyone:
-            c.send("end")
-        for c in everyone:
-            c.result(30)
+        _end_rounds(everyone)
     finally:
         for t in everyone:
             t.close()

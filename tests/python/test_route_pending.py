@@ -3,9 +3,9 @@ up server creation, and work that meets a route still being chosen waits
 for it in a queue, then goes the chosen way.
 
 The peers' names resolve slowly on purpose: an LD_PRELOAD resolver
-(slow_resolver/slow_resolver.c, built here) makes every lookup of a
-"*.slow.test" name take SLOW_MS and then answer 127.0.0.1, as a slow DNS
-server would. (The other slow part of a choice, the rdma_cm probe of up to
+(slow_resolver/slow_resolver.c, conftest.py's slow_resolver fixture) makes
+every lookup of a "*.slow.test" name take SLOW_MS and then answer
+127.0.0.1, as a slow DNS server would. (The other slow part of a choice, the rdma_cm probe of up to
 500 ms per peer, needs an RDMA device; it runs in the same place.)
 
 What a user notices:
@@ -16,15 +16,10 @@ What a user notices:
   give exact values over the transport in strict mode (a fallback to gRPC
   is an error), with nothing over gRPC."""
 
-import os
-import shutil
-import subprocess
-
 import pytest
 
 import harness
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SLOW_MS = 1000
 PEERS = 6
 # Creation took >= PEERS * SLOW_MS (6 s) when each choice ran on the
@@ -36,25 +31,13 @@ ROUTED_BOUND_S = PEERS * SLOW_MS / 1000 / 2
 RESULT_TIMEOUT_S = 90
 
 
-@pytest.fixture(scope="module")
-def resolver_lib(tmp_path_factory):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.fail("no C compiler (cc) to build the slow resolver")
-    out = str(tmp_path_factory.mktemp("slow_resolver") / "libslow_resolver.so")
-    subprocess.run([cc, "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-o", out,
-                    os.path.join(HERE, "slow_resolver", "slow_resolver.c"), "-ldl"],
-                   check=True, timeout=120)
-    return out
-
-
 def slow_env(lib, count_file):
     return {"LD_PRELOAD": lib, "SLOW_RESOLVER_MS": str(SLOW_MS),
             "SLOW_RESOLVER_COUNT": count_file, "GRPC_DNS_RESOLVER": "native",
             "RDMA_DEVICE_STRICT": "1"}
 
 
-def test_server_creation_does_not_wait_for_route_choices(log_dir, plugin_built, resolver_lib,
+def test_server_creation_does_not_wait_for_route_choices(log_dir, plugin_built, slow_resolver,
                                                          tmp_path):
     ports = harness.free_ports(PEERS + 1)
     cluster = {"worker": [f"127.0.0.1:{ports[0]}"] +
@@ -62,7 +45,7 @@ def test_server_creation_does_not_wait_for_route_choices(log_dir, plugin_built, 
     count = str(tmp_path / "lookups")
     task = harness.Task(dict(role="start_scenarios.timed_start", cluster=cluster, job="worker",
                              task=0, protocol=harness.PROTOCOL_RDMA, routed_within_s=60),
-                        log_dir, env=slow_env(resolver_lib, count))
+                        log_dir, env=slow_env(slow_resolver, count))
     try:
         task.wait_ready()
         try:
@@ -82,10 +65,10 @@ def test_server_creation_does_not_wait_for_route_choices(log_dir, plugin_built, 
     assert r["routed_s"] < ROUTED_BOUND_S, r
 
 
-def test_steps_wait_for_pending_routes(log_dir, plugin_built, resolver_lib, tmp_path):
+def test_steps_wait_for_pending_routes(log_dir, plugin_built, slow_resolver, tmp_path):
     ports = harness.free_ports(2)
     cluster = {"worker": [f"w0.slow.test:{ports[0]}", f"w1.slow.test:{ports[1]}"]}
-    env = slow_env(resolver_lib, str(tmp_path / "lookups"))
+    env = slow_env(slow_resolver, str(tmp_path / "lookups"))
     holder = harness.Task(dict(role="server", cluster=cluster, job="worker", task=1,
                                protocol=harness.PROTOCOL_RDMA), log_dir, env=env)
     client = None
@@ -118,14 +101,14 @@ ROUTE_WAIT_S = 20.0
 
 
 def test_a_route_pending_past_its_deadline_fails_the_step_then_recovers(log_dir, plugin_built,
-                                                                        resolver_lib, tmp_path):
+                                                                        slow_resolver, tmp_path):
     # Only the plugin's control threads (which choose routes) resolve
     # slowly, for longer than a transfer waits; gRPC resolves at once, so
     # the step starts at once and its transfers queue behind the route.
     slow_s = ROUTE_WAIT_S + 10
     ports = harness.free_ports(2)
     cluster = {"worker": [f"w0.slow.test:{ports[0]}", f"w1.slow.test:{ports[1]}"]}
-    env = slow_env(resolver_lib, str(tmp_path / "lookups"))
+    env = slow_env(slow_resolver, str(tmp_path / "lookups"))
     env.update(SLOW_RESOLVER_MS=str(int(slow_s * 1000)), SLOW_RESOLVER_THREAD="tf_rdev_control")
     env.pop("RDMA_DEVICE_STRICT")
     holder = harness.Task(dict(role="server", cluster=cluster, job="worker", task=1,
