@@ -257,7 +257,8 @@ enum rdev_status rdev_recv(const struct rdev_context *ctx,
 // caller promises that `cb` returns promptly (microseconds: no waiting,
 // no I/O, no copy of the tensor) and calls only the functions that never
 // block (`rdev_send`, `rdev_recv*`, `rdev_buffer_release`,
-// `rdev_step_done`, `rdev_abort_step`, `rdev_cancel_recv`, and
+// `rdev_step_done`, `rdev_step_idle`, `rdev_step_active`,
+// `rdev_abort_step`, `rdev_cancel_recv`, and
 // `rdev_context_free`): it delays every other completion that thread
 // handles while it runs.
 enum rdev_status rdev_recv_inline(const struct rdev_context *ctx,
@@ -272,6 +273,18 @@ enum rdev_status rdev_recv_inline(const struct rdev_context *ctx,
 // The step is over: unclaimed arrivals for it are released and late
 // pushes for it dropped.
 enum rdev_status rdev_step_done(const struct rdev_context *ctx, uint64_t step_id);
+
+// The last object of the step on this task is gone, but the step may go
+// on: an object made for it later (`rdev_step_active`) finds what peers
+// pushed for it meanwhile. The step ends at `rdev_step_done`, or after
+// 5 s idle, or when it is the oldest of more than 4096 idle steps. For
+// TensorFlow's rendezvous, which its cache holds weakly and may make
+// again for a step that is still running.
+enum rdev_status rdev_step_idle(const struct rdev_context *ctx, uint64_t step_id);
+
+// An object of the step exists on this task (again): the step is not
+// idle (`rdev_step_idle`). Cheap; a step that already ended stays ended.
+enum rdev_status rdev_step_active(const struct rdev_context *ctx, uint64_t step_id);
 
 // Abort a step: its pending receives and queued sends fail with
 // RDEV_ABORTED carrying `msg`. With `propagate`, every connected peer is

@@ -73,6 +73,16 @@ pub const MAX_STREAM_TOTAL: u64 = 1 << 36;
 /// any realistic pipelining with margin at ~100 KB of memory.
 pub const FINISHED_STEPS_REMEMBERED: usize = 4096;
 
+/// How long a step with no object left on this task stays open before it
+/// ends on its own (`node::idle`): TensorFlow may make a new rendezvous for
+/// the same step meanwhile (an eager function's second component on this
+/// task). Steps TensorFlow cleans up end at once.
+pub const IDLE_STEP_LINGER_MS: u64 = 5000;
+
+/// At most this many steps are idle at once (`node::idle`); past it the
+/// oldest ends at once.
+pub const IDLE_STEPS_MAX: usize = 4096;
+
 /// Magic at the start of every slot header and handshake ("RDEV").
 pub const MAGIC: u32 = 0x5244_4556;
 

@@ -70,6 +70,7 @@ counters! {
         fallback_tensors: "tensors that went over stock gRPC",
         fallback_bytes: "payload bytes of those tensors",
         peers_lost: "connections lost (peer exit, transport error)",
+        steps_reopened: "steps whose rendezvous TensorFlow made again after the last one had gone (an eager function's later component on this task): what peers pushed for them meanwhile was kept",
         worker_rpcs_over_transport: "per-step worker RPCs (RunGraph, CleanupGraph) this task made over the transport's message channel",
         worker_rpcs_over_grpc: "per-step worker RPCs this task made over gRPC (peer off the transport, not connected yet, or RDMA_DEVICE_WORKER_RPCS=0)",
         collective_tensors: "collective chunks (all-reduce, broadcast, gather) received over this transport; also in tensors_received",

@@ -114,6 +114,54 @@ fn abort_step_fails_waiters_promptly() {
     assert!(matches!(e, Error::Aborted(_)), "{e}");
 }
 
+/// TensorFlow may make a step's rendezvous again after the last one went
+/// (an eager function's second component on the same task): an idle step
+/// keeps what peers push for it, for the receive made later, and ends on
+/// its own after the linger; a step that is done drops it.
+#[test]
+fn an_idle_step_keeps_its_arrivals_for_a_later_receive_and_ends_after_the_linger() {
+    let (a, b, ta, tb) = pair(small_config());
+    let recv = |key: &str, step| recv_async(&b, &ta, key, step).recv_timeout(Duration::from_secs(10)).unwrap();
+    // Step 1: one receive, its object goes, a push lands, a new object's
+    // receive gets it, bit-identical.
+    let first = pattern(1, 4096);
+    let r = recv_async(&b, &ta, "edge;first", 1);
+    send_wait(&a, &tb, "edge;first", 1, meta(&[4096]), first.clone()).unwrap();
+    assert_eq!(r.recv_timeout(Duration::from_secs(10)).unwrap().unwrap().bytes(), &first[..]);
+    b.step_idle(1);
+    let second = pattern(2, 100_000);
+    send_wait(&a, &tb, "edge;second", 1, meta(&[100_000]), second.clone()).unwrap();
+    let reopened = Stats::global().get("steps_reopened").unwrap();
+    b.step_active(1);
+    assert_eq!(Stats::global().get("steps_reopened").unwrap(), reopened + 1);
+    assert_eq!(recv("edge;second", 1).unwrap().bytes(), &second[..]);
+    b.step_idle(1);
+    b.step_done(1);
+
+    // Step 2, done rather than idle: the push is dropped and the receive
+    // fails, naming the step.
+    b.step_done(2);
+    send_wait(&a, &tb, "edge;late", 2, meta(&[4096]), pattern(3, 4096)).unwrap();
+    let e = recv("edge;late", 2).unwrap_err();
+    assert!(matches!(&e, Error::Aborted(m) if m.contains("step 2")), "{e}");
+
+    // Step 3 idle and left so: it ends within the linger plus a keepalive
+    // tick, then its arrival is gone and a receive fails.
+    b.step_idle(3);
+    let idle_at = Instant::now();
+    send_wait(&a, &tb, "edge;left", 3, meta(&[4096]), pattern(4, 4096)).unwrap();
+    let bound = Duration::from_millis(rdma_device::constants::IDLE_STEP_LINGER_MS + rdma_device::constants::KEEPALIVE_INTERVAL_MS + 500);
+    loop {
+        std::thread::sleep(Duration::from_millis(250));
+        if !b.describe().contains("step 3") || idle_at.elapsed() > bound {
+            break;
+        }
+    }
+    std::thread::sleep(bound.saturating_sub(idle_at.elapsed()));
+    let e = recv("edge;left", 3).unwrap_err();
+    assert!(matches!(&e, Error::Aborted(m) if m.contains("step 3")), "{e}");
+}
+
 #[test]
 fn dropped_peer_fails_waiters_within_5s() {
     let (a, b, ta, tb) = pair(small_config());

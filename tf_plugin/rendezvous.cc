@@ -42,6 +42,9 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
 
   absl::Status Initialize(tf::WorkerSession* session) override {
     TF_RETURN_IF_ERROR(BaseRemoteRendezvous::Initialize(session));
+    // An earlier rendezvous of this step may have gone (see the
+    // destructor): the step is running here again.
+    if (transport_ != nullptr) transport_->StepActive(step_id_);
     // The client's own eager context: TF creates its rendezvous for step
     // `context_id` in session "eager_<context_id>" and, unlike the remote
     // contexts' (SetRemoteEagerContextDefault), does not mark it; it lives
@@ -252,14 +255,18 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
   }
 
   // TF's cache holds rendezvous weakly (rendezvous_cache.h): a step's may be
-  // destroyed and made again by a later Find(), e.g. by a partial run's
-  // next call or the step's CleanupGraph. Only one that was initialized
-  // (used for the step's sends and receives) ends the step in the
-  // transport; one made only to be looked up or cleaned up does not.
+  // destroyed and made again by a later Find() while the step runs, e.g.
+  // for an eager function's second component on this task (one per
+  // device) when the first has finished, or a partial run's next call. So
+  // the end of one that was initialized only makes the step idle in the
+  // transport: what peers push for it is kept for the next one, and the
+  // step ends at TF's Cleanup(step) (RdmaRendezvousMgr::Cleanup), or on
+  // its own after a linger (rdev_step_idle). One made only to be looked
+  // up or cleaned up does nothing.
   ~RdmaRemoteRendezvous() override {
     if (transport_ == nullptr || !is_initialized()) return;
-    VLOG(2) << "end of step " << step_id_;
-    transport_->StepDone(step_id_);
+    VLOG(2) << "step " << step_id_ << " idle";
+    transport_->StepIdle(step_id_);
   }
 
   absl::Status abort_status() {
@@ -493,6 +500,17 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
 RdmaRendezvousMgr::RdmaRendezvousMgr(const tf::WorkerEnv* env,
                                      std::shared_ptr<Transport> transport)
     : RpcRendezvousMgr(env), transport_(std::move(transport)) {}
+
+void RdmaRendezvousMgr::Cleanup(int64_t step_id) {
+  // Aborts the step's live rendezvous with TF's cleanup status, which ends
+  // the step in the transport (StartAbort); with none alive, nothing here
+  // would: end it directly.
+  RpcRendezvousMgr::Cleanup(step_id);
+  if (transport_ != nullptr) {
+    VLOG(2) << "end of step " << step_id;
+    transport_->StepDone(step_id);
+  }
+}
 
 tsl::core::RefCountPtr<tf::BaseRemoteRendezvous> RdmaRendezvousMgr::Create(
     int64_t step_id, const tf::WorkerEnv* worker_env) {

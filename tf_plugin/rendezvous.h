@@ -23,6 +23,11 @@ class RdmaRendezvousMgr : public tensorflow::RpcRendezvousMgr {
   RdmaRendezvousMgr(const tensorflow::WorkerEnv* env,
                     std::shared_ptr<Transport> transport);
 
+  // TF's end of a step on this task (CleanupGraph, an eager function's
+  // cleanup): the step ends in the transport too, whether or not one of
+  // its rendezvous is still alive.
+  void Cleanup(int64_t step_id) override;
+
  protected:
   tsl::core::RefCountPtr<tensorflow::BaseRemoteRendezvous> Create(
       int64_t step_id, const tensorflow::WorkerEnv* worker_env) override;

@@ -408,4 +408,18 @@ void Transport::StepDone(int64_t step_id) {
   if (st != RDEV_OK) LOG(WARNING) << "rdma_device: end of step " << step_id << ": " << LastError();
 }
 
+void Transport::StepIdle(int64_t step_id) {
+  rdev_context* ctx = ctx_.load();
+  if (ctx == nullptr) return;
+  rdev_status st = rdev_step_idle(ctx, static_cast<uint64_t>(step_id));
+  if (st != RDEV_OK) LOG(WARNING) << "rdma_device: idle step " << step_id << ": " << LastError();
+}
+
+void Transport::StepActive(int64_t step_id) {
+  rdev_context* ctx = ctx_.load();
+  if (ctx == nullptr) return;
+  rdev_status st = rdev_step_active(ctx, static_cast<uint64_t>(step_id));
+  if (st != RDEV_OK) LOG(WARNING) << "rdma_device: step " << step_id << ": " << LastError();
+}
+
 }  // namespace rdma_device

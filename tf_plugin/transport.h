@@ -188,6 +188,12 @@ class Transport : public std::enable_shared_from_this<Transport> {
   void CancelRecv(const std::string& key, int64_t step_id, const absl::Status& status);
   // The step is over on this task: unclaimed arrivals are released.
   void StepDone(int64_t step_id);
+  // The step's last rendezvous on this task is gone, but TF may make
+  // another for it: arrivals are kept until StepDone, or until it has
+  // been idle a while (rdev_step_idle).
+  void StepIdle(int64_t step_id);
+  // A rendezvous of the step exists (again): it is not idle.
+  void StepActive(int64_t step_id);
   // Counts a tensor that went over stock gRPC.
   void RecordFallback(uint64_t bytes, const std::string& reason);
 

@@ -503,7 +503,8 @@ pub unsafe extern "C" fn rdev_recv(
 /// caller promises that `cb` returns promptly (microseconds: no waiting,
 /// no I/O, no copy of the tensor) and calls only the functions that never
 /// block (`rdev_send`, `rdev_recv*`, `rdev_buffer_release`,
-/// `rdev_step_done`, `rdev_abort_step`, `rdev_cancel_recv`, and
+/// `rdev_step_done`, `rdev_step_idle`, `rdev_step_active`,
+/// `rdev_abort_step`, `rdev_cancel_recv`, and
 /// `rdev_context_free`): it delays every other completion that thread
 /// handles while it runs.
 #[no_mangle]
@@ -555,6 +556,32 @@ pub unsafe extern "C" fn rdev_step_done(ctx: *const rdev_context, step_id: u64) 
     boundary(|| {
         // SAFETY: ctx per contract.
         unsafe { ctx_arg(ctx) }?.node.step_done(step_id);
+        Ok(())
+    })
+}
+
+/// The last object of the step on this task is gone, but the step may go
+/// on: an object made for it later (`rdev_step_active`) finds what peers
+/// pushed for it meanwhile. The step ends at `rdev_step_done`, or after
+/// 5 s idle, or when it is the oldest of more than 4096 idle steps. For
+/// TensorFlow's rendezvous, which its cache holds weakly and may make
+/// again for a step that is still running.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_step_idle(ctx: *const rdev_context, step_id: u64) -> rdev_status {
+    boundary(|| {
+        // SAFETY: ctx per contract.
+        unsafe { ctx_arg(ctx) }?.node.step_idle(step_id);
+        Ok(())
+    })
+}
+
+/// An object of the step exists on this task (again): the step is not
+/// idle (`rdev_step_idle`). Cheap; a step that already ended stays ended.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_step_active(ctx: *const rdev_context, step_id: u64) -> rdev_status {
+    boundary(|| {
+        // SAFETY: ctx per contract.
+        unsafe { ctx_arg(ctx) }?.node.step_active(step_id);
         Ok(())
     })
 }

@@ -7,7 +7,8 @@
 //! peer that receives wait for: a vanished host then fails them within
 //! that interval plus the transport's retry bound (verbs: 4.096 µs ×
 //! 2^ACK_TIMEOUT × (RETRY_COUNT + 1)), instead of never. Idle links are
-//! not probed.
+//! not probed. The same tick fails worker calls past their deadline
+//! (rpc.rs) and ends steps idle for `IDLE_STEP_LINGER_MS` (idle.rs).
 
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -31,7 +32,7 @@ impl Keepalive {
         let spawned = std::thread::Builder::new().name("rdev-keepalive".into()).spawn(move || {
             let every = Duration::from_millis(KEEPALIVE_INTERVAL_MS);
             // Kept from probe to probe: a steady state allocates nothing.
-            let (mut peers, mut links) = (Vec::with_capacity(16), Vec::with_capacity(16));
+            let (mut peers, mut links, mut steps) = (Vec::with_capacity(16), Vec::with_capacity(16), Vec::with_capacity(64));
             loop {
                 {
                     let until = Instant::now() + every;
@@ -46,20 +47,22 @@ impl Keepalive {
                     }
                 }
                 let Some(n) = node.upgrade() else { return };
-                if crate::error::catch_panic("probing links", || probe(&n, &mut peers, &mut links)).is_err() {
+                if crate::error::catch_panic("probing links", || probe(&n, &mut peers, &mut links, &mut steps)).is_err() {
                     log::error!("{}: probing links panicked; probing goes on", n.task);
                 }
             }
         });
         if let Err(e) = spawned {
-            log::warn!("cannot start the rdev-keepalive thread ({e}): a vanished host is noticed only when something is sent to it");
+            log::warn!("cannot start the rdev-keepalive thread ({e}): a vanished host is noticed only when something is sent to it, and an idle step ends only when TensorFlow cleans it up or {} others are idle", crate::constants::IDLE_STEPS_MAX);
         }
         Keepalive { stop }
     }
 }
 
-fn probe(n: &Inner, peers: &mut Vec<Arc<str>>, links: &mut Vec<u64>) {
-    n.rpc_expire(Instant::now());
+fn probe(n: &Inner, peers: &mut Vec<Arc<str>>, links: &mut Vec<u64>, steps: &mut Vec<u64>) {
+    let now = Instant::now();
+    n.rpc_expire(now);
+    n.end_idle_steps(now, steps);
     n.locked(|r| r.links_to_probe(peers, links));
     if !links.is_empty() {
         log::debug!("{}: probing connections {links:?}", n.task);

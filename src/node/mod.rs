@@ -61,6 +61,7 @@ mod handoff;
 mod jobs;
 pub mod rpc;
 mod engine;
+mod idle;
 mod keepalive;
 mod lease;
 mod peers;
@@ -121,6 +122,8 @@ pub(crate) struct Inner {
     totals: Mutex<rendezvous::Tally>,
     /// Callbacks and writes that events produced (see handoff.rs).
     handoff: handoff::Handoff,
+    /// Steps with no object left here, ended after a linger (idle.rs).
+    idle: Mutex<idle::IdleSteps>,
     /// Probes links with work waiting on their peer (see keepalive.rs).
     _keepalive: keepalive::Keepalive,
     /// Calls over the transport (worker RPCs, see rpc.rs).
@@ -180,6 +183,7 @@ impl Node {
             placing_for: Mutex::new(HashMap::new()),
             totals: Mutex::new(rendezvous::Tally::default()),
             handoff: handoff::Handoff::start(me.clone()),
+            idle: Mutex::new(idle::IdleSteps::default()),
             _keepalive: keepalive::Keepalive::start(me.clone()),
             rpc: rpc::Rpc::default(),
             engine: engine::WriteEngine::start(),
@@ -277,15 +281,35 @@ impl Node {
         trace::end("recv", t, step, 0, Some(key));
     }
 
+    /// The step is over here: unclaimed arrivals are released, late pushes
+    /// dropped, queued sends fail.
     pub fn step_done(&self, step: u64) {
-        self.inner.fail_queued(|s| s == step, &|| Error::Aborted(format!("step {step} finished before this tensor was sent")));
-        let acts = self.inner.locked(|r| r.step_done(step));
-        self.inner.exec(acts);
+        self.inner.idle.lock().active(step);
+        self.inner.step_done(step);
+    }
+
+    /// The last object of `step` on this task is gone, but the step may go
+    /// on (a new one may come for it): it ends after `IDLE_STEP_LINGER_MS`
+    /// unless `step_active` comes first, or at `step_done` (see idle.rs).
+    pub fn step_idle(&self, step: u64) {
+        let ended = self.inner.idle.lock().idle(step, std::time::Instant::now());
+        if let Some(oldest) = ended {
+            self.inner.step_done(oldest);
+        }
+    }
+
+    /// An object of `step` exists on this task (again): it is not idle.
+    pub fn step_active(&self, step: u64) {
+        if self.inner.idle.lock().active(step) {
+            log::debug!("{}: step {step} goes on after it was idle", self.inner.task);
+            Stats::add(&Stats::global().c.steps_reopened, 1);
+        }
     }
 
     /// Abort `step`: its waiters and queued sends fail with `why`; with
     /// `propagate`, peers fail what they wait on from us for it.
     pub fn abort_step(&self, step: u64, why: Error, propagate: bool) {
+        self.inner.idle.lock().active(step);
         self.inner.fail_queued(|s| s == step, &|| why.clone());
         let acts = self.inner.locked(|r| r.abort_step(step, why, propagate));
         self.inner.exec(acts);
@@ -573,6 +597,25 @@ impl rendezvous::SlotMemory for ArenaMem<'_> {
 }
 
 impl Inner {
+    /// Ends `step` here (`Node::step_done`, idle steps).
+    fn step_done(&self, step: u64) {
+        self.fail_queued(|s| s == step, &|| Error::Aborted(format!("step {step} finished before this tensor was sent")));
+        let acts = self.locked(|r| r.step_done(step));
+        self.exec(acts);
+    }
+
+    /// Ends the steps idle for `IDLE_STEP_LINGER_MS` (`rdev-keepalive`).
+    /// `scratch` is kept from call to call: nothing is allocated.
+    pub(super) fn end_idle_steps(&self, now: std::time::Instant, scratch: &mut Vec<u64>) {
+        scratch.clear();
+        let linger = std::time::Duration::from_millis(crate::constants::IDLE_STEP_LINGER_MS);
+        self.idle.lock().expired(now, linger, scratch);
+        for &step in scratch.iter() {
+            log::debug!("{}: step {step} idle for {linger:?}: it ends", self.task);
+            self.step_done(step);
+        }
+    }
+
     fn notify_progress(&self) {
         *self.progress.0.lock() += 1;
         self.progress.1.notify_all();

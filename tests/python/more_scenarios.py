@@ -238,3 +238,39 @@ def eager_errors(spec, ready):
     out["values"].append(float(back.numpy()))
     out["stats"] = _stats(spec)
     return out
+
+
+def eager_two_components(spec, ready):
+    """A tf.function with two components on the worker (its CPU:0 and
+    CPU:1), each receiving from another task: the call's argument from
+    this client on CPU:0, a tensor of the ps on CPU:1. TensorFlow runs
+    each component as its own call on the worker, and when one finishes
+    before the other starts, the second makes the step's rendezvous anew.
+    Called `calls` times; returns the values or the error of each call."""
+    import tensorflow as tf
+
+    tf.config.experimental_connect_to_cluster(
+        tf.train.ClusterSpec(spec["cluster"]), job_name="chief", task_index=0,
+        protocol=spec["protocol"])
+    ready()
+    ps = "/job:ps/replica:0/task:0"
+    w0, w1 = "/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:0/device:CPU:1"
+
+    @tf.function
+    def two_components(s):
+        with tf.device(w0):
+            x = tf.reduce_sum(tf.fill([16], s))
+        with tf.device(ps):
+            b = tf.fill([4096], s) * 3.0
+        with tf.device(w1):
+            y = tf.reduce_sum(b)
+        return x + y
+
+    out = []
+    for i in range(spec["calls"]):
+        try:
+            out.append(float(two_components(tf.constant(float(i + 1)))))
+        except tf.errors.OpError as e:
+            out.append(f"{type(e).__name__}: {e.message[:400]}")
+    return {"results": out, "devices": [d.name for d in tf.config.list_logical_devices()],
+            "stats": _stats(spec)}

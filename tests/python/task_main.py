@@ -69,9 +69,11 @@ def main():
         rdma_device.load()
     role = spec["role"]
     if role == "server":
+        # "cpus": this many CPU devices on the task (/device:CPU:0, 1, ...).
+        config = tf.compat.v1.ConfigProto(device_count={"CPU": spec["cpus"]}) if "cpus" in spec else None
         server = tf.distribute.Server(
             tf.train.ClusterSpec(spec["cluster"]), job_name=spec["job"],
-            task_index=spec["task"], protocol=spec["protocol"], start=True)
+            task_index=spec["task"], protocol=spec["protocol"], config=config, start=True)
         say("READY")
         # Never returns; `server` stays referenced (Server.__del__ stops it).
         serve_commands(server, spec)
