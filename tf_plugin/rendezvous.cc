@@ -4,7 +4,6 @@
 #include <optional>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "tensorflow/core/common_runtime/device.h"
 #include "tensorflow/core/common_runtime/device_mgr.h"
@@ -229,7 +228,7 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
             this->Ref();
             if (recv_args.device_context != nullptr) recv_args.device_context->Ref();
             Schedule([this, parsed, recv_args, tensor, done] {
-              CopyToDevice(parsed, recv_args, tensor, done);
+              CopyToDevice(session(), parsed, recv_args, tensor, done);
               if (recv_args.device_context != nullptr) recv_args.device_context->Unref();
               Unref();  // may destroy the rendezvous
             });
@@ -314,22 +313,8 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     }
   }
 
-  // A device of this very task under another name: the implicit
-  // "/job:localhost" of an eager context, or this task's own name (stock
-  // rendezvous treats both as local; a route to ourselves is never needed).
-  // In a cluster whose own job is named "localhost" (create_local_server's
-  // spec, or a user's), a device of that job is this task only if it names
-  // this task: its other tasks are peers like any other.
   bool IsThisTask(const tsl::DeviceNameUtils::ParsedName& device) {
-    if (transport_ == nullptr) return device.has_job && device.job == "localhost";
-    const std::string& self = transport_->self_task();
-    if (device.has_job && device.job == "localhost" &&
-        !absl::StartsWith(self, "/job:localhost/")) {
-      return true;
-    }
-    thread_local std::string scratch;
-    TaskOfInto(device, &scratch);
-    return scratch == self;
+    return NamesThisTask(device, transport_.get());
   }
 
   // `args`: the Send's arguments, for a refusal learnt after Send returned
@@ -452,24 +437,6 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
           Unref();
         });
     return absl::OkStatus();
-  }
-
-  // Host tensor from the transport -> the receiving device's memory.
-  void CopyToDevice(const ParsedKey& parsed, const Args& recv_args, const tf::Tensor& host,
-                    const DoneCallback& done) {
-    tf::Device* device = nullptr;
-    absl::Status s = session()->device_mgr()->LookupDevice(parsed.dst_device, &device);
-    if (!s.ok()) {
-      done(s, Args(), recv_args, tf::Tensor(), false);
-      return;
-    }
-    auto* out = new tf::Tensor(device->GetAllocator(recv_args.alloc_attrs), host.dtype(),
-                               host.shape());
-    recv_args.device_context->CopyCPUTensorToDevice(
-        &host, device, out, [out, host, recv_args, done](const absl::Status& copied) {
-          done(copied, Args(), recv_args, copied.ok() ? *out : tf::Tensor(), false);
-          delete out;
-        });
   }
 
   // Stock pull over gRPC, counted as a fallback with its reason.
