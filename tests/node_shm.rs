@@ -137,6 +137,11 @@ fn an_idle_step_keeps_its_arrivals_for_a_later_receive_and_ends_after_the_linger
     assert_eq!(recv("edge;second", 1).unwrap().bytes(), &second[..]);
     b.step_idle(1);
     b.step_done(1);
+    // A step's last object may go after TF cleaned the step up: it stays
+    // ended, and is not counted as idle.
+    b.step_idle(1);
+    b.step_active(1);
+    assert_eq!(Stats::global().get("steps_reopened").unwrap(), reopened + 1);
 
     // Step 2, done rather than idle: the push is dropped and the receive
     // fails, naming the step.

@@ -401,25 +401,30 @@ void Transport::CancelRecv(const std::string& key, int64_t step_id, const absl::
   if (st != RDEV_OK) LOG(WARNING) << "rdma_device: cancel of " << key << ": " << LastError();
 }
 
-void Transport::StepDone(int64_t step_id) {
-  rdev_context* ctx = ctx_.load();
+namespace {
+
+// `fn(ctx, step)` for one of the step calls that cannot fail but for a bad
+// argument; a failure is logged with `what`.
+void StepCall(rdev_context* ctx, rdev_status (*fn)(const rdev_context*, uint64_t),
+              int64_t step_id, const char* what) {
   if (ctx == nullptr) return;
-  rdev_status st = rdev_step_done(ctx, static_cast<uint64_t>(step_id));
-  if (st != RDEV_OK) LOG(WARNING) << "rdma_device: end of step " << step_id << ": " << LastError();
+  if (fn(ctx, static_cast<uint64_t>(step_id)) != RDEV_OK) {
+    LOG(WARNING) << "rdma_device: " << what << " step " << step_id << ": " << LastError();
+  }
+}
+
+}  // namespace
+
+void Transport::StepDone(int64_t step_id) {
+  StepCall(ctx_.load(), rdev_step_done, step_id, "end of");
 }
 
 void Transport::StepIdle(int64_t step_id) {
-  rdev_context* ctx = ctx_.load();
-  if (ctx == nullptr) return;
-  rdev_status st = rdev_step_idle(ctx, static_cast<uint64_t>(step_id));
-  if (st != RDEV_OK) LOG(WARNING) << "rdma_device: idle step " << step_id << ": " << LastError();
+  StepCall(ctx_.load(), rdev_step_idle, step_id, "idle");
 }
 
 void Transport::StepActive(int64_t step_id) {
-  rdev_context* ctx = ctx_.load();
-  if (ctx == nullptr) return;
-  rdev_status st = rdev_step_active(ctx, static_cast<uint64_t>(step_id));
-  if (st != RDEV_OK) LOG(WARNING) << "rdma_device: step " << step_id << ": " << LastError();
+  StepCall(ctx_.load(), rdev_step_active, step_id, "active");
 }
 
 }  // namespace rdma_device

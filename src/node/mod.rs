@@ -292,6 +292,11 @@ impl Node {
     /// on (a new one may come for it): it ends after `IDLE_STEP_LINGER_MS`
     /// unless `step_active` comes first, or at `step_done` (see idle.rs).
     pub fn step_idle(&self, step: u64) {
+        // TF may drop its last object of a step after it cleaned the step
+        // up: nothing to keep open then.
+        if self.inner.rdv.lock().step_finished(step) {
+            return;
+        }
         let ended = self.inner.idle.lock().idle(step, std::time::Instant::now());
         if let Some(oldest) = ended {
             self.inner.step_done(oldest);

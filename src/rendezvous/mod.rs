@@ -516,6 +516,11 @@ impl Rendezvous {
         acts
     }
 
+    /// Whether `step` ended here (among the last `FINISHED_STEPS_REMEMBERED`).
+    pub fn step_finished(&self, step: u64) -> bool {
+        self.finished_set.contains(&step)
+    }
+
     /// The step is over (TF cleaned it up): late pushes for it are dropped.
     pub fn step_done(&mut self, step: u64) -> Actions {
         self.end_step(step, &|| Error::Aborted(format!("step {step} finished before this tensor was received")))
