@@ -28,7 +28,7 @@
 //! | tensor writes of 64 KiB or more | `rdev-write` (2 per node, queued) | the copy (shm) or registration and post (verbs); a full ring queues it | the copy |
 //! | `Node::rpc_call`, `rpc_reply`, `rpc_cancel` (worker RPCs, rpc.rs) | the caller (TF's master; for replies, the thread that finished the call: an executor thread, or the event thread of a call served inline) | nothing: one control message per 64 KiB of body, as below | — |
 //! | dropping a received tensor (`Lease`) | any (TF threads) | nothing: its slot's credit is posted (shm: queued for `rdev-shm-send`, no I/O on the releasing thread; verbs: a post) | — |
-//! | `Node::recv`, `step_done`, `abort_*` | any | nothing | — |
+//! | `Node::recv`, `step_done`, `step_idle`, `step_active`, `abort_*` | any | nothing | — |
 //! | `Node::connect` | the shim's pool | the connection | RDMA_DEVICE_CONNECT_TIMEOUT_MS (1.5 s for a lost peer) |
 //! | `Node::place_ahead` | the shim's pool | connect + the receiver's Publish | connect + `timeout` |
 //! | `Node::request_placement` | the shim's pool | connect + the sender's PlaceDone | connect + `timeout` |
@@ -53,8 +53,8 @@
 //!
 //! Locks: a peer's tx slot may be held while taking `rdv` or `links`
 //! (connecting), never the reverse; `rdv` may be held while taking
-//! `listeners` and a listener's own locks (granting), never the reverse; `peers.table` is held only for map
-//! updates, never while taking another lock. No callback is invoked while
+//! `listeners` and a listener's own locks (granting), never the reverse; `peers.table` and `idle` are held only for
+//! their own map updates, never while taking another lock. No callback is invoked while
 //! any of them is held.
 
 mod handoff;
