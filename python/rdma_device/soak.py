@@ -178,7 +178,7 @@ def soak(args):
                     res["failed_attempts"] += 1
                     if len(res["errors"]) < 5:
                         msg = " ".join(e.message.split())
-                        res["errors"].append(f"step {step}: {type(e).__name__}: {msg[:300]}")
+                        res["errors"].append(f"step {step}: {type(e).__name__}: {msg[:1500]}")
                     sess.close()
                     sess = tf.compat.v1.Session(cluster.target("worker", 0), graph=g)
             else:

@@ -139,8 +139,9 @@ def test_soak_worker_killed_mid_stream(plugin_built):
     # Killed inside the step, after the ps had begun streaming to it.
     # (A run of that step that streams and ends between two polls of the
     # ps's counters is run again: `missed` counts them.)
-    assert r["kill"]["step_still_running"], (r["kill"], r["errors"])
-    assert r["kill"]["ps_stream_chunks_before_kill"] >= 1, (r["kill"], r["errors"])
+    why = f"{r['kill']}; step errors:\n" + "\n".join(r["errors"])
+    assert r["kill"]["step_still_running"], why
+    assert r["kill"]["ps_stream_chunks_before_kill"] >= 1, why
     assert 1 <= r["failed_attempts"] <= 3, r["errors"]
     assert r["inline_tensors"] > 0, "nothing streamed: the arena was not small enough"
     assert r["fallback_tensors"] == 0
