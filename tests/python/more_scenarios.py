@@ -274,3 +274,39 @@ def eager_two_components(spec, ready):
             out.append(f"{type(e).__name__}: {e.message[:400]}")
     return {"results": out, "devices": [d.name for d in tf.config.list_logical_devices()],
             "stats": _stats(spec)}
+
+
+def functions_on_two_threads(spec, ready):
+    """Two tf.functions across tasks (ps -> worker -> here), each called
+    for the first time, so instantiated, on its own thread: `on_main` on
+    the process's main thread, `on_other` on a thread of this process's
+    own. Returns their values and this task's counters after each."""
+    import threading
+
+    import tensorflow as tf
+
+    tf.config.experimental_connect_to_cluster(
+        tf.train.ClusterSpec(spec["cluster"]), job_name="chief", task_index=0,
+        protocol=spec["protocol"])
+    ready()
+    ps, worker = "/job:ps/replica:0/task:0", "/job:worker/replica:0/task:0"
+
+    def across(scale):
+        def f(s):
+            with tf.device(ps):
+                a = tf.fill([4096], s) * scale
+            with tf.device(worker):
+                return tf.reduce_sum(a)
+        return f
+
+    on_main = tf.function(across(2.0))
+    on_other = tf.function(across(3.0))
+    out = {"main": float(on_main(tf.constant(1.0)))}
+    box = {}
+    t = threading.Thread(target=lambda: box.update(other=float(on_other(tf.constant(1.0)))),
+                         name="user-thread")
+    t.start()
+    t.join(60)
+    out["other"] = box.get("other")
+    out["stats"] = _stats(spec)
+    return out
