@@ -155,6 +155,21 @@ class Task:
         return "".join(lines[-n:])
 
 
+def replies_within(tasks, deadline_s, everyone, what):
+    """Each task's next REPLY, all within deadline_s of this call; when one
+    misses it, fails the test ("<what> missed its deadline (a hang)") with
+    the native and Python stacks of `everyone`."""
+    deadline = time.monotonic() + deadline_s
+    replies = []
+    try:
+        for t in tasks:
+            replies.append(t.expect("REPLY", max(1.0, deadline - time.monotonic())))
+    except TimeoutError:
+        stacks = "\n\n".join(f"##### {t.name}\n{t.dump_stacks()}" for t in everyone)
+        pytest.fail(f"{what} missed its {deadline_s} s deadline (a hang)\n{stacks}")
+    return replies
+
+
 def build_preload(tmp_path_factory, name, what, libs=()):
     """Compiles <name>/<name>.c beside this file into lib<name>.so in a new
     temporary directory, for LD_PRELOAD; returns its path. Fails the test,

@@ -42,15 +42,8 @@ class Replicas:
         workers = self.workers if workers is None else workers
         for w in workers:
             w.send("run", workload=workload, args=args)
-        deadline = time.monotonic() + deadline_s
-        replies = []
-        try:
-            for w in workers:
-                replies.append(w.expect("REPLY", max(1.0, deadline - time.monotonic())))
-        except TimeoutError:
-            stacks = "\n\n".join(f"##### {t.name}\n{t.dump_stacks()}" for t in self.tasks)
-            pytest.fail(f"{workload} round {args.get('round')} missed its {deadline_s}s "
-                        f"deadline (a hang)\n{stacks}")
+        replies = harness.replies_within(workers, deadline_s, self.tasks,
+                                         f"{workload} round {args.get('round')}")
         for w, r in zip(workers, replies):
             assert "error" not in r, (w.name, r["error"], w.log_tail())
         return replies

@@ -318,17 +318,8 @@ def _counters(tasks):
 
 
 def _round_replies(tasks, rnd, deadline_s, everyone):
-    """Each task's reply to round `rnd`, all within deadline_s of the call;
-    when one misses it, fails the test with the stacks of `everyone`."""
-    deadline = time.monotonic() + deadline_s
-    replies = []
-    try:
-        for t in tasks:
-            replies.append(t.expect("REPLY", max(1.0, deadline - time.monotonic())))
-    except TimeoutError:
-        stacks = "\n\n".join(f"##### {t.name}\n{t.dump_stacks()}" for t in everyone)
-        pytest.fail(f"round {rnd} missed its {deadline_s} s deadline\n{stacks}")
-    return replies
+    """Each task's reply to round `rnd` (harness.replies_within)."""
+    return harness.replies_within(tasks, deadline_s, everyone, f"round {rnd}")
 
 
 def _end_rounds(tasks):
