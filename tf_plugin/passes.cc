@@ -13,12 +13,14 @@
 // (optimize_function_graph_utils.cc: `!options.is_component_function`), and
 // no RegisterGraph happens. So this pass places every partition's static
 // edges from here: its own directly, the other tasks' by asking each sender
-// (rdev_request_placement), and on the main thread waits for them, so the
+// (rdev_request_placement), and on a thread of the user's waits for them, so the
 // function's first run already pushes. See the README section "Placement
 // at graph-registration time".
 //
 // TF1 sessions do not come here: their workers run POST_PARTITIONING with
 // is_function_graph false, and are handled at RegisterGraph (worker.h).
+#include <dlfcn.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -65,14 +67,27 @@ class ShapeAnnotationPass : public tf::GraphOptimizationPass {
 // its edges' placement (the same bound as RegisterGraph's, worker.cc).
 constexpr int64_t kFunctionPlacementWaitMs = 2000;
 
-// True on the process's main thread: the user's own (Python's) thread,
-// which calls the function next and would wait for its run anyway. Every
-// other thread (TF's and the plugin's pools, gRPC's handler threads where a
-// worker instantiates a function a ParameterServerStrategy closure sent it,
-// the user's other threads) starts the placement and goes on: a function's
+// True on a thread of the user's program: the process's main thread, or a
+// thread Python runs (the user's own threads, a ParameterServerStrategy
+// coordinator's closure threads). Such a thread calls the function next and
+// would wait for its run anyway, so it waits for the placement first. Every
+// other thread (TF's and the plugin's pools, gRPC's handler threads, TF's
+// executor threads instantiating a nested function) starts the placement and
+// goes on: nothing on TF's threads waits on the network, and a function's
 // first run places what is not placed yet, so not waiting costs that run
 // only time, never correctness.
-bool OnMainThread() { return gettid() == getpid(); }
+//
+// Python is asked through its C API, looked up in the process, never linked:
+// PyGILState_GetThisThreadState needs no GIL and returns the state Python
+// keeps for this thread, null where Python never ran on it. A process
+// without Python (a C++ client) has only its main thread waiting.
+bool OnUsersThread() {
+  if (gettid() == getpid()) return true;
+  using ThisThreadState = void* (*)();
+  static const ThisThreadState python_state =
+      reinterpret_cast<ThisThreadState>(dlsym(RTLD_DEFAULT, "PyGILState_GetThisThreadState"));
+  return python_state != nullptr && python_state() != nullptr;
+}
 
 class FunctionPlacementPass : public tf::GraphOptimizationPass {
  public:
@@ -86,11 +101,12 @@ class FunctionPlacementPass : public tf::GraphOptimizationPass {
     if (here == nullptr) return absl::OkStatus();
     // Every partition's placement runs at once on the plugin's control
     // pool; this thread (the one instantiating the function) waits for
-    // them, bounded, only if it is the process's main thread (above).
-    const bool wait = OnMainThread();
+    // them, bounded, only on a thread of the user's program (above).
+    const bool wait = OnUsersThread();
     const auto deadline =
         std::chrono::steady_clock::now() + std::chrono::milliseconds(kFunctionPlacementWaitMs);
     std::vector<PlacementRun> runs;
+    size_t edge_count = 0;
     for (const auto& [device, graph] : *options.partition_graphs) {
       tsl::DeviceNameUtils::ParsedName parsed;
       if (graph == nullptr || !tsl::DeviceNameUtils::ParseFullName(device, &parsed)) continue;
@@ -103,6 +119,7 @@ class FunctionPlacementPass : public tf::GraphOptimizationPass {
                      << "; its edges are placed on first use: " << s;
         continue;
       }
+      edge_count += edges.size();
       // A partition of a task served by a server of this process: that
       // server's transport sends its edges.
       std::shared_ptr<Transport> local = Transport::ForTask(task);
@@ -111,19 +128,29 @@ class FunctionPlacementPass : public tf::GraphOptimizationPass {
       runs.push_back(PlaceStaticEdges(
           transport, edges, absl::StrCat(transport->self_task(), " function partition on ", task)));
     }
+    if (edge_count == 0) return absl::OkStatus();
     if (!wait) {
+      char thread[16] = "?";
+      pthread_getname_np(pthread_self(), thread, sizeof thread);
       VLOG(1) << "rdma_device: function " << options.debug_filename_prefix
-              << " instantiated off the main thread: placement goes on in the background";
+              << " instantiated on a runtime thread (" << thread
+              << "): placement goes on in the background";
       return absl::OkStatus();
     }
+    const auto start = std::chrono::steady_clock::now();
     for (const PlacementRun& run : runs) {
       if (!run.WaitUntil(deadline)) {
         VLOG(1) << "rdma_device: function " << options.debug_filename_prefix
                 << ": placement still running after " << kFunctionPlacementWaitMs
                 << " ms; its first run places what is left";
-        break;
+        return absl::OkStatus();
       }
     }
+    VLOG(1) << "rdma_device: function " << options.debug_filename_prefix
+            << " placed before its first run (waited "
+            << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                   .count()
+            << " ms on a thread of the user's)";
     return absl::OkStatus();  // never fails the function
   }
 };

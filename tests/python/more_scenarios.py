@@ -291,16 +291,18 @@ def functions_on_two_threads(spec, ready):
     ready()
     ps, worker = "/job:ps/replica:0/task:0", "/job:worker/replica:0/task:0"
 
-    def across(scale):
+    def across(scale, name):
+        # `name` names the tensor the ps sends, so each function has an
+        # edge (a rendezvous key) of its own to place.
         def f(s):
             with tf.device(ps):
-                a = tf.fill([4096], s) * scale
+                a = tf.multiply(tf.fill([4096], s), scale, name=name)
             with tf.device(worker):
                 return tf.reduce_sum(a)
         return f
 
-    on_main = tf.function(across(2.0))
-    on_other = tf.function(across(3.0))
+    on_main = tf.function(across(2.0, "from_main"))
+    on_other = tf.function(across(3.0, "from_other"))
     out = {"main": float(on_main(tf.constant(1.0)))}
     box = {}
     t = threading.Thread(target=lambda: box.update(other=float(on_other(tf.constant(1.0)))),
