@@ -130,18 +130,24 @@ def test_soak_worker_killed_mid_stream(plugin_built):
     steps = 60
     p = subprocess.run([sys.executable, "-m", "rdma_device.bench", "soak", "--steps", str(steps), "--json",
                         "--arena", "8M", "--kill-mid-stream", "--step-timeout-ms", "30000"],
-                       env=dict(_env(), RDMA_DEVICE_LOG="error"), capture_output=True, text=True, timeout=600)
+                       env=dict(_env(), RDMA_DEVICE_LOG="warn"), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["lost"] == 0 and r["corrupt"] == 0, r["errors"]
+    # The tasks' own account of a failure: every warning and error of the
+    # transport but the arena's (expected: the arena is made too small).
+    said = [line for line in p.stderr.splitlines()
+            if ("WARN" in line or "ERROR" in line) and "rdma_device" in line
+            and "receive arena" not in line]
+    why = (f"{r['kill']}; step errors:\n" + "\n".join(r["errors"])
+           + "\ntasks said:\n" + "\n".join(said[-40:]))
+    assert r["lost"] == 0 and r["corrupt"] == 0, why
     assert r["tensors"] == steps * r["lanes"]
     assert r["restarted_at_step"] == steps // 2
     # Killed inside the step, after the ps had begun streaming to it.
     # (A run of that step that streams and ends between two polls of the
     # ps's counters is run again: `missed` counts them.)
-    why = f"{r['kill']}; step errors:\n" + "\n".join(r["errors"])
     assert r["kill"]["step_still_running"], why
     assert r["kill"]["ps_stream_chunks_before_kill"] >= 1, why
-    assert 1 <= r["failed_attempts"] <= 3, r["errors"]
+    assert 1 <= r["failed_attempts"] <= 3, why
     assert r["inline_tensors"] > 0, "nothing streamed: the arena was not small enough"
     assert r["fallback_tensors"] == 0
