@@ -70,7 +70,7 @@ fn one_peers_refusals_do_not_use_up_the_nodes_room() {
         other => panic!("{:?}", other.map(|r| r.map(|r| r.meta))),
     }
     // Taken: room for one more on that link.
-    let acts = refused_stream(&mut rx, 11, 5000, "again", 7);
+    let acts = refused_stream(&mut rx, 11, MAX_FAILED_AHEAD_PER_LINK as u32 + 1, "again", 7);
     assert!(!closed(&acts), "{acts:?}");
 }
 
@@ -183,4 +183,40 @@ fn arrived_stream_bytes_count_against_the_node_limit() {
         other => panic!("{:?}", other.map(|r| r.map(|r| r.meta))),
     }
     assert_eq!(rx.table.owned_bytes(), 0);
+}
+
+/// A sender numbers its streams in order, but its threads send the
+/// begins as they go, so a later stream's begin may arrive first (the soak
+/// with a small arena saw 4 before 3, and the link closed). An id skipped
+/// that way is begun later, once; an id begun already, or a jump that
+/// leaves more than `MAX_STREAMS_OVERTAKEN` ids to come, closes the link.
+#[test]
+fn stream_begins_overtaken_by_later_ones_are_taken_once() {
+    use super::stream::MAX_STREAMS_OVERTAKEN as MAX;
+    let mut rx = Rendezvous::new(params(), 1 << 20);
+    rx.add_rx_link(LINK, "tx", 11);
+    let begin = |rx: &mut Rendezvous, stream: u32| {
+        let m = Msg::StreamBegin { stream, key: format!("s{stream}"), step: 5, meta: meta(), total: 8 };
+        rx.on_message(LINK, &m.encode())
+    };
+    let opened = |acts: &Actions, s: u32| matches!(&acts[..], [Action::StreamAlloc { stream, .. }] if *stream == s);
+    // 3 overtook 1 and 2: both are still begun, in either order.
+    for s in [3, 2, 1] {
+        let acts = begin(&mut rx, s);
+        assert!(opened(&acts, s), "stream {s}: {acts:?}");
+    }
+    // Each id once only.
+    for s in [1, 2, 3] {
+        assert!(closed(&begin(&mut rx, s)), "stream {s} begun twice");
+    }
+    // A jump that leaves MAX ids to come is taken; one more is not.
+    let far = 3 + MAX as u32 + 1;
+    assert!(opened(&begin(&mut rx, far), far));
+    assert!(closed(&begin(&mut rx, far + 2)), "a jump past the cap");
+    // Skipped ids that come make room again, one each.
+    assert!(opened(&begin(&mut rx, 4), 4));
+    assert!(opened(&begin(&mut rx, far + 2), far + 2)); // far + 1 to come: MAX again
+    assert!(opened(&begin(&mut rx, far + 1), far + 1)); // MAX - 1
+    assert!(opened(&begin(&mut rx, far + 4), far + 4)); // far + 3 to come: MAX
+    assert!(closed(&begin(&mut rx, far + 6)), "past the cap again");
 }

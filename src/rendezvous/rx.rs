@@ -2,7 +2,7 @@
 //! arena; arrivals matched to receives; credits; re-placement. Streamed
 //! tensors (the receiver's part) are in `stream.rs`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use super::stream::{RxStreams, STREAM_KEY};
@@ -62,8 +62,12 @@ pub(super) struct RxLink {
     pub(super) next_edge: u32,
     /// Streams under way from this sender, by id.
     pub(super) streams: RxStreams,
-    /// The highest stream id begun (ids strictly increase).
+    /// The highest stream id begun. The sender numbers its streams in
+    /// order, but its threads send their `StreamBegin`s as they go, so one
+    /// may overtake another: the ids it skipped wait in `unbegun` and may
+    /// each be begun once, later (at most `MAX_STREAMS_OVERTAKEN`).
     pub(super) last_stream: u32,
+    pub(super) unbegun: HashSet<u32>,
     /// The edge holding this link's stream slots (not in `edges`: no key
     /// of the sender's can name it).
     pub(super) stream_edge: Option<u32>,
@@ -136,6 +140,7 @@ impl Rendezvous {
                 next_edge: 1,
                 streams: RxStreams::default(),
                 last_stream: 0,
+                unbegun: HashSet::new(),
                 stream_edge: None,
             },
         );

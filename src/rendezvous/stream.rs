@@ -54,9 +54,12 @@
 //! sender that gives up (its step failed) says `StreamCancel` too (the
 //! receive fails). Chunks of a stream that ended may still land (shm orders
 //! writes and messages independently): they are dropped and their slot
-//! credited. Anything else out of protocol (a chunk before `StreamReady`,
-//! of a stream never begun, overlapping or duplicate, past `total`, a
-//! reused stream id) closes the link.
+//! credited. Stream ids rise in the order the sender numbers them, but
+//! its threads send the begins as they go, so one may overtake another:
+//! the ids skipped may come later, each once (`MAX_STREAMS_OVERTAKEN`).
+//! Anything else out of protocol (a chunk before `StreamReady`, of a stream
+//! never begun, overlapping or duplicate, past `total`, a reused stream id)
+//! closes the link.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -81,6 +84,12 @@ pub(super) use open::RxStreams;
 
 /// Most streams one sender may have open at a receiver at once.
 const MAX_STREAMS_PER_LINK: usize = 1 << 16;
+
+/// Most stream ids of one sender whose `StreamBegin` another, later one
+/// overtook and that are still to come. The sender's threads send begins
+/// as they go (after the protocol lock), so a few may arrive out of order;
+/// a peer that skips more is out of protocol.
+pub(super) const MAX_STREAMS_OVERTAKEN: usize = 1024;
 
 /// Payload capacity of a stream slot in an arena of `arena` bytes, or None
 /// when the arena is too small for useful ones.
@@ -464,16 +473,30 @@ impl Rendezvous {
         // streamed tensors that arrived and wait for their receives.
         let open: u64 = self.rx.values().map(|r| r.streams.bytes()).fold(self.table.owned_bytes(), u64::saturating_add);
         let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("stream on unknown link".into()))?;
-        if stream <= r.last_stream {
-            return Err(Error::Protocol(format!("stream id {stream} reused (last begun {})", r.last_stream)));
-        }
         if key == STREAM_KEY {
             return Err(Error::Protocol("stream for the reserved key".into()));
         }
         if r.streams.len() >= MAX_STREAMS_PER_LINK {
             return Err(Error::Protocol(format!("more than {MAX_STREAMS_PER_LINK} streams open")));
         }
-        r.last_stream = stream;
+        if stream <= r.last_stream {
+            // Overtaken by a later stream's begin: only an id skipped
+            // then may come now, and only once.
+            if !r.unbegun.remove(&stream) {
+                return Err(Error::Protocol(format!("stream id {stream} reused (last begun {})", r.last_stream)));
+            }
+        } else {
+            let skipped = (stream - r.last_stream - 1) as usize;
+            if skipped > MAX_STREAMS_OVERTAKEN - r.unbegun.len().min(MAX_STREAMS_OVERTAKEN) {
+                return Err(Error::Protocol(format!(
+                    "stream id {stream} skips {skipped} ids after {} with {} skipped before still to come; at most {MAX_STREAMS_OVERTAKEN} may be",
+                    r.last_stream,
+                    r.unbegun.len()
+                )));
+            }
+            r.unbegun.extend(r.last_stream + 1..stream);
+            r.last_stream = stream;
+        }
         if self.finished_set.contains(&step) {
             self.tally.dropped_late += 1;
             return Ok(smallvec![Action::Send { link, msg: Msg::StreamCancel { stream } }]);
@@ -574,7 +597,7 @@ impl Rendezvous {
         let Some(r) = self.rx.get_mut(&link) else { return Actions::new() };
         let bad = |why: String| smallvec![Action::Close { link, why: Error::Protocol(format!("stream {}: {why}", c.stream)) }];
         let Some(s) = r.streams.get_mut(&c.stream) else {
-            if c.stream == 0 || c.stream > r.last_stream {
+            if c.stream == 0 || c.stream > r.last_stream || r.unbegun.contains(&c.stream) {
                 self.tally.rejected_writes += 1;
                 return bad("chunk of a stream never begun".into());
             }

@@ -78,8 +78,9 @@ pub enum Msg {
     /// link: the link is up, requests may use it.
     Ready,
     /// Sender → receiver: tensor `(key, step)` of `total` bytes follows as
-    /// stream `stream` (ids strictly increase per link). The sender waits
-    /// for `StreamReady` before it writes any chunk.
+    /// stream `stream` (the sender numbers a link's streams 1, 2, 3, ...; a begin
+    /// may overtake an earlier one, whose id then comes later, once).
+    /// The sender waits for `StreamReady` before it writes any chunk.
     StreamBegin { stream: u32, key: String, step: u64, meta: TensorMeta, total: u64 },
     /// Receiver → sender: the destination of `stream` is allocated.
     /// `outcome`: `STREAM_SLOTS` (write chunks into the link's stream
