@@ -80,7 +80,9 @@ constexpr int64_t kFunctionPlacementWaitMs = 2000;
 // Python is asked through its C API, looked up in the process, never linked:
 // PyGILState_GetThisThreadState needs no GIL and returns the state Python
 // keeps for this thread, null where Python never ran on it. A process
-// without Python (a C++ client) has only its main thread waiting.
+// without Python (a C++ client) has only its main thread waiting. One TF
+// thread counts as Python's while it runs Python: an op's `tf.py_function`
+// body calling a multi-task function waits there, at most the same 2 s.
 bool OnUsersThread() {
   if (gettid() == getpid()) return true;
   using ThisThreadState = void* (*)();
