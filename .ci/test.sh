@@ -36,6 +36,9 @@ cargo test --features verbs
 section "the shm-only build (no rdma-core needed): unit, C ABI, shm fabric and node tests (no features)"
 cargo test --lib --test c_abi --test fabric_shm --test node_shm --test header
 
+section "schedule exploration of the call channel (shuttle: random and PCT schedules, 3000 each per test)"
+cargo test --features shuttle --lib sched
+
 section "coverage-guided fuzzing of every peer-fed decoder and the protocol state machine (60 s)"
 bash tests/fuzz/run.sh 60
 

@@ -91,7 +91,8 @@ pub const MAGIC: u32 = 0x5244_4556;
 /// headers, `Stream*` messages) replace the inline messages. 4: each
 /// published slot carries the key its sender writes it with. 5: `Ping`.
 /// 6: `Call`, `Reply`, `CallCancel` (worker RPCs over the transport).
-pub const PROTOCOL_VERSION: u32 = 7;
+/// 8: `Call` and `Reply` parts carry their index.
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Upper bound of the adaptive spin window of a progress thread. While
 /// small writes keep arriving, the thread polls for twice the recent gap

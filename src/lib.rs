@@ -13,6 +13,7 @@ pub mod constants;
 pub mod error;
 pub mod fabric;
 pub mod stats;
+pub mod sync;
 pub mod trace;
 
 pub use error::{Error, Result};

@@ -1,7 +1,8 @@
 //! Calls over the transport (`node::rpc`): what the shim's worker RPCs rely
-//! on. Two nodes with one connection: calls both ways over it, bodies of
-//! several parts intact, deadlines, cancellation both sides, a lost peer,
-//! and no connection at all (the caller goes another way).
+//! on. Two nodes: calls both ways, each over the connection its caller
+//! dialled, bodies of several parts intact, deadlines, cancellation both
+//! sides, a lost peer, no connection at all (the caller goes another way),
+//! and an impostor that connects first under another task's name.
 
 mod common;
 
@@ -65,12 +66,17 @@ fn call(n: &Node, peer: &str, method: u32, body: &[u8], timeout: Option<Duration
 }
 
 #[test]
-fn calls_go_both_ways_over_one_connection_with_large_bodies() {
+fn calls_go_both_ways_over_dialled_connections_with_large_bodies() {
     let (a, b, ta, tb, echo, _cancelled) = pair();
     // No connection yet: refused at once, so the caller goes another way.
     let e = a.rpc_call(&tb, 1, b"x", None, Box::new(|_, _| panic!("must not run"))).unwrap_err();
     assert!(matches!(e, Error::NotViable(_)), "{e}");
     a.connect(&tb).unwrap(); // one connection, a → b
+    // b did not dial a: a connection a opened is not b's to call over (the
+    // task at its other end named itself).
+    let e = b.rpc_call(&ta, 1, b"x", None, Box::new(|_, _| panic!("must not run"))).unwrap_err();
+    assert!(matches!(e, Error::NotViable(_)), "{e}");
+    b.connect(&ta).unwrap(); // and b → a
     for (caller, callee, peer) in [(&a, &b, &tb), (&b, &a, &ta)] {
         *echo.node.lock().unwrap() = Some(Arc::downgrade(callee));
         callee.rpc_serve(Some(echo.clone()));
@@ -89,6 +95,46 @@ fn calls_go_both_ways_over_one_connection_with_large_bodies() {
     }
     let s = rdma_device::stats::Stats::global();
     assert!(s.get("worker_rpcs_over_transport").unwrap() >= 10);
+}
+
+/// Records every call it is handed, answers each "impostor".
+struct Impostor {
+    node: Mutex<Option<std::sync::Weak<Node>>>,
+    got: Mutex<Vec<Vec<u8>>>,
+}
+
+impl Server for Impostor {
+    fn call(&self, handle: u64, _method: u32, body: Vec<u8>) {
+        self.got.lock().unwrap().push(body);
+        if let Some(n) = self.node.lock().unwrap().as_ref().and_then(|w| w.upgrade()) {
+            n.rpc_reply(handle, 0, b"impostor");
+        }
+    }
+    fn cancel(&self, _handle: u64) {}
+}
+
+#[test]
+fn calls_go_only_to_the_task_dialled_at_its_address_never_to_an_impostor() {
+    let (a, b, ta, tb, echo, _cancelled) = pair();
+    *echo.node.lock().unwrap() = Some(Arc::downgrade(&b));
+    b.rpc_serve(Some(echo.clone()));
+    // A process at another address that calls itself b connects to a
+    // first (a's cluster spec has b at b's address).
+    let pi = free_port();
+    let imp = Arc::new(Node::new(small_config(), &tb, &addr(pi)).unwrap());
+    let srv = Arc::new(Impostor { node: Mutex::new(Some(Arc::downgrade(&imp))), got: Mutex::new(Vec::new()) });
+    imp.rpc_serve(Some(srv.clone()));
+    imp.add_peer(&ta, a.addr());
+    imp.connect(&ta).expect("the impostor connects to a");
+    // a has a connection from "b" but dialled none: refused, so the
+    // caller goes another way (TF's gRPC dials b's address).
+    let e = a.rpc_call(&tb, 1, b"run this graph", None, Box::new(|_, _| panic!("must not run"))).unwrap_err();
+    assert!(matches!(e, Error::NotViable(_)), "{e}");
+    a.connect(&tb).unwrap();
+    let (_, rx) = call(&a, &tb, 1, b"run this graph", None);
+    let (code, reply) = rx.recv_timeout(Duration::from_secs(10)).expect("reply");
+    assert_eq!((code, reply), (0, b"hparg siht nur".to_vec()), "the call went to the impostor");
+    assert!(srv.got.lock().unwrap().is_empty(), "the impostor was handed {} calls", srv.got.lock().unwrap().len());
 }
 
 #[test]

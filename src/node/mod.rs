@@ -52,7 +52,10 @@
 //! follows the answer.
 //!
 //! Locks: a peer's tx slot may be held while taking `rdv` or `links`
-//! (connecting), never the reverse; `rdv` may be held while taking
+//! (connecting), never the reverse; `links` may be held while taking `rdv`
+//! (registering or ending a link, through `locked_under_links`, which
+//! hands back the links to fail instead of failing them: failing one takes
+//! `links`); `rdv` may be held while taking
 //! `listeners` and a listener's own locks (granting), never the reverse; `peers.table` and `idle` are held only for
 //! their own map updates, never while taking another lock. No callback is invoked while
 //! any of them is held.
@@ -533,12 +536,12 @@ impl FabricEvents for Events {
         // Under `links` (lock order: links, then the protocol state), so a
         // connection still being registered (`ensure_tx`) either sees this
         // loss or is fully registered before it is processed.
-        let acts = {
+        let (acts, refused) = {
             let mut links = n.links.lock();
             if links.remove(&conn).is_none() {
                 n.ended_early.lock().insert(conn);
             }
-            n.locked(|r| {
+            n.locked_under_links(|r| {
                 let acts = r.on_link_lost(conn, why);
                 if self.kind != TransportKind::Shm {
                     // See FabricEvents::on_sender_gone: verbs writes of a
@@ -548,6 +551,7 @@ impl FabricEvents for Events {
                 acts
             })
         };
+        n.fail_refused(refused);
         n.exec(acts);
         n.notify_progress();
     }
@@ -635,8 +639,27 @@ impl Inner {
         *g
     }
 
-    /// Run `f` on the protocol state, mirroring its counters into Stats.
+    /// Run `f` on the protocol state, mirroring its counters into Stats;
+    /// then fail the links whose grant `f` refused (which takes `links`:
+    /// never call it with `links` held, see `locked_under_links`).
     fn locked<T>(&self, f: impl FnOnce(&mut Rendezvous) -> T) -> T {
+        let (out, refused) = self.locked_under_links(f);
+        self.fail_refused(refused);
+        out
+    }
+
+    /// Fail the links `locked_under_links` returned (not under `links`).
+    fn fail_refused(&self, refused: Vec<(ConnId, Error)>) {
+        for (link, why) in refused {
+            self.fail_link(link, why);
+        }
+    }
+
+    /// `locked` for a caller that holds `links` (lock order: `links`, then
+    /// the protocol state): the links whose grant `f` refused are returned
+    /// for it to fail with `fail_refused` once it let go of `links`
+    /// (failing one takes `links`: that would be a self-deadlock).
+    fn locked_under_links<T>(&self, f: impl FnOnce(&mut Rendezvous) -> T) -> (T, Vec<(ConnId, Error)>) {
         let mut r = self.rdv.lock();
         // Others wait on this lock: a grant made in `f` must not pin
         // memory here (verbs registers on its setup thread instead).
@@ -649,16 +672,13 @@ impl Inner {
         let t = std::mem::take(&mut r.tally);
         let in_use = r.arena_in_use();
         drop(r);
-        for (link, why) in refused {
-            self.fail_link(link, why);
-        }
         if t != rendezvous::Tally::default() {
             self.totals.lock().add(&t);
         }
         let c = &Stats::global().c;
         c.add_tally(&t);
         c.arena_bytes_in_use.store(in_use, std::sync::atomic::Ordering::Relaxed);
-        out
+        (out, refused.into_iter().collect())
     }
 
     fn endpoint(&self, link: ConnId) -> Option<Arc<dyn Endpoint>> {

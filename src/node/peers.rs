@@ -206,7 +206,7 @@ impl Inner {
             Err(e) => return Err(e.context(&format!("connecting to {peer} at {addr}"))),
         };
         let id = ep.id();
-        {
+        let refused = {
             // Register before any event for the link is processed: its
             // disconnect may already have fired (see `on_disconnect`).
             let mut links = self.links.lock();
@@ -214,8 +214,9 @@ impl Inner {
                 return Err(Error::PeerLost(format!("connection to {peer} at {addr} ended as it was made")));
             }
             links.insert(id, LinkRef::Tx(ep.clone()));
-            self.locked(|r| r.add_tx_link(id, peer));
-        }
+            self.locked_under_links(|r| r.add_tx_link(id, peer)).1
+        };
+        self.fail_refused(refused);
         if self.cfg.rpc_mode {
             // The receiver sends its requests on this link once it is up.
             self.exec(crate::rendezvous::smallvec![crate::rendezvous::Action::Send { link: id, msg: crate::rendezvous::Msg::Ready }]);

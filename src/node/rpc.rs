@@ -6,9 +6,14 @@
 //!
 //! Shape:
 //! - A call is `Msg::Call` parts (bodies larger than one message are cut
-//!   in parts of `CALL_PART_BYTES`) on any live link with the peer, either
-//!   direction; the answer is `Msg::Reply` parts on the same link with a
-//!   code: 0 and the response, or TensorFlow's error code and message.
+//!   in parts of `CALL_PART_BYTES`, each with its index) on a live link
+//!   this node dialled at the peer's address in the cluster spec, never on
+//!   a link the peer opened (a process that connects first could claim to
+//!   be any task: it would receive the master's RunGraph). The answer is
+//!   `Msg::Reply` parts on the same link with a code: 0 and the response,
+//!   or TensorFlow's error code and message. A callee serves a call only
+//!   when every part arrived in order from part 0: the tail of a call it
+//!   dropped (cancelled) is dropped too, never served as a call of its own.
 //! - The caller's `done` runs exactly once, on `rdev-callbacks` (never an
 //!   event thread): with the reply; with UNAVAILABLE when the link is lost
 //!   before it; with DEADLINE_EXCEEDED at its deadline (checked every
@@ -36,27 +41,42 @@
 //! `MAX_CALL_BYTES`, more than `MAX_SERVED` calls in flight from one
 //! link, a reply to a call never made on that link: the link fails.
 //!
+//! Ownership: whoever takes a call out of `out` runs its `done` (a reply,
+//! a cancel, a deadline, the loss of its link, shutdown, or `call` itself
+//! when its first part could not be sent, and only then returns `Err`).
+//!
 //! Locks: `out` and `served` are leaves, never held while sending or
-//! calling back.
+//! calling back. Schedule tests (`--features shuttle`, sched_tests.rs) run
+//! this code under explored interleavings of callers, link loss, deadlines
+//! and cancels.
 
+use super::Inner;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Mutex, RwLock};
-
-use super::Inner;
 use crate::error::{Error, Result};
 use crate::fabric::ConnId;
 use crate::rendezvous::wire::CALL_PART_BYTES;
-use crate::rendezvous::{Action, Msg};
+use crate::rendezvous::Msg;
 use crate::stats::Stats;
+use crate::sync::{AtomicU64, Mutex, Ordering, RwLock};
 
 /// Largest call or reply body accepted (a RunGraph response may carry
 /// fetched tensors).
 pub const MAX_CALL_BYTES: usize = 1 << 30;
 /// Most calls one link may have being served at once.
 pub const MAX_SERVED: usize = 4096;
+/// Most bytes of calls still arriving (parts received, not yet whole) that
+/// one link, and the whole node, may hold: a peer cannot make us buffer
+/// 4096 calls of `MAX_CALL_BYTES` each. Past either, the link that sent
+/// the part fails.
+pub const MAX_PARTIAL_BYTES_PER_LINK: usize = 2 * MAX_CALL_BYTES;
+pub const MAX_PARTIAL_BYTES: usize = 4 * MAX_CALL_BYTES;
+/// A call still arriving whose next part has not come for this long fails
+/// its link (a caller sends its parts back to back; checked by
+/// `rdev-keepalive` with the deadlines).
+pub const PARTIAL_CALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// Largest reply handed to an inline caller on the event thread (a larger
 /// one, e.g. a RunGraph response carrying fetched tensors, is parsed on
 /// `rdev-callbacks`, not on the thread that reads the link).
@@ -84,14 +104,35 @@ pub trait Server: Send + Sync {
     fn cancel(&self, handle: u64);
 }
 
+/// What the channel needs of the node around it: links to send on, a way
+/// to fail one, and a thread for callbacks. The node implements it over
+/// its fabrics (mod.rs); the schedule tests over threads and queues.
+pub(crate) trait Wire: Send + Sync {
+    /// This task's name (for messages).
+    fn task(&self) -> &str;
+    /// A live link to `peer` that calls may go over: one this node dialled
+    /// at the peer's address in the cluster spec, never a link a peer
+    /// opened to us (it could claim any task's name).
+    fn call_link(&self, peer: &str) -> Option<ConnId>;
+    /// Send one message on `link` (never waits for the peer).
+    fn send(&self, link: ConnId, msg: &Msg) -> Result<()>;
+    /// Close `link`, failing what depends on it (calls included: it calls
+    /// back `Rpc::link_lost`).
+    fn fail_link(&self, link: ConnId, why: Error);
+    /// Run `f` later on a thread of the node's (`rdev-callbacks`), never on
+    /// the calling thread.
+    fn later(&self, f: Box<dyn FnOnce() + Send>);
+}
+
 struct Outgoing {
     link: ConnId,
     done: CallDone,
     /// A successful reply may complete on the event thread.
     inline: bool,
     deadline: Option<Instant>,
-    /// Reply parts so far.
+    /// Reply parts so far, and how many.
     reply: Vec<u8>,
+    reply_parts: u32,
 }
 
 struct Incoming {
@@ -99,80 +140,133 @@ struct Incoming {
     id: u64,
     method: u32,
     body: Vec<u8>,
+    /// Parts so far (the index the next part must carry), and when the
+    /// last came.
+    parts: u32,
+    last_part: Instant,
     /// Whole and handed to the server.
     started: bool,
 }
 
-#[derive(Default)]
 struct Served {
     /// By the handle given to the server.
     calls: HashMap<u64, Incoming>,
     /// (link, caller's id) → handle.
     by_key: HashMap<(ConnId, u64), u64>,
+    /// Per link: calls in `calls`, and the highest call id begun on it (a
+    /// later part of a call at or below it that is not in `by_key` belongs
+    /// to a call that was cancelled: dropped; above it: never begun).
+    links: HashMap<ConnId, LinkCalls>,
+    /// Bytes of calls still arriving, node-wide, and the caps on them
+    /// (per link, node-wide).
+    partial: usize,
+    caps: (usize, usize),
 }
 
+impl Default for Served {
+    fn default() -> Served {
+        Served {
+            calls: HashMap::new(),
+            by_key: HashMap::new(),
+            links: HashMap::new(),
+            partial: 0,
+            caps: (MAX_PARTIAL_BYTES_PER_LINK, MAX_PARTIAL_BYTES),
+        }
+    }
+}
+
+#[derive(Default, Clone, Copy)]
+struct LinkCalls {
+    open: usize,
+    highest: u64,
+    /// Bytes of this link's calls still arriving.
+    partial: usize,
+}
+
+/// A whole call to hand to the server.
+struct Whole {
+    handle: u64,
+    method: u32,
+    body: Vec<u8>,
+}
+
+/// The call channel's state (one per node). Every method takes the node
+/// around it as a `Wire`.
 #[derive(Default)]
-pub(super) struct Rpc {
-    next: std::sync::atomic::AtomicU64,
+pub(crate) struct Rpc {
+    next: AtomicU64,
     out: Mutex<HashMap<u64, Outgoing>>,
     served: Mutex<Served>,
     server: RwLock<Option<Arc<dyn Server>>>,
     /// Bit m: calls of method m are served on the event thread.
-    inline_methods: std::sync::atomic::AtomicU64,
+    inline_methods: AtomicU64,
 }
 
-impl Inner {
-    /// Run `f` on `rdev-callbacks` (never an event thread).
-    fn later(&self, f: impl FnOnce() + Send + 'static) {
-        let done: crate::rendezvous::SendDone = Box::new(move |_: Result<()>| f());
-        self.handoff.run(Action::SendDone { done, result: Ok(()) });
-    }
+fn part_index(i: usize) -> Result<u32> {
+    u32::try_from(i).map_err(|_| Error::InvalidArgument("a call body of more than 2^32 parts".into()))
+}
 
-    /// A live link with `peer`, either direction.
-    fn link_with(&self, peer: &str) -> Option<ConnId> {
-        let links = self.locked(|r| r.links_of(peer));
-        let live = self.links.lock();
-        links.into_iter().find(|l| live.contains_key(l))
+impl Rpc {
+    fn new_id(&self) -> u64 {
+        self.next.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// Call `method` on `peer` with `body`; `done` runs exactly once (see
     /// the module docs; `inline`: a successful small reply may run it on
     /// the event thread). `Err`: the call could not start over the
-    /// transport (`done` dropped uncalled; make it another way).
-    pub(super) fn rpc_call(&self, peer: &str, method: u32, body: &[u8], timeout: Option<Duration>, inline: bool, done: CallDone) -> Result<u64> {
-        let Some(link) = self.link_with(peer) else {
+    /// transport (`done` dropped uncalled; make it another way). `Ok`:
+    /// `done` runs, even when the link is lost while the parts go out.
+    ///
+    /// Whoever removes the call from `out` owns its `done`: this function
+    /// (its first part not sent), a reply, `cancel`, `expire`, `link_lost`
+    /// or `fail_all`. Only when this function removed it before any part
+    /// left may it return `Err`.
+    pub(crate) fn call(&self, w: &dyn Wire, peer: &str, method: u32, body: &[u8], timeout: Option<Duration>, inline: bool, done: CallDone) -> Result<u64> {
+        let Some(link) = w.call_link(peer) else {
             return Err(Error::NotViable(format!("no connection with {peer} yet")));
         };
         if body.len() > MAX_CALL_BYTES {
             return Err(Error::NotViable(format!("a call body of {} bytes exceeds {MAX_CALL_BYTES}", body.len())));
         }
-        let id = self.rpc.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        part_index(body.len() / CALL_PART_BYTES.max(1))?;
+        let id = self.new_id();
         let deadline = timeout.map(|t| Instant::now() + t);
-        self.rpc.out.lock().insert(id, Outgoing { link, done, inline, deadline, reply: Vec::new() });
+        self.out.lock().insert(id, Outgoing { link, done, inline, deadline, reply: Vec::new(), reply_parts: 0 });
         let mut parts = body.chunks(CALL_PART_BYTES).peekable();
-        let mut first = true;
+        let mut index = 0usize;
         loop {
             let part = parts.next().unwrap_or(&[]);
             let more = parts.peek().is_some();
-            if let Err(e) = self.send_msg(link, &Msg::Call { id, method, more, body: part.to_vec() }) {
-                let o = self.rpc.out.lock().remove(&id);
-                let why = Error::PeerLost(format!("{}: call to {peer} on connection {link} not sent: {}", self.task, e.message()));
-                self.fail_link(link, why.clone());
-                if first {
-                    // Nothing reached the peer's server: the caller may go
-                    // another way (its `done` is dropped uncalled).
-                    drop(o);
-                    return Err(why);
-                }
-                if let Some(o) = o {
-                    self.later(move || (o.done)(CODE_UNAVAILABLE, why.message().as_bytes().to_vec()));
-                }
+            if index > 0 && !self.out.lock().contains_key(&id) {
+                // Taken meanwhile (cancelled, expired, its link lost): its
+                // taker runs `done` and told the callee, but that cancel
+                // may have overtaken the parts sent so far; this one
+                // follows them, so the callee drops what it holds of the call.
+                let _ = w.send(link, &Msg::CallCancel { id });
                 return Ok(id);
             }
-            first = false;
+            let msg = Msg::Call { id, method, part: part_index(index)?, more, body: part.to_vec() };
+            if let Err(e) = w.send(link, &msg) {
+                let mine = self.out.lock().remove(&id);
+                let why = Error::PeerLost(format!("{}: call to {peer} on connection {link} not sent: {}", w.task(), e.message()));
+                w.fail_link(link, why.clone());
+                return match mine {
+                    // Nothing reached the peer's server: the caller may go
+                    // another way (its `done` is dropped uncalled).
+                    Some(_) if index == 0 => Err(why),
+                    Some(o) => {
+                        w.later(Box::new(move || (o.done)(CODE_UNAVAILABLE, why.message().as_bytes().to_vec())));
+                        Ok(id)
+                    }
+                    // Another thread took it (the link's loss, a deadline)
+                    // and runs its `done`: the call did start.
+                    None => Ok(id),
+                };
+            }
             if !more {
                 break;
             }
+            index += 1;
         }
         Stats::add(&Stats::global().c.worker_rpcs_over_transport, 1);
         Ok(id)
@@ -180,77 +274,75 @@ impl Inner {
 
     /// The caller gives up call `id`: its `done` runs with CANCELLED (if it
     /// has not run), and the callee is told.
-    pub(super) fn rpc_cancel(&self, id: u64) {
-        let Some(o) = self.rpc.out.lock().remove(&id) else { return };
-        let _ = self.send_msg(o.link, &Msg::CallCancel { id });
-        self.later(move || (o.done)(CODE_CANCELLED, b"Cancelled".to_vec()));
+    pub(crate) fn cancel(&self, w: &dyn Wire, id: u64) {
+        let Some(o) = self.out.lock().remove(&id) else { return };
+        let _ = w.send(o.link, &Msg::CallCancel { id });
+        w.later(Box::new(move || (o.done)(CODE_CANCELLED, b"Cancelled".to_vec())));
     }
 
     /// Answer served call `handle` (from `Server::call`).
-    pub(super) fn rpc_reply(&self, handle: u64, code: u32, body: &[u8]) {
-        let call = {
-            let mut s = self.rpc.served.lock();
-            let c = s.calls.remove(&handle);
-            if let Some(c) = &c {
-                s.by_key.remove(&(c.link, c.id));
-            }
-            c
-        };
-        let Some(c) = call else { return }; // cancelled or its link lost
+    pub(crate) fn reply(&self, w: &dyn Wire, handle: u64, code: u32, body: &[u8]) {
+        let Some(c) = self.served.lock().remove(handle) else { return }; // cancelled or its link lost
         let t = crate::trace::start();
         let mut parts = body.chunks(CALL_PART_BYTES).peekable();
+        let mut index = 0usize;
         loop {
             let part = parts.next().unwrap_or(&[]);
             let more = parts.peek().is_some();
-            if let Err(e) = self.send_msg(c.link, &Msg::Reply { id: c.id, code, more, body: part.to_vec() }) {
-                self.fail_link(c.link, Error::PeerLost(format!("{}: reply on connection {} not sent: {}", self.task, c.link, e.message())));
+            let Ok(p) = part_index(index) else {
+                w.fail_link(c.link, Error::Internal(format!("{}: a reply of more than 2^32 parts", w.task())));
+                return;
+            };
+            if let Err(e) = w.send(c.link, &Msg::Reply { id: c.id, code, part: p, more, body: part.to_vec() }) {
+                w.fail_link(c.link, Error::PeerLost(format!("{}: reply on connection {} not sent: {}", w.task(), c.link, e.message())));
                 return;
             }
             if !more {
                 crate::trace::end("reply", t, 0, body.len() as u64, None);
                 return;
             }
+            index += 1;
         }
     }
 
-    pub(super) fn rpc_serve(&self, server: Option<Arc<dyn Server>>) {
-        *self.rpc.server.write() = server;
+    pub(crate) fn serve(&self, server: Option<Arc<dyn Server>>) {
+        *self.server.write() = server;
     }
 
     /// Serve calls of `method` on the event thread that read them (the
     /// server promises its `call` for it returns within microseconds and
     /// never waits).
-    pub(super) fn rpc_serve_inline(&self, method: u32) -> Result<()> {
+    pub(crate) fn serve_inline(&self, method: u32) -> Result<()> {
         if method >= INLINE_METHODS {
             return Err(Error::InvalidArgument(format!("method {method}: only methods below {INLINE_METHODS} can be served inline")));
         }
-        self.rpc.inline_methods.fetch_or(1 << method, std::sync::atomic::Ordering::Relaxed);
+        self.inline_methods.fetch_or(1 << method, Ordering::Relaxed);
         Ok(())
     }
 
     fn served_inline(&self, method: u32) -> bool {
-        method < INLINE_METHODS && self.rpc.inline_methods.load(std::sync::atomic::Ordering::Relaxed) & (1 << method) != 0
+        method < INLINE_METHODS && self.inline_methods.load(Ordering::Relaxed) & (1 << method) != 0
     }
 
     /// A `Call`, `Reply` or `CallCancel` arrived on `link` (an event
     /// thread): `Err` fails the link.
-    pub(super) fn on_call_msg(&self, link: ConnId, msg: &[u8]) -> Result<()> {
+    pub(crate) fn on_msg(&self, w: &dyn Wire, link: ConnId, msg: &[u8]) -> Result<()> {
         let t = crate::trace::start();
         match Msg::decode(msg)? {
-            Msg::Call { id, method, more, body } => {
-                let r = self.call_part(link, id, method, more, body);
+            Msg::Call { id, method, part, more, body } => {
+                let r = self.call_part(w, link, id, method, part, more, body);
                 crate::trace::end("call in", t, 0, msg.len() as u64, None);
                 r
             }
-            Msg::Reply { id, code, more, body } => {
-                let r = self.reply_part(link, id, code, more, body);
+            Msg::Reply { id, code, part, more, body } => {
+                let r = self.reply_part(w, link, id, code, part, more, body);
                 crate::trace::end("reply in", t, 0, msg.len() as u64, None);
                 r
             }
             Msg::CallCancel { id } => {
-                let handle = self.rpc.served.lock().by_key.get(&(link, id)).copied();
+                let handle = self.served.lock().by_key.get(&(link, id)).copied();
                 if let Some(h) = handle {
-                    self.cancel_served(h);
+                    self.cancel_served(w, h);
                 }
                 Ok(())
             }
@@ -258,40 +350,13 @@ impl Inner {
         }
     }
 
-    fn call_part(&self, link: ConnId, id: u64, method: u32, more: bool, body: Vec<u8>) -> Result<()> {
-        let whole = {
-            let mut s = self.rpc.served.lock();
-            let handle = match s.by_key.get(&(link, id)) {
-                Some(h) => *h,
-                None => {
-                    if s.calls.values().filter(|c| c.link == link).count() >= MAX_SERVED {
-                        return Err(Error::Protocol(format!("more than {MAX_SERVED} calls in flight from one connection")));
-                    }
-                    let h = self.rpc.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-                    s.by_key.insert((link, id), h);
-                    s.calls.insert(h, Incoming { link, id, method, body: Vec::new(), started: false });
-                    h
-                }
-            };
-            let c = s.calls.get_mut(&handle).ok_or_else(|| Error::Internal("served call vanished".into()))?;
-            if c.started || c.method != method {
-                return Err(Error::Protocol(format!("call {id}: a part after its last, or of another method")));
-            }
-            if c.body.len() + body.len() > MAX_CALL_BYTES || c.body.try_reserve(body.len()).is_err() {
-                return Err(Error::Protocol(format!("call {id}: body larger than {MAX_CALL_BYTES} bytes")));
-            }
-            c.body.extend_from_slice(&body);
-            if more {
-                None
-            } else {
-                c.started = true;
-                Some((handle, std::mem::take(&mut c.body)))
-            }
-        };
-        let Some((handle, body)) = whole else { return Ok(()) };
-        let server = self.rpc.server.read().clone();
+    #[allow(clippy::too_many_arguments)]
+    fn call_part(&self, w: &dyn Wire, link: ConnId, id: u64, method: u32, part: u32, more: bool, body: Vec<u8>) -> Result<()> {
+        let Some(whole) = self.served.lock().take_part(|| self.new_id(), link, id, method, part, more, body)? else { return Ok(()) };
+        let server = self.server.read().clone();
         match server {
             Some(srv) => {
+                let Whole { handle, method, body } = whole;
                 let serve = move || {
                     let (t, n) = (crate::trace::start(), body.len() as u64);
                     srv.call(handle, method, body);
@@ -300,31 +365,36 @@ impl Inner {
                 if self.served_inline(method) {
                     serve();
                 } else {
-                    self.later(serve);
+                    w.later(Box::new(serve));
                 }
             }
-            None => self.rpc_reply(handle, CODE_UNIMPLEMENTED, b"this task serves no calls over the transport"),
+            None => self.reply(w, whole.handle, CODE_UNIMPLEMENTED, b"this task serves no calls over the transport"),
         }
         Ok(())
     }
 
-    fn reply_part(&self, link: ConnId, id: u64, code: u32, more: bool, body: Vec<u8>) -> Result<()> {
-        let mut out = self.rpc.out.lock();
+    #[allow(clippy::too_many_arguments)]
+    fn reply_part(&self, w: &dyn Wire, link: ConnId, id: u64, code: u32, part: u32, more: bool, body: Vec<u8>) -> Result<()> {
+        let mut out = self.out.lock();
         let Some(o) = out.get_mut(&id) else {
             // Cancelled or timed out meanwhile (its reply may still come).
-            return if id <= self.rpc.next.load(std::sync::atomic::Ordering::Relaxed) { Ok(()) } else { Err(Error::Protocol(format!("reply to call {id}, never made"))) };
+            return if id <= self.next.load(Ordering::Relaxed) { Ok(()) } else { Err(Error::Protocol(format!("reply to call {id}, never made"))) };
         };
         if o.link != link {
             return Err(Error::Protocol(format!("reply to call {id} on another connection")));
+        }
+        if part != o.reply_parts {
+            return Err(Error::Protocol(format!("reply to call {id}: part {part} where part {} was due", o.reply_parts)));
         }
         if o.reply.len() + body.len() > MAX_CALL_BYTES || o.reply.try_reserve(body.len()).is_err() {
             return Err(Error::Protocol(format!("reply to call {id} larger than {MAX_CALL_BYTES} bytes")));
         }
         o.reply.extend_from_slice(&body);
+        o.reply_parts += 1;
         if more {
             return Ok(());
         }
-        let o = out.remove(&id).expect("found above");
+        let Some(o) = out.remove(&id) else { return Ok(()) };
         drop(out);
         let inline = o.inline && code == 0 && o.reply.len() <= INLINE_REPLY_MAX;
         let done = move || {
@@ -335,65 +405,265 @@ impl Inner {
         if inline {
             done();
         } else {
-            self.later(done);
+            w.later(Box::new(done));
         }
         Ok(())
     }
 
-    fn cancel_served(&self, handle: u64) {
-        let c = {
-            let mut s = self.rpc.served.lock();
-            let c = s.calls.remove(&handle);
-            if let Some(c) = &c {
-                s.by_key.remove(&(c.link, c.id));
-            }
-            c
-        };
-        let Some(c) = c else { return };
+    fn cancel_served(&self, w: &dyn Wire, handle: u64) {
+        let Some(c) = self.served.lock().remove(handle) else { return };
         if c.started {
-            if let Some(srv) = self.rpc.server.read().clone() {
-                self.later(move || srv.cancel(handle));
+            if let Some(srv) = self.server.read().clone() {
+                w.later(Box::new(move || srv.cancel(handle)));
             }
         }
     }
 
     /// `link` is gone: its calls fail (UNAVAILABLE), the calls it brought
     /// are cancelled.
-    pub(super) fn rpc_link_lost(&self, link: ConnId, why: &Error) {
+    pub(crate) fn link_lost(&self, w: &dyn Wire, link: ConnId, why: &Error) {
         let failed: Vec<Outgoing> = {
-            let mut out = self.rpc.out.lock();
+            let mut out = self.out.lock();
             let ids: Vec<u64> = out.iter().filter(|(_, o)| o.link == link).map(|(id, _)| *id).collect();
             ids.into_iter().filter_map(|id| out.remove(&id)).collect()
         };
         for o in failed {
             let msg = why.message().as_bytes().to_vec();
-            self.later(move || (o.done)(CODE_UNAVAILABLE, msg));
+            w.later(Box::new(move || (o.done)(CODE_UNAVAILABLE, msg)));
         }
-        let handles: Vec<u64> = self.rpc.served.lock().calls.iter().filter(|(_, c)| c.link == link).map(|(h, _)| *h).collect();
+        let handles: Vec<u64> = {
+            let mut s = self.served.lock();
+            s.links.remove(&link);
+            s.calls.iter().filter(|(_, c)| c.link == link).map(|(h, _)| *h).collect()
+        };
         for h in handles {
-            self.cancel_served(h);
+            self.cancel_served(w, h);
         }
     }
 
     /// Calls past their deadline fail (DEADLINE_EXCEEDED); the callee is
     /// told (`rdev-keepalive`, every `KEEPALIVE_INTERVAL_MS`).
-    pub(super) fn rpc_expire(&self, now: Instant) {
+    pub(crate) fn expire(&self, w: &dyn Wire, now: Instant) {
         let late: Vec<(u64, Outgoing)> = {
-            let mut out = self.rpc.out.lock();
+            let mut out = self.out.lock();
             let ids: Vec<u64> = out.iter().filter(|(_, o)| o.deadline.is_some_and(|d| d <= now)).map(|(id, _)| *id).collect();
             ids.into_iter().filter_map(|id| out.remove(&id).map(|o| (id, o))).collect()
         };
         for (id, o) in late {
-            let _ = self.send_msg(o.link, &Msg::CallCancel { id });
-            self.later(move || (o.done)(CODE_DEADLINE_EXCEEDED, b"Deadline Exceeded".to_vec()));
+            let _ = w.send(o.link, &Msg::CallCancel { id });
+            w.later(Box::new(move || (o.done)(CODE_DEADLINE_EXCEEDED, b"Deadline Exceeded".to_vec())));
+        }
+        let stalled = now.checked_sub(PARTIAL_CALL_TIMEOUT).map(|stale| self.served.lock().stalled_links(stale)).unwrap_or_default();
+        for link in stalled {
+            w.fail_link(link, Error::Timeout(format!("{}: a call from connection {link} stopped arriving ({:?} without its next part)", w.task(), PARTIAL_CALL_TIMEOUT)));
         }
     }
 
     /// The node goes: every call still waiting fails.
-    pub(super) fn rpc_fail_all(&self) {
-        let all: Vec<Outgoing> = self.rpc.out.lock().drain().map(|(_, o)| o).collect();
+    pub(crate) fn fail_all(&self, w: &dyn Wire) {
+        let all: Vec<Outgoing> = self.out.lock().drain().map(|(_, o)| o).collect();
         for o in all {
-            self.later(move || (o.done)(CODE_UNAVAILABLE, b"transport shut down".to_vec()));
+            w.later(Box::new(move || (o.done)(CODE_UNAVAILABLE, b"transport shut down".to_vec())));
         }
+    }
+}
+
+impl Served {
+    /// Take call `handle` out (answered, cancelled, its link lost).
+    fn remove(&mut self, handle: u64) -> Option<Incoming> {
+        let c = self.calls.remove(&handle)?;
+        self.by_key.remove(&(c.link, c.id));
+        self.partial = self.partial.saturating_sub(c.body.len());
+        if let Some(l) = self.links.get_mut(&c.link) {
+            l.open = l.open.saturating_sub(1);
+            l.partial = l.partial.saturating_sub(c.body.len());
+        }
+        Some(c)
+    }
+
+    /// Part `part` of call `id` from `link`: `Some` when it made the call
+    /// whole; `Err` fails the link.
+    #[allow(clippy::too_many_arguments)]
+    fn take_part(&mut self, new_handle: impl FnOnce() -> u64, link: ConnId, id: u64, method: u32, part: u32, more: bool, body: Vec<u8>) -> Result<Option<Whole>> {
+        let handle = match self.by_key.get(&(link, id)) {
+            Some(h) => *h,
+            None => {
+                let lc = self.links.entry(link).or_default();
+                if part != 0 {
+                    // The rest of a call cancelled meanwhile (its parts
+                    // were already on their way): dropped, never served.
+                    return if id <= lc.highest { Ok(None) } else { Err(Error::Protocol(format!("call {id}: part {part} of a call never begun"))) };
+                }
+                if lc.open >= MAX_SERVED {
+                    return Err(Error::Protocol(format!("more than {MAX_SERVED} calls in flight from one connection")));
+                }
+                if lc.partial + body.len() > self.caps.0 || self.partial + body.len() > self.caps.1 {
+                    return Err(Error::ResourceExhausted(format!("call {id}: calls still arriving would hold more than {} bytes from this connection or {} from all", self.caps.0, self.caps.1)));
+                }
+                lc.open += 1;
+                lc.highest = lc.highest.max(id);
+                let h = new_handle();
+                self.by_key.insert((link, id), h);
+                self.calls.insert(h, Incoming { link, id, method, body: Vec::new(), parts: 0, last_part: Instant::now(), started: false });
+                h
+            }
+        };
+        let c = self.calls.get_mut(&handle).ok_or_else(|| Error::Internal("served call vanished".into()))?;
+        if c.started || c.method != method || c.parts != part {
+            return Err(Error::Protocol(format!("call {id}: part {part} out of order, after its last, or of another method")));
+        }
+        if c.body.len() + body.len() > MAX_CALL_BYTES {
+            return Err(Error::Protocol(format!("call {id}: body larger than {MAX_CALL_BYTES} bytes")));
+        }
+        let lc = self.links.entry(link).or_default();
+        let (link_cap, node_cap) = self.caps;
+        if lc.partial + body.len() > link_cap || self.partial + body.len() > node_cap {
+            return Err(Error::ResourceExhausted(format!(
+                "call {id}: calls still arriving would hold more than {link_cap} bytes from this connection \
+                 or {node_cap} from all ({} and {} now)",
+                lc.partial, self.partial
+            )));
+        }
+        if c.body.try_reserve(body.len()).is_err() {
+            return Err(Error::ResourceExhausted(format!("call {id}: no memory for {} more bytes", body.len())));
+        }
+        c.body.extend_from_slice(&body);
+        c.parts += 1;
+        c.last_part = Instant::now();
+        if more {
+            lc.partial += body.len();
+            self.partial += body.len();
+            return Ok(None);
+        }
+        c.started = true;
+        let whole = std::mem::take(&mut c.body);
+        let held = whole.len() - body.len();
+        lc.partial = lc.partial.saturating_sub(held);
+        self.partial = self.partial.saturating_sub(held);
+        Ok(Some(Whole { handle, method, body: whole }))
+    }
+
+    /// Links with a call still arriving whose last part came before
+    /// `stale` (they fail: the caller stopped in the middle of a call).
+    fn stalled_links(&self, stale: Instant) -> Vec<ConnId> {
+        let mut out: Vec<ConnId> = self.calls.values().filter(|c| !c.started && c.last_part < stale).map(|c| c.link).collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+}
+
+/// The node as the channel's `Wire`.
+impl Wire for Inner {
+    fn task(&self) -> &str {
+        &self.task
+    }
+
+    fn call_link(&self, peer: &str) -> Option<ConnId> {
+        let links = self.locked(|r| r.links_of(peer));
+        let live = self.links.lock();
+        // Only a link this node dialled (`LinkRef::Tx`): it went to the
+        // address the cluster spec gives for `peer`. A link `peer` opened
+        // to us carries a name it chose (H2: an impostor would get calls).
+        links.into_iter().find(|l| matches!(live.get(l), Some(super::LinkRef::Tx(_))))
+    }
+
+    fn send(&self, link: ConnId, msg: &Msg) -> Result<()> {
+        self.send_msg(link, msg)
+    }
+
+    fn fail_link(&self, link: ConnId, why: Error) {
+        Inner::fail_link(self, link, why)
+    }
+
+    fn later(&self, f: Box<dyn FnOnce() + Send>) {
+        let done: crate::rendezvous::SendDone = Box::new(move |_: Result<()>| f());
+        self.handoff.run(crate::rendezvous::Action::SendDone { done, result: Ok(()) });
+    }
+}
+
+impl Inner {
+    pub(super) fn rpc_call(&self, peer: &str, method: u32, body: &[u8], timeout: Option<Duration>, inline: bool, done: CallDone) -> Result<u64> {
+        self.rpc.call(self, peer, method, body, timeout, inline, done)
+    }
+    pub(super) fn rpc_cancel(&self, id: u64) {
+        self.rpc.cancel(self, id)
+    }
+    pub(super) fn rpc_reply(&self, handle: u64, code: u32, body: &[u8]) {
+        self.rpc.reply(self, handle, code, body)
+    }
+    pub(super) fn rpc_serve(&self, server: Option<Arc<dyn Server>>) {
+        self.rpc.serve(server)
+    }
+    pub(super) fn rpc_serve_inline(&self, method: u32) -> Result<()> {
+        self.rpc.serve_inline(method)
+    }
+    pub(super) fn on_call_msg(&self, link: ConnId, msg: &[u8]) -> Result<()> {
+        self.rpc.on_msg(self, link, msg)
+    }
+    pub(super) fn rpc_link_lost(&self, link: ConnId, why: &Error) {
+        self.rpc.link_lost(self, link, why)
+    }
+    pub(super) fn rpc_expire(&self, now: Instant) {
+        self.rpc.expire(self, now)
+    }
+    pub(super) fn rpc_fail_all(&self) {
+        self.rpc.fail_all(self)
+    }
+}
+
+#[cfg(all(test, feature = "shuttle"))]
+mod sched_tests;
+
+#[cfg(all(test, not(feature = "shuttle")))]
+mod tests {
+    use super::*;
+
+    fn part(s: &mut Served, link: ConnId, id: u64, part: u32, more: bool, len: usize) -> Result<Option<Whole>> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1000);
+        s.take_part(|| NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed), link, id, 1, part, more, vec![part as u8; len])
+    }
+
+    /// M3: calls still arriving are capped per link and node-wide (a link
+    /// that goes past fails; finished and dropped calls give their room
+    /// back), and one that stops arriving is found by the keepalive.
+    #[test]
+    fn calls_still_arriving_are_capped_per_link_and_per_node_and_expire() {
+        let mut s = Served { caps: (100, 150), ..Served::default() };
+        assert!(part(&mut s, 1, 1, 0, true, 60).unwrap().is_none());
+        assert!(part(&mut s, 1, 2, 0, true, 35).unwrap().is_none());
+        assert!(matches!(part(&mut s, 1, 3, 0, true, 6), Err(Error::ResourceExhausted(_))), "past the link's cap");
+        assert!(part(&mut s, 2, 1, 0, true, 50).unwrap().is_none());
+        assert!(matches!(part(&mut s, 2, 2, 0, true, 6), Err(Error::ResourceExhausted(_))), "past the node's cap");
+        // Call 1 of link 1 made whole (its last part fits): its bytes
+        // leave the budget.
+        let w = part(&mut s, 1, 1, 1, false, 5).unwrap().expect("whole");
+        assert_eq!(w.body.len(), 65);
+        assert_eq!((s.links[&1].partial, s.partial), (35, 85));
+        // A call dropped (cancelled) gives its room back too.
+        let h = s.by_key[&(1, 2)];
+        s.remove(h);
+        assert_eq!((s.links[&1].partial, s.partial), (0, 50));
+        // Only link 2's call is still arriving: it stalls.
+        let later = Instant::now() + Duration::from_secs(1);
+        assert_eq!(s.stalled_links(later), vec![2]);
+        assert!(s.stalled_links(Instant::now() - Duration::from_secs(1)).is_empty());
+    }
+
+    /// M1: parts must come in order from 0; the tail of a call dropped
+    /// meanwhile is dropped, a part of a call never begun fails the link.
+    #[test]
+    fn parts_come_in_order_and_tails_of_dropped_calls_are_never_served() {
+        let mut s = Served::default();
+        assert!(part(&mut s, 1, 5, 0, true, 3).unwrap().is_none());
+        assert!(part(&mut s, 1, 5, 2, true, 3).is_err(), "a part skipped");
+        let mut s = Served::default();
+        assert!(part(&mut s, 1, 5, 0, true, 3).unwrap().is_none());
+        let h = s.by_key[&(1, 5)];
+        s.remove(h); // cancelled
+        assert!(part(&mut s, 1, 5, 1, true, 3).unwrap().is_none(), "the tail is dropped");
+        assert!(part(&mut s, 1, 5, 2, false, 3).unwrap().is_none(), "and never served");
+        assert!(s.calls.is_empty());
+        assert!(part(&mut s, 1, 9, 1, false, 3).is_err(), "a part of a call never begun");
     }
 }

@@ -90,7 +90,9 @@ impl Inner {
                 let me = self.me.clone();
                 pool::STREAM.schedule(move || {
                     let Some(n) = me.upgrade() else { return };
-                    let res = n.copy_from_arena(offset, len, &dst, at);
+                    // A panic here still reports the chunk (failed), so
+                    // the stream's receive completes instead of waiting.
+                    let res = crate::error::catch_panic("copying a stream chunk", || n.copy_from_arena(offset, len, &dst, at)).and_then(|r| r);
                     drop(dst);
                     let acts = n.locked(|r| r.chunk_copied(link, stream, Some((slot, gen)), len, res));
                     n.exec(acts);

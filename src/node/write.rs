@@ -49,6 +49,15 @@ impl WriteOp for TensorWrite {
     }
 
     fn complete(mut self: Box<Self>, r: Result<()>) {
+        self.finish(r);
+        WRITES.recycle(self);
+    }
+}
+
+impl TensorWrite {
+    /// The write is over (completed, failed, or dropped unfinished): what
+    /// it leads to runs once; afterwards `then` is `Nothing`.
+    fn finish(&mut self, r: Result<()>) {
         // Our reference to the tensor goes here, on whichever thread the
         // write completed (a verbs progress thread included): dropping a
         // reference runs no application code.
@@ -58,7 +67,6 @@ impl WriteOp for TensorWrite {
         let then = std::mem::replace(&mut self.then, Then::Nothing);
         let node = std::mem::take(&mut self.node);
         let link = self.link;
-        WRITES.recycle(self);
         match then {
             Then::Send(done) => {
                 let n = node.upgrade();
@@ -85,5 +93,52 @@ impl WriteOp for TensorWrite {
             }
             Then::Nothing => {}
         }
+    }
+}
+
+/// A write dropped before it completed (the job that held it panicked, a
+/// backend dropped it): it fails rather than leave its `done` unrun.
+impl Drop for TensorWrite {
+    fn drop(&mut self) {
+        if !matches!(self.then, Then::Nothing) {
+            log::error!("a tensor write on connection {} was dropped before it completed; it fails", self.link);
+            self.finish(Err(crate::error::Error::Internal("a tensor write was dropped before it completed (a panic in the thread writing it)".into())));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    struct Count(Arc<AtomicUsize>, Arc<AtomicUsize>);
+    impl crate::completion::Complete<Result<()>> for Count {
+        fn complete(self: Box<Self>, r: Result<()>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            if r.is_err() {
+                self.1.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// L4: a job that panics while it holds a write (the write engine's,
+    /// the stream pool's) still completes the write's `done`, with an error.
+    #[test]
+    fn a_write_dropped_by_a_panicking_job_completes_its_done_once_with_an_error() {
+        let (runs, errs) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let op = TensorWrite::new([0; HEADER_BYTES], Box::new(vec![1u8; 8]), Then::Send(Box::new(Count(runs.clone(), errs.clone()))), Weak::new(), 3);
+        let r = crate::error::catch_panic("a test write", move || {
+            let _held = op;
+            panic!("the backend's write panicked");
+        });
+        assert!(r.is_err());
+        assert_eq!((runs.load(Ordering::SeqCst), errs.load(Ordering::SeqCst)), (1, 1));
+        // A completed write runs it once, and only then.
+        let (runs, errs) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let op = TensorWrite::new([0; HEADER_BYTES], Box::new(vec![1u8; 8]), Then::Send(Box::new(Count(runs.clone(), errs.clone()))), Weak::new(), 3);
+        WriteOp::complete(op, Ok(()));
+        assert_eq!((runs.load(Ordering::SeqCst), errs.load(Ordering::SeqCst)), (1, 0));
     }
 }

@@ -220,3 +220,42 @@ fn stream_begins_overtaken_by_later_ones_are_taken_once() {
     assert!(opened(&begin(&mut rx, far + 4), far + 4)); // far + 3 to come: MAX
     assert!(closed(&begin(&mut rx, far + 6)), "past the cap again");
 }
+
+/// M6: a sender's `StreamCancel` can overtake its `StreamBegin` (its
+/// threads send begins as they go). The begin that comes after it must
+/// allocate nothing (before, it allocated `total` bytes and held them
+/// until the step ended) and fail its receive; a cancel of an id begun
+/// already and ended is ignored; more early cancels than the cap close
+/// the link.
+#[test]
+fn a_stream_cancel_that_overtakes_its_begin_leaves_nothing_allocated() {
+    use super::stream::MAX_STREAMS_OVERTAKEN as MAX;
+    let mut rx = Rendezvous::new(params(), 1 << 20);
+    rx.add_rx_link(LINK, "tx", 11);
+    let begin = |rx: &mut Rendezvous, stream: u32, step: u64| {
+        let m = Msg::StreamBegin { stream, key: format!("s{stream}"), step, meta: meta(), total: 1 << 20 };
+        rx.on_message(LINK, &m.encode())
+    };
+    let cancel = |rx: &mut Rendezvous, stream: u32| rx.on_message(LINK, &Msg::StreamCancel { stream }.encode());
+    assert!(cancel(&mut rx, 1).is_empty());
+    let acts = begin(&mut rx, 1, 5);
+    assert!(!acts.iter().any(|a| matches!(a, Action::StreamAlloc { .. })), "a cancelled stream allocated its buffer: {acts:?}");
+    assert!(!closed(&acts), "{acts:?}");
+    assert_eq!(rx.rx[&LINK].streams.len(), 0, "a cancelled stream is held open");
+    match recv_result(&mut rx, "tx", "s1", 5) {
+        Some(Err(e)) => assert!(e.message().contains("gave up"), "{e}"),
+        other => panic!("the receive of a cancelled stream: {other:?}"),
+    }
+    // An id skipped by a later begin, cancelled before its own begin.
+    assert!(matches!(&begin(&mut rx, 3, 6)[..], [Action::StreamAlloc { .. }]));
+    assert!(cancel(&mut rx, 2).is_empty());
+    assert!(!begin(&mut rx, 2, 6).iter().any(|a| matches!(a, Action::StreamAlloc { .. })));
+    // A cancel of a stream that ended: nothing kept.
+    assert!(cancel(&mut rx, 1).is_empty());
+    assert!(rx.rx[&LINK].cancelled_unbegun.is_empty());
+    // At most MAX early cancels are kept.
+    for s in 0..MAX as u32 {
+        assert!(!closed(&cancel(&mut rx, 100 + s)));
+    }
+    assert!(closed(&cancel(&mut rx, 100 + MAX as u32)), "early cancels past the cap");
+}

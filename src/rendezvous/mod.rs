@@ -415,7 +415,7 @@ impl Rendezvous {
             (Msg::StreamCancel { stream }, true, _) => Ok(self.tx_stream_cancel(link, stream)),
             (Msg::StreamBegin { stream, key, step, meta, total }, _, true) => self.rx_stream_begin(link, stream, key, step, meta, total),
             (Msg::StreamData { stream, offset, bytes }, _, true) => self.rx_stream_data(link, stream, offset, bytes),
-            (Msg::StreamCancel { stream }, _, true) => Ok(self.rx_stream_cancel(link, stream)),
+            (Msg::StreamCancel { stream }, _, true) => self.rx_stream_cancel(link, stream),
             (m, _, _) => Err(Error::Protocol(format!("unexpected message on link {link}: {m:?}"))),
         };
         r.unwrap_or_else(|e| smallvec![Action::Close { link, why: e }])
@@ -567,11 +567,24 @@ impl Rendezvous {
     }
 
     /// Abort everything (server shutdown): every waiter and queued send.
+    /// Streams that ended with chunks still reading their payload
+    /// (tombstones) when the node goes: their `done` runs once the last
+    /// chunk lets go (L1: they were dropped unrun).
+    fn bury_tombstones(&mut self) {
+        stream::bury(&mut self.tx_ending);
+    }
+
     pub fn abort_all(&mut self, why: Error) -> Actions {
         let mut acts = self.fail_waiters(None, |_, _| true, &why);
         for (link, t) in self.tx.iter_mut() {
             acts.extend(t.fail_pending(*link, &why, &mut self.tx_ending));
         }
         acts
+    }
+}
+
+impl Drop for Rendezvous {
+    fn drop(&mut self) {
+        self.bury_tombstones();
     }
 }

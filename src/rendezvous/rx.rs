@@ -68,6 +68,10 @@ pub(super) struct RxLink {
     /// each be begun once, later (at most `MAX_STREAMS_OVERTAKEN`).
     pub(super) last_stream: u32,
     pub(super) unbegun: HashSet<u32>,
+    /// Ids whose `StreamCancel` overtook their `StreamBegin` (not yet
+    /// begun): the begin, when it comes, allocates nothing and fails its
+    /// receive (at most `MAX_STREAMS_OVERTAKEN`).
+    pub(super) cancelled_unbegun: HashSet<u32>,
     /// The edge holding this link's stream slots (not in `edges`: no key
     /// of the sender's can name it).
     pub(super) stream_edge: Option<u32>,
@@ -141,6 +145,7 @@ impl Rendezvous {
                 streams: RxStreams::default(),
                 last_stream: 0,
                 unbegun: HashSet::new(),
+                cancelled_unbegun: HashSet::new(),
                 stream_edge: None,
             },
         );

@@ -135,9 +135,40 @@ impl StreamBuf {
     }
 }
 
+/// A streamed tensor's payload, shared by the chunks that read it. A
+/// stream dropped while chunks still read it (the node shut down with a
+/// tombstone, see `Rendezvous`'s `Drop`) leaves its `done` here: it runs,
+/// with the stream's error, when the last chunk lets go of the bytes, so
+/// every `done` runs exactly once and never while its buffer is read.
+pub(super) struct SharedPayload {
+    p: Option<Box<dyn Payload>>,
+    on_last: Mutex<Option<(SendDone, Error)>>,
+}
+
+impl SharedPayload {
+    fn new(p: Box<dyn Payload>) -> Arc<SharedPayload> {
+        Arc::new(SharedPayload { p: Some(p), on_last: Mutex::new(None) })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        self.p.as_deref().map_or(&[], |p| p.bytes())
+    }
+}
+
+impl Drop for SharedPayload {
+    fn drop(&mut self) {
+        if let Some(p) = self.p.take() {
+            p.release();
+        }
+        if let Some((done, why)) = self.on_last.get_mut().take() {
+            done.complete(Err(why));
+        }
+    }
+}
+
 /// A range of a shared payload: what one chunk writes.
 pub struct PayloadRange {
-    whole: Arc<dyn Payload>,
+    whole: Arc<SharedPayload>,
     off: usize,
     len: usize,
 }
@@ -171,7 +202,7 @@ pub(super) struct TxStream {
     id: u32,
     key: String,
     pub(super) step: u64,
-    payload: Arc<dyn Payload>,
+    payload: Arc<SharedPayload>,
     total: u64,
     mode: TxMode,
     /// Bytes handed to writes or messages so far.
@@ -210,6 +241,18 @@ impl TxStream {
     /// Sent whole, and nothing outstanding or reading.
     fn finished(&self) -> bool {
         self.sent == self.total && self.inflight == 0 && self.reading == 0
+    }
+}
+
+/// The node is gone with streams still ending: each tombstone's `done`
+/// goes with its payload, to run when the last chunk that reads it lets
+/// go (at once if none does any more).
+pub(super) fn bury(ending: &mut Ending) {
+    for (_, mut s) in ending.drain() {
+        if let Some(done) = s.done.take() {
+            let why = s.failed.take().unwrap_or_else(|| Error::Aborted("transport shut down".into()));
+            *s.payload.on_last.lock() = Some((done, why));
+        }
     }
 }
 
@@ -258,7 +301,7 @@ impl TxStreams {
         if total == 0 {
             return smallvec![begin, Action::SendDone { done: p.done, result: Ok(()) }];
         }
-        let payload: Arc<dyn Payload> = Arc::from(p.payload);
+        let payload = SharedPayload::new(p.payload);
         self.list.push_back(TxStream {
             id,
             key: key.to_string(),
@@ -421,8 +464,14 @@ impl Rendezvous {
     pub(super) fn tx_stream_ready(&mut self, link: LinkId, stream: u32, outcome: u32, error: String) -> Result<Actions> {
         let t = self.tx.get_mut(&link).ok_or_else(|| Error::Internal("stream ready on unknown link".into()))?;
         let Some(s) = t.streams.list.iter_mut().find(|s| s.id == stream) else {
-            // Cancelled meanwhile.
-            return Ok(Actions::new());
+            // Cancelled meanwhile: our StreamCancel may have reached the
+            // receiver before its begin did, so it made room for a stream
+            // nobody will send. Say it again; it frees what it holds.
+            // (One answer per ready: nothing for a peer to amplify.)
+            if outcome == STREAM_REFUSED {
+                return Ok(Actions::new());
+            }
+            return Ok(smallvec![Action::Send { link, msg: Msg::StreamCancel { stream } }]);
         };
         if s.mode != TxMode::Waiting {
             return Err(Error::Protocol(format!("second StreamReady for stream {stream}")));
@@ -479,6 +528,7 @@ impl Rendezvous {
         if r.streams.len() >= MAX_STREAMS_PER_LINK {
             return Err(Error::Protocol(format!("more than {MAX_STREAMS_PER_LINK} streams open")));
         }
+        let cancelled_early = r.cancelled_unbegun.remove(&stream);
         if stream <= r.last_stream {
             // Overtaken by a later stream's begin: only an id skipped
             // then may come now, and only once.
@@ -496,6 +546,12 @@ impl Rendezvous {
             }
             r.unbegun.extend(r.last_stream + 1..stream);
             r.last_stream = stream;
+        }
+        if cancelled_early {
+            // Its sender gave it up before this begin arrived (the cancel
+            // overtook it): nothing is allocated, the receive fails.
+            let why = Error::Aborted(format!("{} gave up sending {key} in step {step}", r.peer));
+            return Ok(self.fail_receive(link, &key, step, why));
         }
         if self.finished_set.contains(&step) {
             self.tally.dropped_late += 1;
@@ -691,11 +747,23 @@ impl Rendezvous {
     }
 
     /// The sender gave up `stream`: its receive fails.
-    pub(super) fn rx_stream_cancel(&mut self, link: LinkId, stream: u32) -> Actions {
-        let Some(r) = self.rx.get_mut(&link) else { return Actions::new() };
-        let Some(s) = r.streams.remove(&stream) else { return Actions::new() };
+    /// A cancel may overtake its stream's begin (the sender's threads send
+    /// begins as they go): it is kept until the begin comes, at most
+    /// `MAX_STREAMS_OVERTAKEN` at once (more is out of protocol).
+    pub(super) fn rx_stream_cancel(&mut self, link: LinkId, stream: u32) -> Result<Actions> {
+        let Some(r) = self.rx.get_mut(&link) else { return Ok(Actions::new()) };
+        let Some(s) = r.streams.remove(&stream) else {
+            let unbegun = stream != 0 && (stream > r.last_stream || r.unbegun.contains(&stream));
+            if unbegun && !r.cancelled_unbegun.contains(&stream) {
+                if r.cancelled_unbegun.len() >= MAX_STREAMS_OVERTAKEN {
+                    return Err(Error::Protocol(format!("more than {MAX_STREAMS_OVERTAKEN} streams cancelled before they began")));
+                }
+                r.cancelled_unbegun.insert(stream);
+            }
+            return Ok(Actions::new());
+        };
         let why = Error::Aborted(format!("{} gave up sending {} in step {}", r.peer, s.key, s.step));
-        self.fail_receive(link, &s.key, s.step, why)
+        Ok(self.fail_receive(link, &s.key, s.step, why))
     }
 
     /// The step ended here: drop its streams (and their buffers), telling

@@ -817,3 +817,30 @@ fn a_failed_stream_completes_only_after_its_last_chunk_write() {
         assert!(s.tx.tx_ending.is_empty(), "{how}: the tombstone is gone");
     }
 }
+
+/// L1: the node goes while a failed stream's chunk writes still read the
+/// caller's tensor (a tombstone). Its `done` must still run, exactly once,
+/// with an error, and only when the last chunk lets go of the bytes
+/// (before, the tombstone was dropped with the protocol state and `done`
+/// never ran).
+#[test]
+fn a_tombstone_left_at_shutdown_completes_when_its_last_chunk_lets_go() {
+    let arena = 8u64 << 20;
+    let mut s = Sim::new(arena as usize, 2, 7);
+    s.held = Some(Vec::new());
+    s.recv("big", 1);
+    let len = 3 * arena as usize;
+    let res = send_any(&mut s, "big", 1, TensorMeta { dtype: 1, flags: 0, dims: vec![len as i64].into() }, pattern(1, len));
+    s.settle();
+    let held = s.held.take().unwrap();
+    assert!(held.len() >= 2, "chunks in flight: {}", held.len());
+    let acts = s.tx.on_link_lost(LINK, Error::PeerLost("test".into()));
+    s.run_tx(acts.into_iter().filter(|a| !matches!(a, Action::Send { .. })).collect());
+    assert!(!s.tx.tx_ending.is_empty(), "a tombstone waits for its chunks");
+    drop(s); // the node goes
+    for (i, (_, payload)) in held.into_iter().enumerate() {
+        assert!(res.lock().unwrap().is_none(), "done ran with chunk {i} still reading the tensor");
+        drop(payload);
+    }
+    assert!(matches!(*res.lock().unwrap(), Some(Err(_))), "the tombstone's done never ran: {:?}", res.lock().unwrap().as_ref().map(|r| r.is_ok()));
+}

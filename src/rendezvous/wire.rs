@@ -100,11 +100,14 @@ pub enum Msg {
     Ping,
     /// Either way: part of call `id` (the caller's, unique per caller) of
     /// `method` (a worker RPC of the shim, see `node::rpc`); `more`: parts
-    /// follow (a body larger than one message is cut in parts).
-    Call { id: u64, method: u32, more: bool, body: Vec<u8> },
+    /// follow (a body larger than one message is cut in parts); `part`:
+    /// this part's index from 0, so a callee never mistakes the tail of a
+    /// call it dropped (cancelled) for a new call.
+    Call { id: u64, method: u32, part: u32, more: bool, body: Vec<u8> },
     /// Either way: part of the answer to call `id`: `code` 0 with the
-    /// response, or an error code (TensorFlow's) with its message.
-    Reply { id: u64, code: u32, more: bool, body: Vec<u8> },
+    /// response, or an error code (TensorFlow's) with its message; `part`
+    /// as in `Call`.
+    Reply { id: u64, code: u32, part: u32, more: bool, body: Vec<u8> },
     /// Either way: the caller gave up call `id` (cancelled, timed out).
     CallCancel { id: u64 },
 }
@@ -315,8 +318,8 @@ impl Msg {
             Msg::StreamAck { stream } => { w.u8(T_STREAM_ACK); w.u32(*stream) }
             Msg::StreamCancel { stream } => { w.u8(T_STREAM_CANCEL); w.u32(*stream) }
             Msg::Ping => w.u8(T_PING),
-            Msg::Call { id, method, more, body } => { w.u8(T_CALL); w.u64(*id); w.u32(*method); w.u8(*more as u8); w.bytes(body) }
-            Msg::Reply { id, code, more, body } => { w.u8(T_REPLY); w.u64(*id); w.u32(*code); w.u8(*more as u8); w.bytes(body) }
+            Msg::Call { id, method, part, more, body } => { w.u8(T_CALL); w.u64(*id); w.u32(*method); w.u32(*part); w.u8(*more as u8); w.bytes(body) }
+            Msg::Reply { id, code, part, more, body } => { w.u8(T_REPLY); w.u64(*id); w.u32(*code); w.u32(*part); w.u8(*more as u8); w.bytes(body) }
             Msg::CallCancel { id } => { w.u8(T_CALL_CANCEL); w.u64(*id) }
         }
         w.0
@@ -363,8 +366,8 @@ impl Msg {
             T_STREAM_ACK => Msg::StreamAck { stream: r.u32()? },
             T_STREAM_CANCEL => Msg::StreamCancel { stream: r.u32()? },
             T_PING => Msg::Ping,
-            T_CALL => Msg::Call { id: r.u64()?, method: r.u32()?, more: r.flag()?, body: r.bytes(CALL_PART_BYTES)?.to_vec() },
-            T_REPLY => Msg::Reply { id: r.u64()?, code: r.u32()?, more: r.flag()?, body: r.bytes(CALL_PART_BYTES)?.to_vec() },
+            T_CALL => Msg::Call { id: r.u64()?, method: r.u32()?, part: r.u32()?, more: r.flag()?, body: r.bytes(CALL_PART_BYTES)?.to_vec() },
+            T_REPLY => Msg::Reply { id: r.u64()?, code: r.u32()?, part: r.u32()?, more: r.flag()?, body: r.bytes(CALL_PART_BYTES)?.to_vec() },
             T_CALL_CANCEL => Msg::CallCancel { id: r.u64()? },
             t => return Err(Error::Protocol(format!("unknown message type {t}"))),
         };
@@ -535,8 +538,8 @@ mod tests {
             Msg::StreamData { stream: 3, offset: 1 << 33, bytes: vec![1, 2, 3] },
             Msg::StreamAck { stream: 3 },
             Msg::StreamCancel { stream: 4 },
-            Msg::Call { id: 1 << 40, method: 1, more: true, body: vec![7; 1000] },
-            Msg::Reply { id: 3, code: 14, more: false, body: b"unavailable".to_vec() },
+            Msg::Call { id: 1 << 40, method: 1, part: 3, more: true, body: vec![7; 1000] },
+            Msg::Reply { id: 3, code: 14, part: 0, more: false, body: b"unavailable".to_vec() },
             Msg::CallCancel { id: 9 },
         ]
     }
