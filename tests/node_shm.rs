@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -417,6 +418,37 @@ fn restarted_peer_is_reached_again() {
         drop(a);
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A task asks a sender that has not been told of the receiver yet (tasks
+/// add their peers as they start; `bench py` failed at start 3 runs in 10
+/// with "unknown peer p: add it first"): the sender waits for it, within
+/// its bound, and places; a receiver it is never told of fails clearly.
+#[test]
+fn placement_requested_before_the_sender_knows_the_receiver_waits_for_it() {
+    let ports: Vec<u16> = (0..2).map(|_| free_port()).collect();
+    // The sender's bound on a placement asked of it: its connect timeout.
+    let cfg = || Config { connect_timeout_ms: 2000, ..small_config() };
+    let nodes: Vec<Arc<Node>> = (0..2).map(|i| Arc::new(Node::new(cfg(), &task(i), &addr(ports[i])).unwrap())).collect();
+    // Task 0 (the receiver) knows task 1; task 1 learns of task 0 later.
+    nodes[0].add_peer(&task(1), &addr(ports[1]));
+    let late = {
+        let (n1, p0) = (nodes[1].clone(), ports[0]);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            n1.add_peer(&task(0), &addr(p0));
+        })
+    };
+    let key = "/job:worker/replica:0/task:1/device:CPU:0;1;/job:worker/replica:0/task:0/device:CPU:0;late;0:0";
+    let t0 = Instant::now();
+    let placed = nodes[0].request_placement(&task(1), &task(0), key, 4096, Duration::from_secs(10));
+    late.join().unwrap();
+    assert!(placed.expect("placed once the sender knows the receiver"), "no room");
+    assert!(t0.elapsed() >= Duration::from_millis(250), "{:?}", t0.elapsed());
+    assert_eq!(nodes[0].counters().edges_static, 1);
+    // Never told: an error naming the cause, within the sender's bound.
+    let e = nodes[1].request_placement(&task(0), "/job:nobody/replica:0/task:7", "k", 8, Duration::from_secs(10)).unwrap_err();
+    assert!(e.to_string().contains("was not told of"), "{e}");
 }
 
 #[test]

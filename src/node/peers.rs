@@ -79,6 +79,8 @@ struct PeerEntry {
 #[derive(Default)]
 pub(super) struct Peers {
     table: Mutex<HashMap<String, PeerEntry>>,
+    /// Notified whenever a peer is added (see `wait_for_peer`).
+    added: parking_lot::Condvar,
 }
 
 
@@ -130,6 +132,7 @@ impl Inner {
         e.addr = addr.to_string();
         e.choice = choice;
         e.grpc_reason = reason.clone();
+        self.peers.added.notify_all();
         PeerChoice { transport: choice, reason }
     }
 
@@ -500,7 +503,15 @@ impl Inner {
                 return;
             }
             let timeout = Duration::from_millis(n.cfg.connect_timeout_ms);
-            let placed = crate::error::catch_panic("rdev-place", || n.place_ahead(&receiver, &key, bytes, timeout)).and_then(|r| r);
+            // The task that asks may know `receiver` before this one has
+            // been told of it (tasks add their peers as they start): wait
+            // for it, within the same bound, rather than fail at random.
+            let placed = crate::error::catch_panic("rdev-place", || {
+                let deadline = std::time::Instant::now() + timeout;
+                n.wait_for_peer(&receiver, deadline)?;
+                n.place_ahead(&receiver, &key, bytes, deadline.saturating_duration_since(std::time::Instant::now()))
+            })
+            .and_then(|r| r);
             let (outcome, error) = match placed {
                 Ok(true) => (0, String::new()),
                 Ok(false) => (1, String::new()),
@@ -510,6 +521,21 @@ impl Inner {
                 log::debug!("{}: placement answer not sent: {e}", n.task);
             }
         });
+    }
+
+    /// Wait until `peer` has been added (`add_peer`), at most until
+    /// `deadline` (on the `rdev-place` pool only).
+    fn wait_for_peer(&self, peer: &str, deadline: std::time::Instant) -> Result<()> {
+        let mut t = self.peers.table.lock();
+        while !t.contains_key(peer) {
+            if self.peers.added.wait_until(&mut t, deadline).timed_out() && !t.contains_key(peer) {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: asked to place an edge towards {peer}, which this task was not told of (add_peer) in time",
+                    self.task
+                )));
+            }
+        }
+        Ok(())
     }
 
     pub(super) fn placement_answered(&self, req: u64, outcome: u32, error: String) {
