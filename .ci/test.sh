@@ -39,6 +39,9 @@ cargo test --lib --test c_abi --test fabric_shm --test node_shm --test header
 section "schedule exploration of the call channel (shuttle: random and PCT schedules, 3000 each per test)"
 cargo test --features shuttle --lib sched
 
+section "deterministic simulation with faults (300 seeds, 600 schedules)"
+cargo run --release --quiet --features sim --bin rdma-device-sim -- --seeds 300
+
 section "coverage-guided fuzzing of every peer-fed decoder and the protocol state machine (60 s)"
 bash tests/fuzz/run.sh 60
 

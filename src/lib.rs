@@ -21,6 +21,10 @@ pub mod rendezvous;
 pub mod node;
 pub mod ffi;
 
+/// The deterministic simulation with faults (`--features sim`).
+#[cfg(feature = "sim")]
+pub mod sim;
+
 /// Entry points for the coverage-guided fuzz targets (tests/fuzz), which
 /// reach decoders that are otherwise private. Built only with `--cfg fuzzing`.
 #[cfg(fuzzing)]

@@ -259,3 +259,52 @@ fn a_stream_cancel_that_overtakes_its_begin_leaves_nothing_allocated() {
     }
     assert!(closed(&cancel(&mut rx, 100 + MAX as u32)), "early cancels past the cap");
 }
+
+/// Chunks sent as `StreamData` messages may reach the receiver in any
+/// order (the sender's pumps run on whichever thread holds the protocol
+/// lock and send after it; the simulation found two racing): each is
+/// taken once, the tensor arrives whole; a duplicate or a misaligned one
+/// closes the link.
+#[test]
+fn stream_data_messages_are_taken_in_any_order_each_once() {
+    use crate::constants::STREAM_MSG_BYTES;
+    let piece = STREAM_MSG_BYTES;
+    let total = 2 * piece + 100;
+    let data: Vec<u8> = (0..total).map(|i| (i * 13 + i / 7) as u8).collect();
+    // No arena: no stream slots, so the stream goes by messages.
+    let mut rx = Rendezvous::new(params(), 0);
+    rx.add_rx_link(LINK, "tx", 11);
+    let m = Msg::StreamBegin { stream: 1, key: "big".into(), step: 3, meta: TensorMeta { dtype: 1, flags: 0, dims: vec![total as i64].into() }, total: total as u64 };
+    assert!(matches!(&rx.on_message(LINK, &m.encode())[..], [Action::StreamAlloc { .. }]));
+    let acts = rx.stream_alloc_done(LINK, 1, Some(vec![0; total]));
+    assert!(acts.iter().any(|a| matches!(a, Action::Send { msg: Msg::StreamReady { outcome: wire::STREAM_MESSAGES, .. }, .. })), "{acts:?}");
+    let chunk = |i: usize| Msg::StreamData { stream: 1, offset: (i * piece) as u64, bytes: data[i * piece..((i + 1) * piece).min(total)].to_vec() };
+    for i in [2, 0, 1] {
+        let acts = rx.on_message(LINK, &chunk(i).encode());
+        assert!(!closed(&acts), "chunk {i}: {acts:?}");
+        for a in acts {
+            if let Action::CopyChunk { link, stream, src: ChunkSrc::Bytes(b), len, dst, at } = a {
+                let res = dst.write_at(at, &b);
+                drop(dst);
+                rx.chunk_copied(link, stream, None, len, res);
+            }
+        }
+    }
+    match recv_result(&mut rx, "tx", "big", 3) {
+        Some(Ok(r)) => assert!(r.data == Data::Owned(data.clone()), "the tensor arrived altered"),
+        other => panic!("the streamed tensor: {other:?}"),
+    }
+    // A second stream: a duplicate chunk, and a misaligned one, close the link.
+    let m = Msg::StreamBegin { stream: 2, key: "big2".into(), step: 3, meta: TensorMeta { dtype: 1, flags: 0, dims: vec![total as i64].into() }, total: total as u64 };
+    rx.on_message(LINK, &m.encode());
+    rx.stream_alloc_done(LINK, 2, Some(vec![0; total]));
+    let c0 = Msg::StreamData { stream: 2, offset: 0, bytes: data[..piece].to_vec() };
+    assert!(!closed(&rx.on_message(LINK, &c0.encode())));
+    assert!(closed(&rx.on_message(LINK, &c0.encode())), "a duplicate chunk");
+    let mut rx2 = Rendezvous::new(params(), 0);
+    rx2.add_rx_link(LINK, "tx", 11);
+    rx2.on_message(LINK, &Msg::StreamBegin { stream: 1, key: "k".into(), step: 3, meta: meta(), total: total as u64 }.encode());
+    rx2.stream_alloc_done(LINK, 1, Some(vec![0; total]));
+    let odd = Msg::StreamData { stream: 1, offset: 5, bytes: vec![0; 10] };
+    assert!(closed(&rx2.on_message(LINK, &odd.encode())), "a misaligned chunk");
+}

@@ -316,6 +316,11 @@ impl Rendezvous {
         self.alloc.in_use()
     }
 
+    /// Streams being received (their buffers allocated), over all links.
+    pub fn streams_receiving(&self) -> usize {
+        self.rx.values().map(|r| r.streams.len()).sum()
+    }
+
     /// A human-readable dump of the protocol state (diagnostics).
     pub fn describe(&self) -> String {
         use std::fmt::Write as _;

@@ -596,6 +596,7 @@ impl Rendezvous {
             }
             None => {
                 s.mode = RxMode::Messages;
+                s.seen = vec![0; s.total.div_ceil(STREAM_MSG_BYTES as u64).div_ceil(64) as usize];
                 STREAM_MESSAGES
             }
         };
@@ -701,13 +702,24 @@ impl Rendezvous {
             }
             return Ok(Actions::new());
         };
+        // Chunks come in pieces of STREAM_MSG_BYTES at their offsets, in
+        // any order: the sender's pumps run on whichever thread holds the
+        // protocol lock (a TF thread's send, rdev-callbacks after an ack)
+        // and send after it, so two chunks can race on the socket (the
+        // simulation found it). Each is taken once.
         let len = bytes.len() as u64;
-        if s.mode != RxMode::Messages || offset != s.accepted || len == 0 || len > s.total - s.accepted {
+        let piece = STREAM_MSG_BYTES as u64;
+        let idx = offset / piece;
+        let (word, bit) = ((idx / 64) as usize, 1u64 << (idx % 64));
+        let dup = s.seen.get(word).map_or(true, |w| w & bit != 0);
+        let expect = s.total.saturating_sub(offset).min(piece);
+        if s.mode != RxMode::Messages || offset % piece != 0 || offset >= s.total || len == 0 || len != expect || dup {
             return Err(Error::Protocol(format!(
-                "stream {stream}: data at {offset} with {len} bytes out of order or inconsistent ({} of {} bytes taken, {:?})",
+                "stream {stream}: data at {offset} with {len} bytes inconsistent or a duplicate ({} of {} bytes taken, {:?})",
                 s.accepted, s.total, s.mode
             )));
         }
+        s.seen[word] |= bit;
         s.accepted += len;
         let Some(dst) = s.buf.clone() else { return Err(Error::Internal("stream without a buffer".into())) };
         Ok(smallvec![Action::CopyChunk { link, stream, src: ChunkSrc::Bytes(bytes), len, dst, at: offset }])
