@@ -308,3 +308,29 @@ fn stream_data_messages_are_taken_in_any_order_each_once() {
     let odd = Msg::StreamData { stream: 1, offset: 5, bytes: vec![0; 10] };
     assert!(closed(&rx2.on_message(LINK, &odd.encode())), "a misaligned chunk");
 }
+
+/// L2: stream ids wrap past u32::MAX back to 1 (0 is never used); a link
+/// that streamed 2^32 tensors goes on rather than closing as "reused".
+#[test]
+fn stream_ids_that_wrap_past_u32_max_go_on() {
+    use super::stream::after;
+    assert!(after(1, u32::MAX) && after(2, u32::MAX - 1) && !after(u32::MAX, 1) && !after(5, 5));
+    let mut rx = Rendezvous::new(params(), 1 << 20);
+    rx.add_rx_link(LINK, "tx", 11);
+    rx.rx.get_mut(&LINK).unwrap().last_stream = u32::MAX - 2;
+    let begin = |rx: &mut Rendezvous, stream: u32| {
+        let m = Msg::StreamBegin { stream, key: format!("s{stream}"), step: 5, meta: meta(), total: 8 };
+        rx.on_message(LINK, &m.encode())
+    };
+    let opened = |acts: &Actions, s: u32| matches!(&acts[..], [Action::StreamAlloc { stream, .. }] if *stream == s);
+    // MAX - 1, then 1 overtakes MAX (0 is skipped by the sender, not owed).
+    assert!(opened(&begin(&mut rx, u32::MAX - 1), u32::MAX - 1));
+    assert!(opened(&begin(&mut rx, 1), 1));
+    assert_eq!(rx.rx[&LINK].unbegun.len(), 1, "only u32::MAX is still to come");
+    assert!(opened(&begin(&mut rx, u32::MAX), u32::MAX));
+    assert!(opened(&begin(&mut rx, 2), 2));
+    assert!(closed(&begin(&mut rx, 1)), "1 begun twice");
+    assert!(closed(&begin(&mut rx, 0)), "id 0");
+    // A far jump is still refused, without walking the ids.
+    assert!(closed(&begin(&mut rx, 2 + (1 << 30))), "a jump past the cap");
+}

@@ -91,6 +91,30 @@ const MAX_STREAMS_PER_LINK: usize = 1 << 16;
 /// a peer that skips more is out of protocol.
 pub(super) const MAX_STREAMS_OVERTAKEN: usize = 1024;
 
+/// Stream ids run 1, 2, … and wrap past `u32::MAX` back to 1 (a link can
+/// outlive 2^32 streamed tensors), so the receiver orders them as serial
+/// numbers (RFC 1982): `a` comes after `b` when it is less than 2^31 ids
+/// ahead of it. Only `MAX_STREAMS_OVERTAKEN` ids may be skipped anyway.
+pub(super) fn after(a: u32, b: u32) -> bool {
+    let d = a.wrapping_sub(b);
+    d != 0 && d < 1 << 31
+}
+
+/// The ids strictly between `from` and `to` in the sender's order (0 is
+/// never used); iterate only after `skipped_ids` bounded them.
+fn ids_between(from: u32, to: u32) -> impl Iterator<Item = u32> {
+    let n = to.wrapping_sub(from).saturating_sub(1);
+    (1..=n).map(move |i| from.wrapping_add(i)).filter(|id| *id != 0)
+}
+
+/// How many ids `ids_between(from, to)` yields, in O(1).
+fn skipped_ids(from: u32, to: u32) -> usize {
+    let n = to.wrapping_sub(from).saturating_sub(1) as u64;
+    // 0 lies between them when the walk from `from` wraps within n steps.
+    let zero_inside = from != 0 && u64::from(u32::MAX - from) + 1 <= n;
+    (n - u64::from(zero_inside)) as usize
+}
+
 /// Payload capacity of a stream slot in an arena of `arena` bytes, or None
 /// when the arena is too small for useful ones.
 pub fn stream_chunk_bytes(arena: u64) -> Option<u64> {
@@ -529,14 +553,17 @@ impl Rendezvous {
             return Err(Error::Protocol(format!("more than {MAX_STREAMS_PER_LINK} streams open")));
         }
         let cancelled_early = r.cancelled_unbegun.remove(&stream);
-        if stream <= r.last_stream {
+        if stream == 0 {
+            return Err(Error::Protocol("stream id 0".into()));
+        }
+        if !after(stream, r.last_stream) {
             // Overtaken by a later stream's begin: only an id skipped
             // then may come now, and only once.
             if !r.unbegun.remove(&stream) {
                 return Err(Error::Protocol(format!("stream id {stream} reused (last begun {})", r.last_stream)));
             }
         } else {
-            let skipped = (stream - r.last_stream - 1) as usize;
+            let skipped = skipped_ids(r.last_stream, stream);
             if skipped > MAX_STREAMS_OVERTAKEN - r.unbegun.len().min(MAX_STREAMS_OVERTAKEN) {
                 return Err(Error::Protocol(format!(
                     "stream id {stream} skips {skipped} ids after {} with {} skipped before still to come; at most {MAX_STREAMS_OVERTAKEN} may be",
@@ -544,7 +571,7 @@ impl Rendezvous {
                     r.unbegun.len()
                 )));
             }
-            r.unbegun.extend(r.last_stream + 1..stream);
+            r.unbegun.extend(ids_between(r.last_stream, stream));
             r.last_stream = stream;
         }
         if cancelled_early {
@@ -654,7 +681,7 @@ impl Rendezvous {
         let Some(r) = self.rx.get_mut(&link) else { return Actions::new() };
         let bad = |why: String| smallvec![Action::Close { link, why: Error::Protocol(format!("stream {}: {why}", c.stream)) }];
         let Some(s) = r.streams.get_mut(&c.stream) else {
-            if c.stream == 0 || c.stream > r.last_stream || r.unbegun.contains(&c.stream) {
+            if c.stream == 0 || after(c.stream, r.last_stream) || r.unbegun.contains(&c.stream) {
                 self.tally.rejected_writes += 1;
                 return bad("chunk of a stream never begun".into());
             }
@@ -697,7 +724,7 @@ impl Rendezvous {
     pub(super) fn rx_stream_data(&mut self, link: LinkId, stream: u32, offset: u64, bytes: Vec<u8>) -> Result<Actions> {
         let r = self.rx.get_mut(&link).ok_or_else(|| Error::Internal("stream data on unknown link".into()))?;
         let Some(s) = r.streams.get_mut(&stream) else {
-            if stream == 0 || stream > r.last_stream {
+            if stream == 0 || after(stream, r.last_stream) {
                 return Err(Error::Protocol(format!("data of stream {stream}, never begun")));
             }
             return Ok(Actions::new());
@@ -765,7 +792,7 @@ impl Rendezvous {
     pub(super) fn rx_stream_cancel(&mut self, link: LinkId, stream: u32) -> Result<Actions> {
         let Some(r) = self.rx.get_mut(&link) else { return Ok(Actions::new()) };
         let Some(s) = r.streams.remove(&stream) else {
-            let unbegun = stream != 0 && (stream > r.last_stream || r.unbegun.contains(&stream));
+            let unbegun = stream != 0 && (after(stream, r.last_stream) || r.unbegun.contains(&stream));
             if unbegun && !r.cancelled_unbegun.contains(&stream) {
                 if r.cancelled_unbegun.len() >= MAX_STREAMS_OVERTAKEN {
                     return Err(Error::Protocol(format!("more than {MAX_STREAMS_OVERTAKEN} streams cancelled before they began")));
