@@ -255,7 +255,7 @@ class RdmaServer : public tf::GrpcServer {
                  << "this server goes over stock gRPC: " << started;
       return absl::OkStatus();
     }
-    ServeWorkerRpcs(transport_, worker_impl());
+    ServeWorkerRpcs(transport_, worker_impl(), worker_env()->compute_pool);
     return absl::OkStatus();
   }
 

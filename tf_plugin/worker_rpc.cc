@@ -84,6 +84,14 @@ class TransportWorker : public tf::WorkerInterface {
     if (!started.ok()) {
       // Nothing reached the peer: the call goes over gRPC.
       if (opts != nullptr) opts->ClearCancelCallback();
+      if (ctl->cancelled) {
+        // TF's RunManyGraphs cancels each call once: that cancel already
+        // came (to our callback), so a call over gRPC now would never see
+        // it and could hold the step. It ends here, as gRPC ends a
+        // cancelled call.
+        done(absl::CancelledError("rdma_device: RunGraph cancelled before it started"));
+        return;
+      }
       VLOG(1) << "rdma_device: RunGraph on " << target_ << " over gRPC: " << started;
       // No connection with the peer yet (no tensor crossed between us):
       // make one, so that the next steps' calls go over the transport.
@@ -294,6 +302,28 @@ class Served {
   std::map<uint64_t, std::shared_ptr<tf::CallOptions>> calls_ TF_GUARDED_BY(mu_);
 };
 
+// Answer a served call: its serialized response, or the call's error. A
+// response that does not serialize (protobuf refuses past 2 GiB) is an
+// error, as under stock gRPC, never an OK with an empty body.
+template <typename Response>
+void ReplyWith(Transport& t, uint64_t handle, const absl::Status& s, const Response& resp,
+               const char* what) {
+  if (!s.ok()) {
+    t.Reply(handle, s, "");
+    return;
+  }
+  std::string out;
+  if (!resp.SerializeToString(&out)) {
+    t.Reply(handle,
+            absl::ResourceExhaustedError(absl::StrCat(
+                "rdma_device: the ", what, " response (", resp.ByteSizeLong(),
+                " bytes) cannot be serialized: protobuf messages are limited to 2 GiB")),
+            "");
+    return;
+  }
+  t.Reply(handle, s, out);
+}
+
 }  // namespace
 
 tf::WorkerCacheInterface* NewTransportWorkerCache(tf::WorkerCacheInterface* stock,
@@ -301,55 +331,59 @@ tf::WorkerCacheInterface* NewTransportWorkerCache(tf::WorkerCacheInterface* stoc
   return new TransportWorkerCache(stock, std::move(transport));
 }
 
-void ServeWorkerRpcs(const std::shared_ptr<Transport>& transport, tf::WorkerInterface* worker) {
+void ServeWorkerRpcs(const std::shared_ptr<Transport>& transport, tf::WorkerInterface* worker,
+                     tsl::thread::ThreadPool* compute_pool) {
   auto served = std::make_shared<Served>();
   std::weak_ptr<Transport> weak = transport;
-  // Both are served on the transport's thread that read the call: RunGraph
-  // only prepares the partition and queues its first ops on TF's pool (its
-  // executors never run a kernel on the calling thread), CleanupGraph drops
-  // the step's rendezvous and collective state; neither waits for anything.
+  // The call arrives on the transport's thread that read it (both methods
+  // are declared inline); all but a small RunGraph move to the compute
+  // pool before anything is parsed (see worker_rpc.h).
   transport->ServeInline(kRunGraph);
   transport->ServeInline(kCleanupGraph);
+  auto serve = [weak, worker, served](uint64_t handle, uint32_t method, const std::string& body) {
+    std::shared_ptr<Transport> t = weak.lock();
+    if (t == nullptr) return;
+    if (method == kRunGraph) {
+      auto req = std::make_shared<tf::RunGraphRequest>();
+      if (!req->ParseFromString(body)) {
+        t->Reply(handle, absl::InvalidArgumentError("rdma_device: a RunGraph request that does not parse"), "");
+        return;
+      }
+      auto resp = std::make_shared<tf::RunGraphResponse>();
+      auto opts = std::make_shared<tf::CallOptions>();
+      served->Add(handle, opts);
+      // The reply is written on the thread that finished the call (an
+      // executor thread): writing never waits on the peer (one
+      // non-blocking send; what the connection does not take at once
+      // is queued for the transport's send thread), and a hop to a
+      // pool would put a thread wake-up on every step's critical path.
+      worker->RunGraphAsync(opts.get(), req.get(), resp.get(),
+                            [t, served, handle, req, resp, opts](const absl::Status& s) {
+                              served->Remove(handle);
+                              ReplyWith(*t, handle, s, *resp, "RunGraph");
+                            });
+    } else if (method == kCleanupGraph) {
+      auto req = std::make_shared<tf::CleanupGraphRequest>();
+      if (!req->ParseFromString(body)) {
+        t->Reply(handle, absl::InvalidArgumentError("rdma_device: a CleanupGraph request that does not parse"), "");
+        return;
+      }
+      auto resp = std::make_shared<tf::CleanupGraphResponse>();
+      worker->CleanupGraphAsync(req.get(), resp.get(), [t, handle, req, resp](const absl::Status& s) {
+        ReplyWith(*t, handle, s, *resp, "CleanupGraph");
+      });
+    } else {
+      t->Reply(handle, absl::UnimplementedError(absl::StrCat("rdma_device: no worker method ", method)), "");
+    }
+  };
   transport->Serve(
-      [weak, worker, served](uint64_t handle, uint32_t method, std::string body) {
-        std::shared_ptr<Transport> t = weak.lock();
-        if (t == nullptr) return;
-        if (method == kRunGraph) {
-          auto req = std::make_shared<tf::RunGraphRequest>();
-          if (!req->ParseFromString(body)) {
-            t->Reply(handle, absl::InvalidArgumentError("rdma_device: a RunGraph request that does not parse"), "");
-            return;
-          }
-          auto resp = std::make_shared<tf::RunGraphResponse>();
-          auto opts = std::make_shared<tf::CallOptions>();
-          served->Add(handle, opts);
-          // The reply is written on the thread that finished the call (an
-          // executor thread): writing never waits on the peer (one
-          // non-blocking send; what the connection does not take at once
-          // is queued for the transport's send thread), and a hop to a
-          // pool would put a thread wake-up on every step's critical path.
-          worker->RunGraphAsync(opts.get(), req.get(), resp.get(),
-                                [t, served, handle, req, resp, opts](const absl::Status& s) {
-                                  served->Remove(handle);
-                                  std::string out;
-                                  if (s.ok()) resp->SerializeToString(&out);
-                                  t->Reply(handle, s, out);
-                                });
-        } else if (method == kCleanupGraph) {
-          auto req = std::make_shared<tf::CleanupGraphRequest>();
-          if (!req->ParseFromString(body)) {
-            t->Reply(handle, absl::InvalidArgumentError("rdma_device: a CleanupGraph request that does not parse"), "");
-            return;
-          }
-          auto resp = std::make_shared<tf::CleanupGraphResponse>();
-          worker->CleanupGraphAsync(req.get(), resp.get(), [t, handle, req, resp](const absl::Status& s) {
-            std::string out;
-            if (s.ok()) resp->SerializeToString(&out);
-            t->Reply(handle, s, out);
-          });
-        } else {
-          t->Reply(handle, absl::UnimplementedError(absl::StrCat("rdma_device: no worker method ", method)), "");
+      [serve, compute_pool](uint64_t handle, uint32_t method, std::string body) {
+        if ((method == kRunGraph && body.size() <= kServeInlineMax) || compute_pool == nullptr) {
+          serve(handle, method, body);
+          return;
         }
+        auto owned = std::make_shared<std::string>(std::move(body));
+        compute_pool->Schedule([serve, handle, method, owned] { serve(handle, method, *owned); });
       },
       [served](uint64_t handle) { served->Cancel(handle); });
 }

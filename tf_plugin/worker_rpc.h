@@ -20,11 +20,18 @@
 // Threads: a call is written to the connection from the caller's thread
 // (TF's master); a successful reply of at most 64 KiB completes on the
 // transport's thread that read it (rdev_call_inline), anything else on its
-// callback thread. A served call starts on the thread that read it
-// (rdev_serve_inline: RunGraphAsync only prepares the partition and queues
-// its first ops on TF's pool) and its reply is written by the thread that
-// finished the call (for RunGraph, TF's executor thread that finished the
-// partition): one non-blocking send.
+// callback thread. A served call runs where TF's gRPC worker service runs
+// it, on the worker's compute pool: the parse of its body (a TF1 feed can
+// be hundreds of MB) and CleanupGraph's teardown (pending receives'
+// callbacks, collective executors' destructors) never hold up the thread
+// that reads the connection. Only a RunGraph of at most kServeInlineMax
+// bytes starts on that thread (rdev_serve_inline: its parse takes
+// microseconds, and RunGraphAsync only prepares the partition and queues
+// its first ops on TF's pool), one thread wake-up fewer per step. The
+// reply is written by the thread that finished the call (for RunGraph,
+// TF's executor thread that finished the partition): one non-blocking
+// send. A response that cannot be serialized (past protobuf's 2 GiB) is
+// an error reply, never an empty OK.
 #ifndef RDMA_DEVICE_TF_PLUGIN_WORKER_RPC_H_
 #define RDMA_DEVICE_TF_PLUGIN_WORKER_RPC_H_
 
@@ -32,6 +39,7 @@
 
 #include "tensorflow/core/distributed_runtime/worker_cache.h"
 #include "tensorflow/core/distributed_runtime/worker_interface.h"
+#include "tsl/platform/threadpool.h"
 
 namespace rdma_device {
 
@@ -43,8 +51,14 @@ tensorflow::WorkerCacheInterface* NewTransportWorkerCache(
 
 // Serves peers' worker RPCs over the transport with `worker` (the server's
 // own, which outlives the transport).
+// Calls larger than `kServeInlineMax` bytes, and every CleanupGraph, are
+// handed to `compute_pool` (the worker env's, as stock's service does).
 void ServeWorkerRpcs(const std::shared_ptr<Transport>& transport,
-                     tensorflow::WorkerInterface* worker);
+                     tensorflow::WorkerInterface* worker,
+                     tsl::thread::ThreadPool* compute_pool);
+
+// The largest RunGraph request served on the thread that read it.
+inline constexpr size_t kServeInlineMax = 16 << 10;
 
 }  // namespace rdma_device
 

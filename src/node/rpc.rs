@@ -62,9 +62,11 @@ use crate::rendezvous::Msg;
 use crate::stats::Stats;
 use crate::sync::{AtomicU64, Mutex, Ordering, RwLock};
 
-/// Largest call or reply body accepted (a RunGraph response may carry
-/// fetched tensors).
-pub const MAX_CALL_BYTES: usize = 1 << 30;
+/// Largest call or reply body (a RunGraph response may carry fetched
+/// tensors): protobuf's own limit, so anything TF can serialize goes.
+pub const MAX_CALL_BYTES: usize = i32::MAX as usize;
+/// TensorFlow's RESOURCE_EXHAUSTED: a reply too large to carry.
+pub const CODE_RESOURCE_EXHAUSTED: u32 = 8;
 /// Most calls one link may have being served at once.
 pub const MAX_SERVED: usize = 4096;
 /// Most bytes of calls still arriving (parts received, not yet whole) that
@@ -283,6 +285,15 @@ impl Rpc {
     /// Answer served call `handle` (from `Server::call`).
     pub(crate) fn reply(&self, w: &dyn Wire, handle: u64, code: u32, body: &[u8]) {
         let Some(c) = self.served.lock().remove(handle) else { return }; // cancelled or its link lost
+        let too_large;
+        let (code, body) = if body.len() > MAX_CALL_BYTES {
+            // The caller would take it for a protocol error and fail the
+            // link; the call fails instead, and the link stays up.
+            too_large = format!("{}: a reply of {} bytes exceeds the largest a call carries ({MAX_CALL_BYTES})", w.task(), body.len());
+            (CODE_RESOURCE_EXHAUSTED, too_large.as_bytes())
+        } else {
+            (code, body)
+        };
         let t = crate::trace::start();
         let mut parts = body.chunks(CALL_PART_BYTES).peekable();
         let mut index = 0usize;

@@ -122,6 +122,10 @@ impl Backlog for RingBacklog {
                     self.remote
                 )))
             } else {
+                // Not under `q`: completing a write takes the protocol
+                // lock and sends (a TF thread's small write would wait
+                // behind it on `q`).
+                drop(q);
                 return self.finish(done, wake, Flushed::Waiting(None));
             }
         };
