@@ -871,8 +871,11 @@ impl World {
     /// go, its callbacks with it; doorbells still queued for it from the
     /// old life are delivered to the new one (they must land nowhere).
     fn restart(&mut self, n: usize) {
-        let mine: Vec<ConnId> = self.links.iter().filter(|(_, l)| l.from == n || l.to == n).map(|(id, _)| *id).collect();
-        let stale: Vec<(ConnId, u32)> = self.links.iter().filter(|(_, l)| l.to == n).flat_map(|(id, l)| l.imms.iter().map(move |i| (*id, *i))).collect();
+        // Sorted: the seed, not the hash map's order, decides.
+        let mut mine: Vec<ConnId> = self.links.iter().filter(|(_, l)| l.from == n || l.to == n).map(|(id, _)| *id).collect();
+        mine.sort_unstable();
+        let mut stale: Vec<(ConnId, u32)> = self.links.iter().filter(|(_, l)| l.to == n).flat_map(|(id, l)| l.imms.iter().map(move |i| (*id, *i))).collect();
+        stale.sort_by_key(|(l, _)| *l);
         for l in &mine {
             // The crashed side learns nothing; the survivor does.
             if !self.alive.lock().insert(*l, false).unwrap_or(false) {

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -274,12 +275,46 @@ class TransportWorkerCache : public tf::WorkerCacheInterface {
   const std::shared_ptr<Transport> transport_;
 };
 
-// Served calls still running, for their callers' cancellations.
+// Served RunGraph calls, from their arrival to their reply, for their
+// callers' cancellations. A cancel may come before TF's RunGraphAsync
+// installed its callback on the call's options (the call waits for a
+// compute-pool thread, or TF has not reached that point yet), and
+// CallOptions::StartCancel forgets a cancel made before its callback is
+// set: so a cancel is also kept as a flag, checked when the call starts
+// and again once RunGraphAsync returned.
 class Served {
  public:
-  void Add(uint64_t handle, std::shared_ptr<tf::CallOptions> opts) {
+  // The call arrived (on the thread that read it: before its cancel can).
+  void Arrived(uint64_t handle) {
     tf::mutex_lock l(mu_);
-    calls_[handle] = std::move(opts);
+    Entry& e = calls_[handle];
+    // Its link was lost while it was handed over: the cancel came first.
+    e.cancelled = early_.erase(handle) > 0;
+  }
+  // It starts: false when it was cancelled meanwhile (then it is dropped;
+  // its reply would go nowhere).
+  bool Start(uint64_t handle, std::shared_ptr<tf::CallOptions> opts) {
+    tf::mutex_lock l(mu_);
+    auto it = calls_.find(handle);
+    if (it == calls_.end()) return false;
+    if (it->second.cancelled) {
+      calls_.erase(it);
+      return false;
+    }
+    it->second.opts = std::move(opts);
+    return true;
+  }
+  // RunGraphAsync returned: a cancel that came before TF set its callback
+  // reaches it now.
+  void Started(uint64_t handle) {
+    std::shared_ptr<tf::CallOptions> opts;
+    {
+      tf::mutex_lock l(mu_);
+      auto it = calls_.find(handle);
+      if (it == calls_.end() || !it->second.cancelled) return;
+      opts = it->second.opts;
+    }
+    if (opts != nullptr) opts->StartCancel();
   }
   void Remove(uint64_t handle) {
     tf::mutex_lock l(mu_);
@@ -291,15 +326,28 @@ class Served {
     {
       tf::mutex_lock l(mu_);
       auto it = calls_.find(handle);
-      if (it == calls_.end()) return;
-      opts = it->second;
+      if (it == calls_.end()) {
+        // Not arrived yet (a lost link cancels on another thread than the
+        // one handing the call over), or answered already: kept, a few.
+        early_.insert(handle);
+        if (early_.size() > kEarlyCancels) early_.erase(early_.begin());
+        return;
+      }
+      it->second.cancelled = true;
+      opts = it->second.opts;
     }
-    opts->StartCancel();
+    if (opts != nullptr) opts->StartCancel();
   }
 
  private:
+  struct Entry {
+    std::shared_ptr<tf::CallOptions> opts;
+    bool cancelled = false;
+  };
+  static constexpr size_t kEarlyCancels = 1024;
   tf::mutex mu_;
-  std::map<uint64_t, std::shared_ptr<tf::CallOptions>> calls_ TF_GUARDED_BY(mu_);
+  std::map<uint64_t, Entry> calls_ TF_GUARDED_BY(mu_);
+  std::set<uint64_t> early_ TF_GUARDED_BY(mu_);
 };
 
 // Answer a served call: its serialized response, or the call's error. A
@@ -346,12 +394,13 @@ void ServeWorkerRpcs(const std::shared_ptr<Transport>& transport, tf::WorkerInte
     if (method == kRunGraph) {
       auto req = std::make_shared<tf::RunGraphRequest>();
       if (!req->ParseFromString(body)) {
+        served->Remove(handle);
         t->Reply(handle, absl::InvalidArgumentError("rdma_device: a RunGraph request that does not parse"), "");
         return;
       }
       auto resp = std::make_shared<tf::RunGraphResponse>();
       auto opts = std::make_shared<tf::CallOptions>();
-      served->Add(handle, opts);
+      if (!served->Start(handle, opts)) return;
       // The reply is written on the thread that finished the call (an
       // executor thread): writing never waits on the peer (one
       // non-blocking send; what the connection does not take at once
@@ -362,6 +411,7 @@ void ServeWorkerRpcs(const std::shared_ptr<Transport>& transport, tf::WorkerInte
                               served->Remove(handle);
                               ReplyWith(*t, handle, s, *resp, "RunGraph");
                             });
+      served->Started(handle);
     } else if (method == kCleanupGraph) {
       auto req = std::make_shared<tf::CleanupGraphRequest>();
       if (!req->ParseFromString(body)) {
@@ -377,7 +427,8 @@ void ServeWorkerRpcs(const std::shared_ptr<Transport>& transport, tf::WorkerInte
     }
   };
   transport->Serve(
-      [serve, compute_pool](uint64_t handle, uint32_t method, std::string body) {
+      [serve, served, compute_pool](uint64_t handle, uint32_t method, std::string body) {
+        if (method == kRunGraph) served->Arrived(handle);
         if ((method == kRunGraph && body.size() <= kServeInlineMax) || compute_pool == nullptr) {
           serve(handle, method, body);
           return;

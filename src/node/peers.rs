@@ -526,6 +526,29 @@ impl Inner {
     /// Wait until `peer` has been added (`add_peer`), at most until
     /// `deadline` (on the `rdev-place` pool only).
     fn wait_for_peer(&self, peer: &str, deadline: std::time::Instant) -> Result<()> {
+        // At most half the pool waits for peers not yet added: requests
+        // naming a task this one is never told of cannot hold every
+        // rdev-place thread for the connect timeout each.
+        static WAITING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        const MAX_WAITING: usize = 2;
+        struct Slot;
+        impl Drop for Slot {
+            fn drop(&mut self) {
+                WAITING.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        if self.peers.table.lock().contains_key(peer) {
+            return Ok(());
+        }
+        if WAITING.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= MAX_WAITING {
+            WAITING.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(Error::InvalidArgument(format!(
+                "{}: asked to place an edge towards {peer}, which this task was not told of (add_peer), \
+                 while {MAX_WAITING} other placements already wait for their receivers",
+                self.task
+            )));
+        }
+        let _slot = Slot;
         let mut t = self.peers.table.lock();
         while !t.contains_key(peer) {
             if self.peers.added.wait_until(&mut t, deadline).timed_out() && !t.contains_key(peer) {

@@ -247,7 +247,8 @@ impl Rpc {
                 let _ = w.send(link, &Msg::CallCancel { id });
                 return Ok(id);
             }
-            let msg = Msg::Call { id, method, part: part_index(index)?, more, body: part.to_vec() };
+            // Fits: checked before the call was registered.
+            let msg = Msg::Call { id, method, part: index as u32, more, body: part.to_vec() };
             if let Err(e) = w.send(link, &msg) {
                 let mine = self.out.lock().remove(&id);
                 let why = Error::PeerLost(format!("{}: call to {peer} on connection {link} not sent: {}", w.task(), e.message()));
@@ -269,6 +270,13 @@ impl Rpc {
                 break;
             }
             index += 1;
+        }
+        if !self.out.lock().contains_key(&id) {
+            // Taken while its last part went out (a deadline, a cancel):
+            // that cancel may have reached the callee before the part did,
+            // and been ignored there; this one follows every part. (A
+            // reply that came first makes it a no-op at the callee.)
+            let _ = w.send(link, &Msg::CallCancel { id });
         }
         Stats::add(&Stats::global().c.worker_rpcs_over_transport, 1);
         Ok(id)

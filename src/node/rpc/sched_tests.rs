@@ -26,7 +26,6 @@ use super::*;
 use crate::sync::Mutex;
 
 const LINK: ConnId = 7;
-const PARTS: usize = 3;
 
 /// One end of the link.
 struct End {
@@ -81,17 +80,22 @@ impl Wire for End {
     }
 }
 
-/// Answers every call at once with its body reversed; records what it got.
+/// Answers every call at once with its body reversed (or, holding, never:
+/// a call that waits until it is cancelled); records what it got.
 #[derive(Default)]
 struct Echo {
     end: Mutex<Option<std::sync::Weak<End>>>,
     got: Mutex<Vec<(u64, Vec<u8>)>>,
     cancelled: Mutex<Vec<u64>>,
+    hold: bool,
 }
 
 impl Server for Echo {
     fn call(&self, handle: u64, _method: u32, mut body: Vec<u8>) {
         self.got.lock().push((handle, body.clone()));
+        if self.hold {
+            return;
+        }
         body.reverse();
         let end = self.end.lock().as_ref().and_then(|w| w.upgrade());
         if let Some(e) = end {
@@ -103,8 +107,8 @@ impl Server for Echo {
     }
 }
 
-fn body() -> Vec<u8> {
-    (0..PARTS * CALL_PART_BYTES - 10).map(|i| (i * 7 + i / 251) as u8).collect()
+fn body(parts: usize) -> Vec<u8> {
+    (0..parts * CALL_PART_BYTES - 10).map(|i| (i * 7 + i / 251) as u8).collect()
 }
 
 /// Deliver what each end sent to the other, in order; a loss reaches the
@@ -140,19 +144,20 @@ enum Chaos {
     Cancel,
 }
 
-/// One run: a call of `PARTS` parts from a to b, `chaos` at any point.
-fn run(chaos: Chaos) {
+/// One run: a call of `parts` parts from a to b, `chaos` at any point; the
+/// server answers at once, or (`hold`) only ever learns of a cancel.
+fn run(chaos: Chaos, parts: usize, hold: bool) {
     let lost = Arc::new(AtomicBool::new(false));
     let threads = Arc::new(Mutex::new(Vec::new()));
     let a = End::new("a", lost.clone(), threads.clone());
     let b = End::new("b", lost.clone(), threads.clone());
-    let echo = Arc::new(Echo::default());
+    let echo = Arc::new(Echo { hold, ..Echo::default() });
     *echo.end.lock() = Some(Arc::downgrade(&b));
     b.rpc.serve(Some(echo.clone()));
 
     let runs = Arc::new(AtomicUsize::new(0));
     let code = Arc::new(std::sync::Mutex::new(None));
-    let want = body();
+    let want = body(parts);
     let id_cell = Arc::new(std::sync::Mutex::new(None));
     let caller = {
         let (a, runs, code, want, id_cell) = (a.clone(), runs.clone(), code.clone(), want.clone(), id_cell.clone());
@@ -167,7 +172,7 @@ fn run(chaos: Chaos) {
                 }
                 *code.lock().unwrap() = Some(c);
             });
-            let r = a.rpc.call(&*a, "b", 1, &body(), timeout, false, done);
+            let r = a.rpc.call(&*a, "b", 1, &body(parts), timeout, false, done);
             *id_cell.lock().unwrap() = Some(r.is_ok());
             if let Ok(id) = r {
                 id
@@ -197,15 +202,20 @@ fn run(chaos: Chaos) {
     let link = {
         let (a, b) = (a.clone(), b.clone());
         thread::spawn(move || {
-            for _ in 0..4 * PARTS {
+            for _ in 0..4 * parts + 4 {
                 pump(&a, &b);
                 thread::yield_now();
             }
         })
     };
-    let _id = caller.join().unwrap();
+    let id = caller.join().unwrap();
     chaos_thread.join().unwrap();
     link.join().unwrap();
+    if hold && id != 0 {
+        // The caller gives up in the end (a step abort): a no-op when the
+        // call was taken already, whose taker must have told the callee.
+        a.rpc.cancel(&*a, id);
+    }
     // Quiesce: deliver everything and run every callback.
     loop {
         let pending: Vec<_> = std::mem::take(&mut *threads.lock());
@@ -234,33 +244,53 @@ fn run(chaos: Chaos) {
     let s = b.rpc.served.lock();
     let unstarted = s.calls.values().filter(|c| !c.started).count();
     assert_eq!(unstarted, 0, "the callee holds {unstarted} half-received calls after the link went quiet");
-    // Each served call was answered (so left `calls`) or cancelled.
-    let cancelled = echo.cancelled.lock().len();
-    assert!(s.calls.len() <= cancelled, "{} served calls neither answered nor cancelled", s.calls.len());
+    // Each served call was answered (so left `calls`) or cancelled: a
+    // served call still open once the link is quiet waits for nothing.
+    let cancelled = echo.cancelled.lock();
+    for h in s.calls.keys() {
+        assert!(cancelled.contains(h), "served call {h} neither answered nor cancelled once the link went quiet");
+    }
+    if hold {
+        let n = runs.load(StdOrdering::SeqCst);
+        let served = got.len();
+        // Held: the caller's done can only have run with an error (or not
+        // at all); whatever was served must have been cancelled.
+        assert!(served <= cancelled.len() || n == 0, "a held call served and its caller gave up, but the server was never told");
+    }
 }
 
 const ITERATIONS: usize = 3000;
 
 #[test]
 fn sched_call_while_link_is_lost() {
-    shuttle::check_random(|| run(Chaos::LoseLink), ITERATIONS);
-    shuttle::check_pct(|| run(Chaos::LoseLink), ITERATIONS, 3);
+    shuttle::check_random(|| run(Chaos::LoseLink, 3, false), ITERATIONS);
+    shuttle::check_pct(|| run(Chaos::LoseLink, 3, false), ITERATIONS, 3);
 }
 
 #[test]
 fn sched_call_past_its_deadline_while_parts_go_out() {
-    shuttle::check_random(|| run(Chaos::Deadline), ITERATIONS);
-    shuttle::check_pct(|| run(Chaos::Deadline), ITERATIONS, 3);
+    shuttle::check_random(|| run(Chaos::Deadline, 3, false), ITERATIONS);
+    shuttle::check_pct(|| run(Chaos::Deadline, 3, false), ITERATIONS, 3);
+}
+
+/// A one-part call whose deadline passes before its part goes out: the
+/// callee, which ignored the cancel that overtook the part, must still
+/// learn of it (a held call would otherwise run forever).
+#[test]
+fn sched_one_part_call_past_its_deadline_is_cancelled_at_the_callee() {
+    shuttle::check_random(|| run(Chaos::Deadline, 1, true), ITERATIONS);
+    shuttle::check_pct(|| run(Chaos::Deadline, 1, true), ITERATIONS, 3);
+    shuttle::check_random(|| run(Chaos::Cancel, 1, true), ITERATIONS);
 }
 
 #[test]
 fn sched_call_past_its_deadline_on_a_link_then_lost() {
-    shuttle::check_random(|| run(Chaos::DeadlineThenLoss), ITERATIONS);
-    shuttle::check_pct(|| run(Chaos::DeadlineThenLoss), ITERATIONS, 3);
+    shuttle::check_random(|| run(Chaos::DeadlineThenLoss, 3, false), ITERATIONS);
+    shuttle::check_pct(|| run(Chaos::DeadlineThenLoss, 3, false), ITERATIONS, 3);
 }
 
 #[test]
 fn sched_call_cancelled_while_parts_go_out() {
-    shuttle::check_random(|| run(Chaos::Cancel), ITERATIONS);
-    shuttle::check_pct(|| run(Chaos::Cancel), ITERATIONS, 3);
+    shuttle::check_random(|| run(Chaos::Cancel, 3, false), ITERATIONS);
+    shuttle::check_pct(|| run(Chaos::Cancel, 3, false), ITERATIONS, 3);
 }
