@@ -5,8 +5,9 @@
 //! order per direction, write doorbells apart from them (shm orders the
 //! two independently), writes complete in any order (two write threads),
 //! chunk copies in any order, callbacks one by one (`rdev-callbacks`).
-//! One seed fixes the workload and every choice, so a failing seed
-//! replays the same run.
+//! One seed fixes the workload and every choice the simulation makes (the
+//! protocol iterates std hash maps, whose random seeds can still change
+//! the order of one event's actions between runs).
 //!
 //! Workload: per step, tensors both ways (empty, small, medium, and larger
 //! than the arena, so streamed), receives posted before or after the

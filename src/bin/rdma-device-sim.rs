@@ -4,7 +4,8 @@
 //! S..S+N, each under two schedules (reordered; reordered with faults),
 //! prints every violation with the seed that replays it, and ends with
 //! `sim: N seeds, S schedules, V violations` (then the same as JSON).
-//! Exit status 1 when any violation was found. `--seed S` replays one seed.
+//! Exit status 1 when any violation was found. `--seed S` runs one seed
+//! again (same workload and choices).
 
 use std::time::Instant;
 
