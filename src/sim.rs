@@ -769,7 +769,6 @@ impl World {
                     // goes another way.
                     Err(_) => self.t.never(id),
                 }
-                let _ = t;
                 self.drain_wire(0);
             }
         }

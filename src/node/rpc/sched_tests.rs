@@ -261,16 +261,20 @@ fn run(chaos: Chaos, parts: usize, hold: bool) {
 
 const ITERATIONS: usize = 3000;
 
+/// `run` under random and PCT schedules.
+fn explore(chaos: Chaos, parts: usize, hold: bool) {
+    shuttle::check_random(move || run(chaos, parts, hold), ITERATIONS);
+    shuttle::check_pct(move || run(chaos, parts, hold), ITERATIONS, 3);
+}
+
 #[test]
 fn sched_call_while_link_is_lost() {
-    shuttle::check_random(|| run(Chaos::LoseLink, 3, false), ITERATIONS);
-    shuttle::check_pct(|| run(Chaos::LoseLink, 3, false), ITERATIONS, 3);
+    explore(Chaos::LoseLink, 3, false);
 }
 
 #[test]
 fn sched_call_past_its_deadline_while_parts_go_out() {
-    shuttle::check_random(|| run(Chaos::Deadline, 3, false), ITERATIONS);
-    shuttle::check_pct(|| run(Chaos::Deadline, 3, false), ITERATIONS, 3);
+    explore(Chaos::Deadline, 3, false);
 }
 
 /// A one-part call whose deadline passes before its part goes out: the
@@ -278,19 +282,16 @@ fn sched_call_past_its_deadline_while_parts_go_out() {
 /// learn of it (a held call would otherwise run forever).
 #[test]
 fn sched_one_part_call_past_its_deadline_is_cancelled_at_the_callee() {
-    shuttle::check_random(|| run(Chaos::Deadline, 1, true), ITERATIONS);
-    shuttle::check_pct(|| run(Chaos::Deadline, 1, true), ITERATIONS, 3);
+    explore(Chaos::Deadline, 1, true);
     shuttle::check_random(|| run(Chaos::Cancel, 1, true), ITERATIONS);
 }
 
 #[test]
 fn sched_call_past_its_deadline_on_a_link_then_lost() {
-    shuttle::check_random(|| run(Chaos::DeadlineThenLoss, 3, false), ITERATIONS);
-    shuttle::check_pct(|| run(Chaos::DeadlineThenLoss, 3, false), ITERATIONS, 3);
+    explore(Chaos::DeadlineThenLoss, 3, false);
 }
 
 #[test]
 fn sched_call_cancelled_while_parts_go_out() {
-    shuttle::check_random(|| run(Chaos::Cancel, 3, false), ITERATIONS);
-    shuttle::check_pct(|| run(Chaos::Cancel, 3, false), ITERATIONS, 3);
+    explore(Chaos::Cancel, 3, false);
 }
