@@ -36,8 +36,8 @@ struct Gated {
 }
 
 impl rdma_device::fabric::FabricEvents for Gated {
-    fn on_accept(&self, c: u64, h: &[u8]) -> rdma_device::Result<Vec<u8>> {
-        self.inner.on_accept(c, h)
+    fn on_accept(&self, c: u64, h: &[u8], _nonce: &[u8]) -> rdma_device::Result<Vec<u8>> {
+        self.inner.on_accept(c, h, _nonce)
     }
     fn on_write_imm(&self, c: u64, imm: u32) {
         let mut g = self.open.lock();

@@ -101,7 +101,7 @@ impl Rec {
 }
 
 impl FabricEvents for Rec {
-    fn on_accept(&self, conn: ConnId, hello: &[u8]) -> Result<Vec<u8>> {
+    fn on_accept(&self, conn: ConnId, hello: &[u8], _nonce: &[u8]) -> Result<Vec<u8>> {
         self.push(Ev::Accept(conn, hello.to_vec()));
         if self.refuse {
             return Err(Error::InvalidArgument("refused by test".into()));
@@ -219,6 +219,7 @@ macro_rules! verbs_conformance {
 verbs_conformance!(
     handshake,
     refused_connect,
+    nonce_per_connection,
     writes_land_before_completion,
     gather_segments,
     immediates_in_order,
@@ -522,7 +523,7 @@ fn child_receiver() {
     impl FabricEvents for Child {
         // Grants the sender the whole arena; the reply is its key (4 bytes,
         // LE), then the hello echoed.
-        fn on_accept(&self, c: ConnId, h: &[u8]) -> Result<Vec<u8>> {
+        fn on_accept(&self, c: ConnId, h: &[u8], _nonce: &[u8]) -> Result<Vec<u8>> {
             let l = self.l.lock().clone().ok_or_else(|| Error::Internal("no listener yet".into()))?;
             let key = l.grant(c, 0, self.arena.len() as u64)?.ok_or_else(|| Error::Internal("unknown connection".into()))?;
             let mut r = key.to_le_bytes().to_vec();
@@ -938,7 +939,7 @@ fn stuck_receiver_fails_the_sender_within_the_rnr_bound() {
         conn: Mutex<Option<ConnId>>,
     }
     impl FabricEvents for Stuck {
-        fn on_accept(&self, c: ConnId, _h: &[u8]) -> Result<Vec<u8>> {
+        fn on_accept(&self, c: ConnId, _h: &[u8], _nonce: &[u8]) -> Result<Vec<u8>> {
             *self.conn.lock() = Some(c);
             Ok(Vec::new())
         }
@@ -1404,7 +1405,7 @@ fn grant_that_may_not_block_registers_on_the_setup_thread() {
         rec: Arc<Rec>,
     }
     impl FabricEvents for GrantOnAccept {
-        fn on_accept(&self, c: ConnId, h: &[u8]) -> Result<Vec<u8>> {
+        fn on_accept(&self, c: ConnId, h: &[u8], _nonce: &[u8]) -> Result<Vec<u8>> {
             *self.thread.lock() = std::thread::current().name().map(str::to_string);
             let l = self.l.lock().clone().ok_or_else(|| Error::Internal("no listener yet".into()))?;
             let _lock = rdma_device::fabric::no_blocking();

@@ -92,22 +92,72 @@ fn announce_of_a_size_near_u64_max_is_refused_and_the_link_survives() {
     assert_eq!(r.recv_timeout(Duration::from_secs(10)).unwrap().unwrap().bytes(), &pattern(2, 400)[..]);
 }
 
-/// Raw shm handshake as `EVIL`: returns the socket after the accept frame
-/// (its descriptors are discarded by the plain read).
-fn raw_handshake(b_addr: &str) -> UnixStream {
+/// A raw shm connection to the task at `b_addr`, and the nonce its
+/// listener opened it with (the challenge frame).
+fn raw_connect(b_addr: &str) -> (UnixStream, Vec<u8>) {
     let port = b_addr.rsplit(':').next().unwrap();
     // SAFETY: getuid has no preconditions.
     let name = format!("rdma_device.{}.{port}", unsafe { libc::getuid() });
     let mut s = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name.as_bytes()).unwrap()).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let hello = Hello { task: EVIL.into(), incarnation: 9, target: task(1), rpc: false, proof: vec![] }.encode();
-    write_frame(&mut s, 1, &hello);
+    let (kind, nonce) = read_frame(&mut s);
+    assert_eq!(kind, 5, "expected the listener's challenge frame first");
+    assert_eq!(nonce.len(), rdma_device::fabric::NONCE_LEN);
+    (s, nonce)
+}
+
+/// One frame's kind and body (descriptors are discarded by the plain read).
+fn read_frame(s: &mut UnixStream) -> (u8, Vec<u8>) {
     let mut head = [0u8; 5];
     s.read_exact(&mut head).unwrap();
-    assert_eq!(head[4], 2, "expected the accept frame");
     let mut body = vec![0u8; u32::from_le_bytes(head[..4].try_into().unwrap()) as usize - 1];
     s.read_exact(&mut body).unwrap();
+    (head[4], body)
+}
+
+/// Raw shm handshake as `EVIL`: returns the socket after the accept frame.
+fn raw_handshake(b_addr: &str) -> UnixStream {
+    let (mut s, _) = raw_connect(b_addr);
+    let hello = Hello { task: EVIL.into(), incarnation: 9, target: task(1), rpc: false, proof: vec![] }.encode();
+    write_frame(&mut s, 1, &hello);
+    let (kind, _) = read_frame(&mut s);
+    assert_eq!(kind, 2, "expected the accept frame");
     s
+}
+
+/// Issue 30 (token): a hello that proved the cluster token on one
+/// connection is refused when replayed on another, because each proof
+/// covers the nonce the listener opened its connection with. Control: the
+/// same task signing over the new nonce is accepted.
+#[test]
+fn a_recorded_hello_is_refused_on_another_connection() {
+    let token = "s3cret";
+    let pb = free_port();
+    let b_addr = format!("localhost:{pb}");
+    let b = Node::new(rdma_device::config::Config { cluster_token: token.into(), ..small_config() }, &task(1), &b_addr).unwrap();
+    b.add_peer(&task(0), "localhost:1");
+    let hello_for = |nonce: &[u8]| {
+        let proof = rdma_device::rendezvous::proof::hello(token, &task(0), &task(1), 5, nonce);
+        Hello { task: task(0), incarnation: 5, target: task(1), rpc: false, proof }.encode()
+    };
+    // The recorded connection: accepted.
+    let (mut s1, n1) = raw_connect(&b_addr);
+    let recorded = hello_for(&n1);
+    write_frame(&mut s1, 1, &recorded);
+    assert_eq!(read_frame(&mut s1).0, 2, "the genuine hello is accepted");
+    // Its hello replayed on a new connection: refused, naming the token.
+    let (mut s2, n2) = raw_connect(&b_addr);
+    assert_ne!(n1, n2, "two connections got one nonce");
+    write_frame(&mut s2, 1, &recorded);
+    let (kind, why) = read_frame(&mut s2);
+    let why = String::from_utf8_lossy(&why).into_owned();
+    assert_eq!(kind, 3, "the replayed hello was not refused: {why}");
+    assert!(why.contains("RDMA_DEVICE_CLUSTER_TOKEN"), "{why}");
+    // A hello signed over this connection's own nonce is accepted.
+    let (mut s3, n3) = raw_connect(&b_addr);
+    write_frame(&mut s3, 1, &hello_for(&n3));
+    assert_eq!(read_frame(&mut s3).0, 2, "a hello signed over its own nonce is accepted");
+    drop((s1, s2, s3));
 }
 
 fn write_frame(s: &mut UnixStream, kind: u8, body: &[u8]) {
@@ -344,6 +394,8 @@ fn wait_until(what: &str, timeout: Duration, f: impl Fn() -> bool) {
 fn raw_sender(b_addr: &str) -> (UnixStream, *mut u8, usize) {
     use rdma_device::fabric::shm::socket;
     let s = socket::connect(&socket::socket_name(b_addr).unwrap()).unwrap();
+    let (kind, _nonce, _) = socket::recv_frame(&s).unwrap();
+    assert_eq!(kind, socket::KIND_CHALLENGE);
     let hello = Hello { task: EVIL.into(), incarnation: 5, target: task(1), rpc: false, proof: vec![] }.encode();
     socket::send_frame(&s, socket::KIND_HELLO, &hello, &[]).unwrap();
     let (kind, body, fds) = socket::recv_frame(&s).unwrap();

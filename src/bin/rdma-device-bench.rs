@@ -48,7 +48,7 @@ struct Counter {
 }
 
 impl FabricEvents for Counter {
-    fn on_accept(&self, conn: ConnId, _: &[u8]) -> Result<Vec<u8>> {
+    fn on_accept(&self, conn: ConnId, _: &[u8], _nonce: &[u8]) -> Result<Vec<u8>> {
         self.accepted.store(conn + 1, Ordering::Release);
         Ok(Vec::new())
     }

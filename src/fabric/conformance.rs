@@ -47,15 +47,18 @@ pub struct Recorder {
     /// send returned.
     on_accept_send: Mutex<Option<AcceptSends>>,
     accept_sends: Mutex<Vec<Result<()>>>,
+    /// The connection nonces seen: by `on_accept` (receiver) or
+    /// `sign_hello` (sender), in order.
+    nonces: Mutex<Vec<Vec<u8>>>,
 }
 
 impl Recorder {
     pub fn new(reply: &[u8], arena: Option<Arc<Arena>>) -> Arc<Recorder> {
-        Arc::new(Recorder { evs: Mutex::new(Vec::new()), cv: Condvar::new(), refuse: false, reply: reply.to_vec(), arena, expect: Mutex::new(Vec::new()), on_accept_send: Mutex::new(None), accept_sends: Mutex::new(Vec::new()) })
+        Arc::new(Recorder { evs: Mutex::new(Vec::new()), cv: Condvar::new(), refuse: false, reply: reply.to_vec(), arena, expect: Mutex::new(Vec::new()), on_accept_send: Mutex::new(None), accept_sends: Mutex::new(Vec::new()), nonces: Mutex::new(Vec::new()) })
     }
 
     pub fn refusing() -> Arc<Recorder> {
-        Arc::new(Recorder { evs: Mutex::new(Vec::new()), cv: Condvar::new(), refuse: true, reply: vec![], arena: None, expect: Mutex::new(Vec::new()), on_accept_send: Mutex::new(None), accept_sends: Mutex::new(Vec::new()) })
+        Arc::new(Recorder { evs: Mutex::new(Vec::new()), cv: Condvar::new(), refuse: true, reply: vec![], arena: None, expect: Mutex::new(Vec::new()), on_accept_send: Mutex::new(None), accept_sends: Mutex::new(Vec::new()), nonces: Mutex::new(Vec::new()) })
     }
 
     /// When imm `imm` arrives, the arena must hold `bytes` at `off`.
@@ -83,6 +86,11 @@ impl Recorder {
     pub fn events(&self) -> Vec<Ev> {
         self.evs.lock().clone()
     }
+
+    /// The connection nonces this recorder saw, in order.
+    pub fn nonces(&self) -> Vec<Vec<u8>> {
+        self.nonces.lock().clone()
+    }
 }
 
 fn summarize(evs: &[Ev]) -> Vec<String> {
@@ -95,7 +103,12 @@ fn summarize(evs: &[Ev]) -> Vec<String> {
 }
 
 impl FabricEvents for Recorder {
-    fn on_accept(&self, conn: ConnId, hello: &[u8]) -> Result<Vec<u8>> {
+    fn sign_hello(&self, hello: &[u8], nonce: &[u8]) -> Vec<u8> {
+        self.nonces.lock().push(nonce.to_vec());
+        hello.to_vec()
+    }
+    fn on_accept(&self, conn: ConnId, hello: &[u8], nonce: &[u8]) -> Result<Vec<u8>> {
+        self.nonces.lock().push(nonce.to_vec());
         if self.refuse {
             return Err(Error::InvalidArgument("refused by test".into()));
         }
@@ -177,6 +190,31 @@ pub fn handshake(h: &Harness) {
     assert_eq!(p.ep.remote_len(), p.arena.len() as u64);
     let evs = p.rx_events.events();
     assert!(evs.contains(&Ev::Accept(p.rx_conn, b"hello-bytes".to_vec())));
+}
+
+/// Each connection is opened by the receiver with a fresh nonce of
+/// `NONCE_LEN` random bytes, which the sender sees before its hello goes
+/// out (it signs its hello over it) and `on_accept` gets with the hello.
+pub fn nonce_per_connection(h: &Harness) {
+    let arena = Arc::new(Arena::new("conformance", 1 << 16).expect("arena"));
+    let rx = Recorder::new(b"ok", None);
+    let addr = (h.addr)();
+    let _l = h.fabric.listen(&addr, arena, rx.clone()).expect("listen");
+    let mut eps = Vec::new();
+    let mut sent = Vec::new();
+    for _ in 0..3 {
+        let tx = Recorder::new(b"", None);
+        eps.push(h.fabric.connect(&addr, b"h", tx.clone(), WAIT, true).expect("connect"));
+        let n = tx.nonces();
+        assert_eq!(n.len(), 1, "the sender signs its hello once, over the receiver's nonce");
+        sent.push(n[0].clone());
+    }
+    let got = rx.nonces();
+    assert_eq!(got, sent, "on_accept gets the nonce its connection's sender signed over");
+    for (i, n) in got.iter().enumerate() {
+        assert_eq!(n.len(), crate::fabric::NONCE_LEN);
+        assert!(got[..i].iter().all(|m| m != n), "a nonce repeated across connections: {got:?}");
+    }
 }
 
 /// A refusing receiver makes `connect` fail with a reason, not hang.
@@ -381,6 +419,7 @@ macro_rules! fabric_conformance_tests {
     ($make:expr) => {
         #[test] fn handshake() { $crate::fabric::conformance::handshake(&($make)()) }
         #[test] fn refused_connect() { $crate::fabric::conformance::refused_connect(&($make)()) }
+        #[test] fn nonce_per_connection() { $crate::fabric::conformance::nonce_per_connection(&($make)()) }
         #[test] fn writes_land_before_completion() { $crate::fabric::conformance::writes_land_before_completion(&($make)()) }
         #[test] fn gather_segments() { $crate::fabric::conformance::gather_segments(&($make)()) }
         #[test] fn immediates_in_order() { $crate::fabric::conformance::immediates_in_order(&($make)()) }

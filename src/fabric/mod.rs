@@ -29,7 +29,7 @@ use std::time::Duration;
 
 pub use arena::Arena;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 thread_local! {
     static EVENT_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -142,13 +142,46 @@ impl WriteOp for SegWrite {
 }
 
 
+/// Length of the nonce a receiver opens each connection with.
+pub const NONCE_LEN: usize = 16;
+
+/// A fresh random nonce for a connection being accepted (the kernel's
+/// random source; never a counter or the clock: a nonce must not be
+/// predictable by a peer that would pre-compute a proof).
+pub fn new_nonce() -> Result<[u8; NONCE_LEN]> {
+    let mut n = [0u8; NONCE_LEN];
+    let mut got = 0;
+    while got < NONCE_LEN {
+        // SAFETY: writes at most NONCE_LEN - got bytes into n[got..].
+        let r = unsafe { libc::getrandom(n[got..].as_mut_ptr().cast(), NONCE_LEN - got, 0) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::Internal(format!("getrandom for a connection nonce: {e}")));
+        }
+        got += r as usize;
+    }
+    Ok(n)
+}
+
 /// What a backend tells its owner. Calls come from the backend's own
 /// threads (progress / connection threads); they must not block for long.
 /// For one connection, `on_disconnect` is the last call.
 pub trait FabricEvents: Send + Sync + 'static {
-    /// A sender asks to connect with its handshake payload. Return the reply
-    /// payload to accept, or an error (sent back to the sender) to refuse.
-    fn on_accept(&self, conn: ConnId, hello: &[u8]) -> Result<Vec<u8>>;
+    /// A sender asks to connect with its handshake payload, on the
+    /// connection this listener opened with `nonce` (fresh and random for
+    /// each connection, [`NONCE_LEN`] bytes; see [`new_nonce`]). Return the
+    /// reply payload to accept, or an error (sent back to the sender) to
+    /// refuse.
+    fn on_accept(&self, conn: ConnId, hello: &[u8], nonce: &[u8]) -> Result<Vec<u8>>;
+    /// Sender side, before its hello goes out: the receiver opened this
+    /// connection with `nonce`; return the hello to send (the node proves
+    /// its cluster token over the nonce here). By default `hello` as given.
+    fn sign_hello(&self, hello: &[u8], _nonce: &[u8]) -> Vec<u8> {
+        hello.to_vec()
+    }
     /// A write with immediate `imm` from `conn` has fully landed in our arena.
     fn on_write_imm(&self, conn: ConnId, imm: u32);
     /// A control message arrived on `conn` (either side of a connection).

@@ -199,7 +199,7 @@ impl Node {
                 log::info!("{} transport not viable: {e}", f.kind().name());
                 continue;
             }
-            let events: Arc<dyn FabricEvents> = Arc::new(Events { node: Arc::downgrade(&inner), kind: f.kind() });
+            let events: Arc<dyn FabricEvents> = Arc::new(Events::new(Arc::downgrade(&inner), f.kind()));
             match f.listen(addr, inner.arena.clone(), events) {
                 Ok(l) => {
                     inner.listeners.lock().insert(f.kind(), l);
@@ -442,10 +442,35 @@ fn init_logging(cfg: &Config) {
 struct Events {
     node: Weak<Inner>,
     kind: TransportKind,
+    /// Sender side: the token proof `sign_hello` put in the hello (the
+    /// receiver's reply must answer exactly it).
+    signed: Mutex<Vec<u8>>,
+}
+
+impl Events {
+    fn new(node: Weak<Inner>, kind: TransportKind) -> Events {
+        Events { node, kind, signed: Mutex::new(Vec::new()) }
+    }
+
+    /// The proof our hello carried (empty before `sign_hello`, or without
+    /// a token).
+    fn signed(&self) -> Vec<u8> {
+        self.signed.lock().clone()
+    }
 }
 
 impl FabricEvents for Events {
-    fn on_accept(&self, conn: ConnId, hello: &[u8]) -> Result<Vec<u8>> {
+    fn sign_hello(&self, hello: &[u8], nonce: &[u8]) -> Vec<u8> {
+        let Some(n) = self.node.upgrade() else { return hello.to_vec() };
+        let token = &n.cfg.cluster_token;
+        // Our own hello, built by `ensure_tx`: it decodes.
+        let Ok(mut h) = Hello::decode(hello) else { return hello.to_vec() };
+        h.proof = rendezvous::proof::hello(token, &h.task, &h.target, h.incarnation, nonce);
+        *self.signed.lock() = h.proof.clone();
+        h.encode()
+    }
+
+    fn on_accept(&self, conn: ConnId, hello: &[u8], nonce: &[u8]) -> Result<Vec<u8>> {
         let n = self.node.upgrade().ok_or_else(|| Error::Aborted("transport shut down".into()))?;
         {
             let mut r = n.ready.0.lock();
@@ -458,7 +483,7 @@ impl FabricEvents for Events {
         }
         let h = Hello::decode(hello)?;
         // Before anything about the peer is believed: a stranger stops here.
-        rendezvous::proof::check_hello(&n.cfg.cluster_token, &h.task, &h.target, h.incarnation, &h.proof)?;
+        rendezvous::proof::check_hello(&n.cfg.cluster_token, &h.task, &h.target, h.incarnation, nonce, &h.proof)?;
         if !h.target.is_empty() && h.target != n.task {
             // The sender knows this address under another name (a renamed
             // job after ClusterSpec propagation, a stale cluster): it is

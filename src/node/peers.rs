@@ -156,9 +156,11 @@ impl Inner {
             .find(|f| f.kind() == kind)
             .ok_or_else(|| Error::Internal(format!("{} backend missing", kind.name())))?;
         let token = &self.cfg.cluster_token;
-        let my_proof = crate::rendezvous::proof::hello(token, &self.task, peer, self.incarnation);
-        let hello = Hello { task: self.task.clone(), incarnation: self.incarnation, target: peer.to_string(), rpc: self.cfg.rpc_mode, proof: my_proof.clone() }.encode();
-        let events: Arc<dyn FabricEvents> = Arc::new(Events { node: self.me.clone(), kind });
+        // The proof is added by `Events::sign_hello`, over the receiver's
+        // nonce for this connection.
+        let hello = Hello { task: self.task.clone(), incarnation: self.incarnation, target: peer.to_string(), rpc: self.cfg.rpc_mode, proof: Vec::new() }.encode();
+        let signer = Arc::new(Events::new(self.me.clone(), kind));
+        let events: Arc<dyn FabricEvents> = signer.clone();
         // A peer we were connected to and lost gets a short grace: if it has
         // restarted we reach its new life; if it is dead we fail soon rather
         // than after the start-up grace period.
@@ -175,7 +177,7 @@ impl Inner {
         };
         let connected = f.connect(&addr, &hello, events, timeout, lost).and_then(|ep| match Hello::decode(ep.peer_hello()) {
             Ok(reply) if reply.task == peer && reply.rpc == self.cfg.rpc_mode => {
-                match crate::rendezvous::proof::check_reply(token, &reply.task, &my_proof, &reply.proof) {
+                match crate::rendezvous::proof::check_reply(token, &reply.task, &signer.signed(), &reply.proof) {
                     Ok(()) => Ok(ep),
                     Err(e) => {
                         ep.close();

@@ -14,7 +14,7 @@ use parking_lot::Mutex;
 use super::copy::CopyPool;
 use super::outbox::{self, Backlog, Flushed, Outbox};
 use super::ring::{Doorbell, Ring};
-use super::socket::{self, KIND_ACCEPT, KIND_HELLO, KIND_MSG, KIND_REFUSE};
+use super::socket::{self, KIND_ACCEPT, KIND_CHALLENGE, KIND_HELLO, KIND_MSG, KIND_REFUSE};
 use crate::constants::CONTROL_SEND_TIMEOUT_MS;
 use crate::error::{Error, Result};
 
@@ -175,19 +175,26 @@ impl ShmEndpoint {
             Error::PeerLost(m) => Error::PeerLost(format!("shm handshake with {remote}: the listener closed the connection before answering ({m})")),
             e => e.context(&format!("shm handshake with {remote}")),
         };
-        socket::send_frame(&stream, KIND_HELLO, hello, &[]).map_err(gone)?;
+        let refused = |body: &[u8]| Error::NotViable(format!("{remote} refused the shm connection: {}", String::from_utf8_lossy(body)));
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+        stream.set_read_timeout(Some(left))?;
+        // The listener opens with its nonce for this connection; the hello
+        // is signed over it (`FabricEvents::sign_hello`).
+        let (kind, nonce, _) = socket::recv_frame(&stream).map_err(gone)?;
+        match kind {
+            KIND_CHALLENGE if nonce.len() == crate::fabric::NONCE_LEN => {}
+            KIND_REFUSE => return Err(refused(&nonce)),
+            k => return Err(Error::Protocol(format!("shm handshake with {remote}: expected the listener's nonce, got frame kind {k} of {} bytes", nonce.len()))),
+        }
+        let hello = events.sign_hello(hello, &nonce);
+        socket::send_frame(&stream, KIND_HELLO, &hello, &[]).map_err(gone)?;
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
         stream.set_read_timeout(Some(left))?;
         let (kind, body, mut fds) = socket::recv_frame(&stream).map_err(gone)?;
         stream.set_read_timeout(None)?;
         match kind {
             KIND_ACCEPT => {}
-            KIND_REFUSE => {
-                return Err(Error::NotViable(format!(
-                    "{remote} refused the shm connection: {}",
-                    String::from_utf8_lossy(&body)
-                )))
-            }
+            KIND_REFUSE => return Err(refused(&body)),
             k => return Err(Error::Protocol(format!("shm handshake with {remote}: unexpected frame kind {k}"))),
         }
         if body.len() < 8 || fds.len() != 3 {

@@ -13,7 +13,7 @@ use parking_lot::{Mutex, RwLock};
 
 use super::outbox::Outbox;
 use super::ring::{Doorbell, Ring};
-use super::socket::{self, KIND_ACCEPT, KIND_HELLO, KIND_MSG, KIND_REFUSE};
+use super::socket::{self, KIND_ACCEPT, KIND_CHALLENGE, KIND_HELLO, KIND_MSG, KIND_REFUSE};
 use crate::constants::CONTROL_SEND_TIMEOUT_MS;
 use crate::error::{Error, Result};
 use crate::fabric::arena::Window;
@@ -227,6 +227,10 @@ fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<R
         let _ = socket::send_frame(&stream, KIND_REFUSE, msg.as_bytes(), &[]);
         return Err(Error::InvalidArgument(msg));
     }
+    // The connection's nonce first: the sender's token proof must cover
+    // it, so a hello recorded on another connection proves nothing here.
+    let nonce = crate::fabric::new_nonce()?;
+    socket::send_frame(&stream, KIND_CHALLENGE, &nonce, &[])?;
     stream.set_read_timeout(Some(HELLO_TIMEOUT))?;
     let (kind, hello, _) = socket::recv_frame(&stream)?;
     if inner.stop.load(Ordering::SeqCst) {
@@ -251,7 +255,7 @@ fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<R
     };
     let outbox = Outbox::new(&stream, Duration::from_millis(CONTROL_SEND_TIMEOUT_MS), true)?;
     inner.accepting.lock().insert(id, outbox.clone());
-    let reply = match inner.events.on_accept(id, &hello) {
+    let reply = match inner.events.on_accept(id, &hello, &nonce) {
         Ok(r) => r,
         Err(e) => {
             inner.accepting.lock().remove(&id);

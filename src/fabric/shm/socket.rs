@@ -17,6 +17,8 @@ pub const KIND_HELLO: u8 = 1;
 pub const KIND_ACCEPT: u8 = 2;
 pub const KIND_REFUSE: u8 = 3;
 pub const KIND_MSG: u8 = 4;
+/// The listener's first frame on a connection: its nonce for the hello.
+pub const KIND_CHALLENGE: u8 = 5;
 
 /// Largest frame body: a control message plus a little framing.
 pub const MAX_FRAME: usize = MAX_MSG_BYTES + 64;

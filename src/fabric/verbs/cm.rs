@@ -328,6 +328,9 @@ pub struct AcceptData {
     pub mtu: u32,
     pub recv_depth: u32,
     pub slot: u32,
+    /// The receiver's nonce for this connection: the sender's hello is
+    /// signed over it (`FabricEvents::sign_hello`).
+    pub nonce: [u8; crate::fabric::NONCE_LEN],
 }
 
 fn u32_at(b: &[u8], at: usize) -> Option<u32> {
@@ -364,7 +367,7 @@ impl ConnectData {
 }
 
 impl AcceptData {
-    pub const LEN: usize = 36;
+    pub const LEN: usize = 36 + crate::fabric::NONCE_LEN;
 
     pub fn encode(&self) -> [u8; Self::LEN] {
         let mut b = [0u8; Self::LEN];
@@ -375,6 +378,7 @@ impl AcceptData {
         b[24..28].copy_from_slice(&self.mtu.to_le_bytes());
         b[28..32].copy_from_slice(&self.recv_depth.to_le_bytes());
         b[32..36].copy_from_slice(&self.slot.to_le_bytes());
+        b[36..].copy_from_slice(&self.nonce);
         b
     }
 
@@ -390,6 +394,7 @@ impl AcceptData {
             mtu: u32_at(b, 24).ok_or_else(bad)?,
             recv_depth: u32_at(b, 28).ok_or_else(bad)?,
             slot: u32_at(b, 32).ok_or_else(bad)?,
+            nonce: b.get(36..Self::LEN).and_then(|n| n.try_into().ok()).ok_or_else(bad)?,
         })
     }
 }
@@ -459,10 +464,11 @@ mod tests {
     fn private_data_round_trips() {
         let c = ConnectData { mtu: 1024, recv_depth: 32, slot: 4096 };
         assert_eq!(ConnectData::decode(&c.encode()).unwrap(), c);
-        let a = AcceptData { arena_addr: 0x7f00_0000_1000, arena_rkey: 77, arena_len: 1 << 30, mtu: 4096, recv_depth: 32, slot: 4096 };
+        let a = AcceptData { arena_addr: 0x7f00_0000_1000, arena_rkey: 77, arena_len: 1 << 30, mtu: 4096, recv_depth: 32, slot: 4096, nonce: [9; 16] };
         assert_eq!(AcceptData::decode(&a.encode()).unwrap(), a);
         assert!(ConnectData::decode(&[0u8; 16]).is_err());
         assert!(AcceptData::decode(&a.encode()[..20]).is_err());
+        assert!(AcceptData::decode(&a.encode()[..AcceptData::LEN - 1]).is_err(), "an accept without its whole nonce");
         const { assert!(ConnectData::LEN <= 56 && AcceptData::LEN <= 196) };
     }
 

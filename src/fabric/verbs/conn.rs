@@ -180,6 +180,9 @@ pub(crate) struct Inner {
     pub arena: Option<Arc<ArenaReg>>,
     pub remote: Option<AcceptData>,
     pub peer_hello: Vec<u8>,
+    /// Passive side: the nonce this connection was accepted with (goes to
+    /// `on_accept` with the sender's hello).
+    pub nonce: [u8; crate::fabric::NONCE_LEN],
     /// Active side: the hello to send once established.
     pub hello: Vec<u8>,
     /// Active side: how `connect` ends.
@@ -262,6 +265,7 @@ impl Conn {
                 arena: None,
                 remote: None,
                 peer_hello: Vec::new(),
+                nonce: [0; crate::fabric::NONCE_LEN],
                 hello: Vec::new(),
                 result: None,
                 owes_disconnect: false,

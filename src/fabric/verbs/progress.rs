@@ -284,7 +284,8 @@ pub(crate) fn run_actions(sh: &Arc<Shared>, c: &Arc<Conn>, acts: Vec<Action>) {
 /// back. On `rdev-verbs-setup` (handed over by the progress thread).
 fn accept_hello(sh: &Arc<Shared>, c: &Arc<Conn>, hello: Vec<u8>) {
     let mut accepted = false;
-    let r = match c.events.on_accept(c.id, &hello) {
+    let nonce = c.inner.lock().nonce;
+    let r = match c.events.on_accept(c.id, &hello, &nonce) {
         Ok(reply) => {
             accepted = true;
             c.accept_ok(reply)

@@ -188,10 +188,13 @@ fn established(sh: &Arc<Shared>, c: &Arc<Conn>, ev: &cm::Event) -> Result<()> {
             acc.mtu,
             acc.arena_len
         );
+        let nonce = acc.nonce;
         inner.remote = Some(acc);
         inner.phase = Phase::Handshake;
-        std::mem::take(&mut inner.hello)
+        (std::mem::take(&mut inner.hello), nonce)
     };
+    // Signed over the receiver's nonce, outside the connection's lock.
+    let hello = c.events.sign_hello(&hello.0, &hello.1);
     let acts = c.send_msg(conn::MSG_HELLO, hello)?;
     run_actions(sh, c, acts);
     Ok(())
@@ -264,7 +267,11 @@ fn passive_accept(sh: &Arc<Shared>, c: &Arc<Conn>, lst: &Arc<super::ListenerShar
     // The arena's address and key go out only with the answer to the
     // sender's hello, once the node accepted it (`Conn::accept_ok`):
     // a peer that is refused never learns where or how to write.
+    // This connection's nonce: the sender's hello must be signed over it.
+    let nonce = crate::fabric::new_nonce()?;
+    inner.nonce = nonce;
     let acc = AcceptData {
+        nonce,
         arena_addr: 0,
         arena_rkey: 0,
         arena_len: areg.len,
