@@ -432,6 +432,119 @@ fn listener_shutdown_fails_pending_and_disconnects() {
     assert!(write_sync(&*ep, key, 0, vec![Box::new(vec![0u8; 10])], 0).is_err());
 }
 
+/// A sender whose hello is held back: `sign_hello` (on the sender's own
+/// progress thread) waits until released or `hold` passes, as a peer that
+/// connects and then says nothing.
+struct HeldHello {
+    rec: Arc<Rec>,
+    hold: Duration,
+    release: Mutex<bool>,
+    cv: Condvar,
+    signing: std::sync::atomic::AtomicBool,
+}
+
+impl HeldHello {
+    fn new(hold: Duration) -> Arc<HeldHello> {
+        Arc::new(HeldHello { rec: Rec::new(false), hold, release: Mutex::new(false), cv: Condvar::new(), signing: Default::default() })
+    }
+    fn release(&self) {
+        *self.release.lock() = true;
+        self.cv.notify_all();
+    }
+}
+
+impl FabricEvents for HeldHello {
+    fn sign_hello(&self, hello: &[u8], _nonce: &[u8]) -> Vec<u8> {
+        self.signing.store(true, std::sync::atomic::Ordering::SeqCst);
+        let deadline = Instant::now() + self.hold;
+        let mut r = self.release.lock();
+        while !*r && !self.cv.wait_until(&mut r, deadline).timed_out() {}
+        hello.to_vec()
+    }
+    fn on_accept(&self, c: ConnId, h: &[u8], n: &[u8]) -> Result<Vec<u8>> {
+        self.rec.on_accept(c, h, n)
+    }
+    fn on_write_imm(&self, c: ConnId, imm: u32) {
+        self.rec.on_write_imm(c, imm)
+    }
+    fn on_message(&self, c: ConnId, m: &[u8]) {
+        self.rec.on_message(c, m)
+    }
+    fn on_disconnect(&self, c: ConnId, why: Error) {
+        self.rec.on_disconnect(c, why)
+    }
+}
+
+fn wait_until(what: &str, timeout: Duration, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Issue 30 (M2): a peer that connects and never says hello is closed at
+/// the receiver's hello deadline; it holds no QP or buffers after it, and
+/// its (late) hello is not accepted.
+#[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
+fn a_silent_sender_is_closed_at_the_hello_deadline() {
+    let Some(f) = fabric_with(VerbsOptions { hello_timeout: Duration::from_millis(500), ..VerbsOptions::default() }) else { return };
+    // The silent peer runs its own fabric (its own progress thread, which
+    // its held hello blocks).
+    let evil = fabric().expect("selected");
+    let arena = Arc::new(Arena::new("verbs-hello-deadline", 1 << 20).unwrap());
+    let rx = Rec::new(false);
+    let l = f.listen(&format!("{}:0", local_ip(&f)), arena, rx.clone()).unwrap();
+    let held = HeldHello::new(Duration::from_secs(4));
+    let addr = l.local_addr();
+    let (h2, ev) = (held.clone(), evil.clone());
+    let t0 = Instant::now();
+    let connecting = std::thread::spawn(move || ev.connect(&addr, b"late", h2, Duration::from_secs(20), true).map(|_| ()));
+    wait_until("the silent sender's connection to be in the handshake", Duration::from_secs(20), || f.handshakes_in_progress().0 == 1);
+    wait_until("the receiver to close it", Duration::from_secs(5), || f.handshakes_in_progress() == (0, 0));
+    let closed_after = t0.elapsed();
+    held.release();
+    let r = connecting.join().unwrap();
+    assert!(r.is_err(), "a hello sent after the deadline was accepted");
+    assert!(rx.evs.lock().iter().all(|e| !matches!(e, Ev::Accept(..))), "the late hello reached on_accept");
+    assert!(closed_after < Duration::from_secs(4), "closed after {closed_after:?}");
+    println!("silent sender closed {closed_after:?} after connecting (deadline 500 ms): {}", r.unwrap_err());
+    l.shutdown();
+}
+
+/// Issue 30 (M2): at most `max_handshakes` incoming connections are brought
+/// up before their hello; the next connect request waits, holding no QP,
+/// and is brought up (and accepted) as soon as one finishes.
+#[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
+fn connections_beyond_the_handshake_cap_wait_for_room() {
+    let Some(f) = fabric_with(VerbsOptions { max_handshakes: 1, ..VerbsOptions::default() }) else { return };
+    let (slow, fast) = (fabric().expect("selected"), fabric().expect("selected"));
+    let arena = Arc::new(Arena::new("verbs-handshake-cap", 1 << 20).unwrap());
+    let rx = Rec::new(false);
+    let l = f.listen(&format!("{}:0", local_ip(&f)), arena, rx.clone()).unwrap();
+    let held = HeldHello::new(Duration::from_secs(8));
+    let (a1, h1) = (l.local_addr(), held.clone());
+    let first = std::thread::spawn(move || slow.connect(&a1, b"first", h1, Duration::from_secs(20), true).map(|ep| ep.id()));
+    wait_until("the first sender to hold its hello", Duration::from_secs(20), || held.signing.load(std::sync::atomic::Ordering::SeqCst));
+    assert_eq!(f.handshakes_in_progress(), (1, 0));
+    let a2 = l.local_addr();
+    let second = std::thread::spawn(move || fast.connect(&a2, b"second", Rec::new(false), Duration::from_secs(20), true).map(|ep| ep.id()));
+    wait_until("the second request to wait", Duration::from_secs(10), || f.handshakes_in_progress() == (1, 1));
+    // It stays waiting while the first holds the only place.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(f.handshakes_in_progress(), (1, 1), "the second connection was brought up beyond the cap");
+    assert!(rx.evs.lock().iter().all(|e| !matches!(e, Ev::Accept(..))));
+    held.release();
+    first.join().unwrap().expect("the first connection is accepted once its hello comes");
+    second.join().unwrap().expect("the waiting connection is brought up and accepted");
+    assert_eq!(f.handshakes_in_progress(), (0, 0));
+    let hellos: Vec<Vec<u8>> = rx.evs.lock().iter().filter_map(|e| if let Ev::Accept(_, h) = e { Some(h.clone()) } else { None }).collect();
+    assert_eq!(hellos, vec![b"first".to_vec(), b"second".to_vec()]);
+    l.shutdown();
+}
+
 // ---- Transport choice and the whole protocol over verbs (node level) --
 
 /// A peer on another host gets verbs when the device is viable; without a

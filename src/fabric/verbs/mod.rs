@@ -231,6 +231,13 @@ pub struct VerbsOptions {
     /// them (see `mw`); off: every sender writes through the arena's one
     /// shared region (what a device without windows gets anyway).
     pub memory_windows: bool,
+    /// How long an incoming connection may take from its connect request
+    /// to being accepted (its hello sent and checked) before it is closed.
+    pub hello_timeout: Duration,
+    /// Incoming connections brought up (a QP and registered buffers each)
+    /// and not yet accepted, at most; further requests wait for room
+    /// holding nothing but their rdma_cm id (see `progress::handshakes`).
+    pub max_handshakes: usize,
 }
 
 impl Default for VerbsOptions {
@@ -254,9 +261,16 @@ impl Default for VerbsOptions {
             tos: None,
             srq_depth: SRQ_DEPTH,
             memory_windows: true,
+            hello_timeout: HELLO_TIMEOUT,
+            max_handshakes: MAX_HANDSHAKES,
         }
     }
 }
+
+/// Default [`VerbsOptions::hello_timeout`] (as shm's listener).
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default [`VerbsOptions::max_handshakes`].
+pub const MAX_HANDSHAKES: usize = 64;
 
 impl VerbsOptions {
     /// The options the `RDMA_DEVICE_VERBS_*` (and spin) settings ask for.
@@ -361,6 +375,13 @@ impl VerbsFabric {
     #[doc(hidden)]
     pub fn mr_cache_usage(&self) -> Vec<(usize, u64)> {
         self.rt.get().and_then(|r| r.as_ref().ok()).map(|r| r.shared.mr_cache_usage()).unwrap_or_default()
+    }
+
+    /// (incoming connections in the handshake, connect requests waiting
+    /// for room) (tests and diagnostics).
+    #[doc(hidden)]
+    pub fn handshakes_in_progress(&self) -> (usize, usize) {
+        self.rt.get().and_then(|r| r.as_ref().ok()).map(|r| r.shared.handshakes.lock().counts()).unwrap_or_default()
     }
 
     /// What was found at start (for diagnostics and the bench).

@@ -23,6 +23,7 @@ use super::hca::Device;
 use super::{wr, VerbsOptions};
 
 mod events;
+mod handshakes;
 mod listeners;
 pub(crate) mod worker;
 pub(crate) use listeners::ListenerShared;
@@ -36,6 +37,8 @@ pub(crate) const LISTENER_BIT: u64 = 1 << 63;
 pub(crate) enum Request {
     Kill(ConnId, Error),
     CloseListener(u64),
+    /// An incoming handshake ended: admit the next waiting one.
+    Tend,
 }
 
 pub(crate) struct Shared {
@@ -49,6 +52,9 @@ pub(crate) struct Shared {
     wake: OwnedFd,
     stop: AtomicBool,
     thread: Mutex<Option<std::thread::ThreadId>>,
+    /// Incoming connections in the handshake, and requests waiting for
+    /// room (see `handshakes`).
+    pub handshakes: Mutex<handshakes::Handshakes>,
 }
 
 pub(crate) struct Runtime {
@@ -76,6 +82,7 @@ impl Runtime {
             wake: unsafe { OwnedFd::from_raw_fd(fd) },
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
+            handshakes: Default::default(),
         });
         let sh = shared.clone();
         let thread = std::thread::Builder::new()
@@ -288,6 +295,7 @@ fn accept_hello(sh: &Arc<Shared>, c: &Arc<Conn>, hello: Vec<u8>) {
     let r = match c.events.on_accept(c.id, &hello, &nonce) {
         Ok(reply) => {
             accepted = true;
+            handshakes::done(sh, c.id);
             c.accept_ok(reply)
         }
         Err(e) => {
@@ -322,6 +330,7 @@ pub(crate) fn kill(sh: &Arc<Shared>, c: &Arc<Conn>, why: Error) {
     }
     sh.conns.lock().remove(&c.id);
     if c.role == Role::Passive {
+        handshakes::done(sh, c.id);
         if let Some(l) = sh.listeners.lock().get(&c.listener) {
             l.conns.lock().remove(&c.id);
         }
@@ -376,6 +385,7 @@ fn run(sh: &Arc<Shared>) {
     let mut busy_at = Instant::now();
     let mut cm_at = Instant::now();
     let mut cm_due = true;
+    let mut tended_at: Option<Instant> = None;
     loop {
         if sh.stop.load(Ordering::SeqCst) {
             kill_all(sh, &Error::Aborted("verbs fabric shut down".into()));
@@ -391,7 +401,12 @@ fn run(sh: &Arc<Shared>) {
                     }
                 }
                 Request::CloseListener(t) => close_listener(sh, t),
+                Request::Tend => tended_at = None,
             }
+        }
+        if !matches!(tended_at, Some(t) if t.elapsed() < handshakes::TEND_EVERY) {
+            handshakes::tend(sh);
+            tended_at = Some(Instant::now());
         }
         if cm_due || cm_at.elapsed() >= CM_CHECK_EVERY {
             if cm_due || fd_readable(sh.channel.fd()) {
@@ -439,8 +454,10 @@ fn run(sh: &Arc<Shared>) {
             libc::pollfd { fd: sh.channel.fd(), events: libc::POLLIN, revents: 0 },
         ];
         fds.extend(devs.iter().map(|d| libc::pollfd { fd: d.channel.fd(), events: libc::POLLIN, revents: 0 }));
+        // Handshakes in progress have deadlines (`handshakes::tend`).
+        let wait_ms = if sh.handshakes.lock().counts() == (0, 0) { 1000 } else { handshakes::TEND_EVERY.as_millis() as i32 };
         // SAFETY: fds is a valid array of pollfd; bounded wait.
-        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 1000) };
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms) };
         cm_due = fds[1].revents != 0;
         let mut buf = 0u64;
         // SAFETY: reading 8 bytes into a u64 from our non-blocking eventfd.

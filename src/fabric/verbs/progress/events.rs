@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use rdma_sys::*;
 
-use super::{kill, run_actions, Shared, LISTENER_BIT};
+use super::{handshakes, kill, run_actions, Shared, LISTENER_BIT};
 use crate::error::{Error, Result};
 use crate::fabric::verbs::cm::{self, AcceptData, CmId, ConnectData};
 use crate::fabric::verbs::conn::{self, Conn, Phase, Role};
@@ -200,7 +200,7 @@ fn established(sh: &Arc<Shared>, c: &Arc<Conn>, ev: &cm::Event) -> Result<()> {
     Ok(())
 }
 
-fn reject(raw: *mut rdma_cm_id, why: &Error) {
+pub(super) fn reject(raw: *mut rdma_cm_id, why: &Error) {
     let mut body = conn::encode_refusal(why);
     body.truncate(140);
     let mut pd = cm::MAGIC.to_le_bytes().to_vec();
@@ -219,6 +219,20 @@ fn on_connect_request(sh: &Arc<Shared>, ev: cm::Event) {
         reject(cmid.raw, &Error::NotViable("listener is closed".into()));
         return;
     };
+    let deadline = std::time::Instant::now() + sh.opts.hello_timeout;
+    let w = handshakes::Waiting { id, cm: cmid, listener: lst, private: ev.private.clone(), rr: (ev.responder_resources, ev.initiator_depth), deadline };
+    handshakes::admit(sh, w);
+}
+
+/// Bring up an admitted connect request (see `handshakes`): into the
+/// tables, then QP, buffers and accept on the setup thread.
+pub(super) fn bring_up(sh: &Arc<Shared>, w: handshakes::Waiting) {
+    let handshakes::Waiting { id, cm: cmid, listener: lst, private, rr, .. } = w;
+    if sh.listeners.lock().get(&lst.token).is_none() {
+        reject(cmid.raw, &Error::NotViable("listener is closed".into()));
+        handshakes::done(sh, id);
+        return;
+    }
     let c = Arc::new(Conn::new(id, Role::Passive, lst.events.clone(), lst.token, sh.sizing(Role::Passive)));
     // The id moves into the conn, and the conn into the tables, first:
     // every failure (and a listener closing meanwhile) then leaves it to
@@ -226,8 +240,7 @@ fn on_connect_request(sh: &Arc<Shared>, ev: cm::Event) {
     c.inner.lock().cm = Some(cmid);
     sh.conns.lock().insert(id, c.clone());
     lst.conns.lock().insert(id);
-    let (sh, rr) = (sh.clone(), (ev.responder_resources, ev.initiator_depth));
-    let private = ev.private.clone();
+    let sh = sh.clone();
     super::worker::spawn(move || {
         if let Err(e) = passive_accept(&sh, &c, &lst, &private, rr) {
             log::warn!("verbs: refusing a connection at {}: {e}", lst.addr);
