@@ -204,11 +204,16 @@ impl Complete<Result<()>> for SendCb {
     }
 }
 
+/// Calls served and not yet answered: (handle, body).
+type Pending = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
+/// Receives completed: (node, key, step, outcome).
+type Got = Arc<Mutex<Vec<(usize, String, u64, Result<Received>)>>>;
+
 struct RecvCb {
     id: u64,
     t: Arc<Tracker>,
     v: Violations,
-    got: Arc<Mutex<Vec<(usize, String, u64, Result<Received>)>>>,
+    got: Got,
     node: usize,
     key: String,
     step: u64,
@@ -265,7 +270,7 @@ impl Wire for SimWire {
 struct Echo {
     v: Violations,
     /// (handle, body) of calls to answer (the world answers them later).
-    pending: Arc<Mutex<Vec<(u64, Vec<u8>)>>>,
+    pending: Pending,
 }
 
 fn call_body(id: u64, len: usize) -> Vec<u8> {
@@ -332,7 +337,7 @@ struct Node {
     incarnation: u64,
     rpc: Arc<Rpc>,
     wire: Arc<SimWire>,
-    echo_pending: Arc<Mutex<Vec<(u64, Vec<u8>)>>>,
+    echo_pending: Pending,
     /// Received tensors lent to the user: (key, step, what arrived).
     held: Vec<(usize, String, u64, Received)>,
 }
@@ -373,7 +378,7 @@ struct World {
     /// Callbacks for `rdev-callbacks`, by task.
     later: VecDeque<(usize, Box<dyn FnOnce() + Send>)>,
     ops: VecDeque<Op>,
-    got: Arc<Mutex<Vec<(usize, String, u64, Result<Received>)>>>,
+    got: Got,
     calls: Vec<u64>,
     counts: Arc<Mutex<Counts>>,
     events: u64,

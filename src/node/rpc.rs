@@ -88,6 +88,10 @@ pub const INLINE_METHODS: u32 = 64;
 
 /// TensorFlow's status codes the transport produces itself.
 pub const CODE_CANCELLED: u32 = 1;
+pub const CODE_UNKNOWN: u32 = 2;
+pub const CODE_INTERNAL: u32 = 13;
+/// The largest status code TensorFlow knows (UNAUTHENTICATED).
+pub const CODE_MAX: u32 = 16;
 pub const CODE_DEADLINE_EXCEEDED: u32 = 4;
 pub const CODE_UNIMPLEMENTED: u32 = 12;
 pub const CODE_UNAVAILABLE: u32 = 14;
@@ -223,6 +227,7 @@ impl Rpc {
     /// (its first part not sent), a reply, `cancel`, `expire`, `link_lost`
     /// or `fail_all`. Only when this function removed it before any part
     /// left may it return `Err`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn call(&self, w: &dyn Wire, peer: &str, method: u32, body: &[u8], timeout: Option<Duration>, inline: bool, done: CallDone) -> Result<u64> {
         let Some(link) = w.call_link(peer) else {
             return Err(Error::NotViable(format!("no connection with {peer} yet")));
@@ -234,6 +239,22 @@ impl Rpc {
         let id = self.new_id();
         let deadline = timeout.map(|t| Instant::now() + t);
         self.out.lock().insert(id, Outgoing { link, done, inline, deadline, reply: Vec::new(), reply_parts: 0 });
+        // From here `done` is registered: a panic must not unwind past this
+        // function with it there (the caller would take the error as "not
+        // started", free what `done` uses and go another way).
+        let sent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.send_parts(w, peer, link, id, method, body)));
+        sent.unwrap_or_else(|_| {
+            let why = format!("{}: a call to {peer} failed as it started (a panic in the transport; see the log)", w.task());
+            log::error!("{why}");
+            if let Some(o) = self.out.lock().remove(&id) {
+                w.later(Box::new(move || (o.done)(CODE_INTERNAL, why.into_bytes())));
+            }
+            Ok(id)
+        })
+    }
+
+    /// `call`'s parts, once registered as `id` (see `call`).
+    fn send_parts(&self, w: &dyn Wire, peer: &str, link: ConnId, id: u64, method: u32, body: &[u8]) -> Result<u64> {
         let mut parts = body.chunks(CALL_PART_BYTES).peekable();
         let mut index = 0usize;
         loop {
@@ -405,6 +426,11 @@ impl Rpc {
         if part != o.reply_parts {
             return Err(Error::Protocol(format!("reply to call {id}: part {part} where part {} was due", o.reply_parts)));
         }
+        if more && body.len() != CALL_PART_BYTES {
+            return Err(Error::Protocol(format!("reply to call {id}: part {part} of {} bytes before its last (parts are {CALL_PART_BYTES})", body.len())));
+        }
+        // The peer's code: one TensorFlow does not know is UNKNOWN.
+        let code = if code > CODE_MAX { CODE_UNKNOWN } else { code };
         if o.reply.len() + body.len() > MAX_CALL_BYTES || o.reply.try_reserve(body.len()).is_err() {
             return Err(Error::Protocol(format!("reply to call {id} larger than {MAX_CALL_BYTES} bytes")));
         }
@@ -492,10 +518,10 @@ impl Served {
     fn remove(&mut self, handle: u64) -> Option<Incoming> {
         let c = self.calls.remove(&handle)?;
         self.by_key.remove(&(c.link, c.id));
-        self.partial = self.partial.saturating_sub(c.body.len());
+        self.partial = self.partial.saturating_sub(c.body.capacity());
         if let Some(l) = self.links.get_mut(&c.link) {
             l.open = l.open.saturating_sub(1);
-            l.partial = l.partial.saturating_sub(c.body.len());
+            l.partial = l.partial.saturating_sub(c.body.capacity());
         }
         Some(c)
     }
@@ -531,32 +557,46 @@ impl Served {
         if c.started || c.method != method || c.parts != part {
             return Err(Error::Protocol(format!("call {id}: part {part} out of order, after its last, or of another method")));
         }
-        if c.body.len() + body.len() > MAX_CALL_BYTES {
+        if more && body.len() != CALL_PART_BYTES {
+            // `call` cuts every part but the last at CALL_PART_BYTES: short
+            // ones would let a peer hold a call open for ever (each part
+            // restarts the stall clock) within the caps.
+            return Err(Error::Protocol(format!("call {id}: part {part} of {} bytes before its last (parts are {CALL_PART_BYTES})", body.len())));
+        }
+        let len = c.body.len();
+        if len + body.len() > MAX_CALL_BYTES {
             return Err(Error::Protocol(format!("call {id}: body larger than {MAX_CALL_BYTES} bytes")));
         }
+        // What a call holds is its buffer's capacity, which grows by
+        // doubling (capped at the largest call): that is what is charged.
+        let have = c.body.capacity();
+        let grow_to = if len + body.len() <= have { have } else { (len + body.len()).max(have.saturating_mul(2).min(MAX_CALL_BYTES)) };
+        let charge = grow_to - have;
         let lc = self.links.entry(link).or_default();
         let (link_cap, node_cap) = self.caps;
-        if lc.partial + body.len() > link_cap || self.partial + body.len() > node_cap {
+        if charge > 0 && (lc.partial.saturating_add(charge) > link_cap || self.partial.saturating_add(charge) > node_cap) {
             return Err(Error::ResourceExhausted(format!(
                 "call {id}: calls still arriving would hold more than {link_cap} bytes from this connection \
                  or {node_cap} from all ({} and {} now)",
                 lc.partial, self.partial
             )));
         }
-        if c.body.try_reserve(body.len()).is_err() {
+        if c.body.try_reserve_exact(grow_to - len).is_err() {
             return Err(Error::ResourceExhausted(format!("call {id}: no memory for {} more bytes", body.len())));
         }
+        // The allocator may give more than asked: charge what it gave.
+        let charge = c.body.capacity() - have;
         c.body.extend_from_slice(&body);
         c.parts += 1;
         c.last_part = Instant::now();
+        lc.partial += charge;
+        self.partial += charge;
         if more {
-            lc.partial += body.len();
-            self.partial += body.len();
             return Ok(None);
         }
         c.started = true;
         let whole = std::mem::take(&mut c.body);
-        let held = whole.len() - body.len();
+        let held = whole.capacity();
         lc.partial = lc.partial.saturating_sub(held);
         self.partial = self.partial.saturating_sub(held);
         Ok(Some(Whole { handle, method, body: whole }))
@@ -648,25 +688,146 @@ mod tests {
     /// back), and one that stops arriving is found by the keepalive.
     #[test]
     fn calls_still_arriving_are_capped_per_link_and_per_node_and_expire() {
-        let mut s = Served { caps: (100, 150), ..Served::default() };
-        assert!(part(&mut s, 1, 1, 0, true, 60).unwrap().is_none());
-        assert!(part(&mut s, 1, 2, 0, true, 35).unwrap().is_none());
-        assert!(matches!(part(&mut s, 1, 3, 0, true, 6), Err(Error::ResourceExhausted(_))), "past the link's cap");
-        assert!(part(&mut s, 2, 1, 0, true, 50).unwrap().is_none());
-        assert!(matches!(part(&mut s, 2, 2, 0, true, 6), Err(Error::ResourceExhausted(_))), "past the node's cap");
-        // Call 1 of link 1 made whole (its last part fits): its bytes
-        // leave the budget.
-        let w = part(&mut s, 1, 1, 1, false, 5).unwrap().expect("whole");
-        assert_eq!(w.body.len(), 65);
-        assert_eq!((s.links[&1].partial, s.partial), (35, 85));
-        // A call dropped (cancelled) gives its room back too.
+        const P: usize = CALL_PART_BYTES;
+        let mut s = Served { caps: (2 * P, 3 * P), ..Served::default() };
+        assert!(part(&mut s, 1, 1, 0, true, P).unwrap().is_none());
+        assert!(part(&mut s, 1, 2, 0, true, P).unwrap().is_none());
+        assert!(matches!(part(&mut s, 1, 3, 0, true, P), Err(Error::ResourceExhausted(_))), "past the link's cap");
+        assert!(part(&mut s, 2, 1, 0, true, P).unwrap().is_none());
+        assert!(matches!(part(&mut s, 2, 2, 0, true, P), Err(Error::ResourceExhausted(_))), "past the node's cap");
+        // A call dropped (cancelled) gives its room back.
         let h = s.by_key[&(1, 2)];
         s.remove(h);
-        assert_eq!((s.links[&1].partial, s.partial), (0, 50));
+        assert_eq!((s.links[&1].partial, s.partial), (P, 2 * P));
+        // Call 1 of link 1 made whole (its last part grows its buffer to
+        // 2P, which fits both caps): its bytes leave the budget.
+        let w = part(&mut s, 1, 1, 1, false, 5).unwrap().expect("whole");
+        assert_eq!(w.body.len(), P + 5);
+        assert_eq!((s.links[&1].partial, s.partial), (0, P));
         // Only link 2's call is still arriving: it stalls.
         let later = Instant::now() + Duration::from_secs(1);
         assert_eq!(s.stalled_links(later), vec![2]);
         assert!(s.stalled_links(Instant::now() - Duration::from_secs(1)).is_empty());
+    }
+
+    /// A `Wire` over nothing: sends are recorded (or panic, for the test
+    /// that needs it), `later` runs at once on the test thread.
+    #[derive(Default)]
+    struct Loopback {
+        sent: Mutex<Vec<Msg>>,
+        panic_on_send: bool,
+        failed: Mutex<Vec<ConnId>>,
+    }
+
+    impl Wire for Loopback {
+        fn task(&self) -> &str {
+            "/job:test/task:0"
+        }
+        fn call_link(&self, _peer: &str) -> Option<ConnId> {
+            Some(1)
+        }
+        fn send(&self, _link: ConnId, msg: &Msg) -> Result<()> {
+            if self.panic_on_send && matches!(msg, Msg::Call { .. }) {
+                panic!("a send that panics");
+            }
+            self.sent.lock().push(msg.clone());
+            Ok(())
+        }
+        fn fail_link(&self, link: ConnId, _why: Error) {
+            self.failed.lock().push(link);
+        }
+        fn later(&self, f: Box<dyn FnOnce() + Send>) {
+            f()
+        }
+    }
+
+    type Outcomes = Arc<Mutex<Vec<(u32, Vec<u8>)>>>;
+
+    fn recorder() -> (Outcomes, CallDone) {
+        let got: Outcomes = Arc::default();
+        let g = got.clone();
+        (got, Box::new(move |code, body| g.lock().push((code, body))))
+    }
+
+    /// Review finding: a panic after the call was registered (here in the
+    /// send of its first part) used to unwind out of `call` while `done`
+    /// stayed in `out`; the C ABI turned the panic into an error, the shim
+    /// freed the call's state and went to gRPC, and a later `fail_all` ran
+    /// `done` on freed memory. Now the call ends there: `Ok`, and `done`
+    /// runs once with an error.
+    #[test]
+    fn a_panic_while_a_call_starts_still_runs_its_done_exactly_once() {
+        let w = Loopback { panic_on_send: true, ..Loopback::default() };
+        let rpc = Rpc::default();
+        let (got, done) = recorder();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rpc.call(&w, "/job:peer/task:0", 1, b"body", None, false, done)));
+        let r = r.expect("the panic unwound out of Rpc::call with its done still registered");
+        assert!(r.is_ok(), "{r:?}");
+        assert!(rpc.out.lock().is_empty(), "the call is still registered");
+        rpc.fail_all(&w);
+        let got = got.lock();
+        assert_eq!(got.len(), 1, "done ran {} times", got.len());
+        assert_eq!(got[0].0, CODE_INTERNAL);
+    }
+
+    /// Review finding: every part but a call's (or reply's) last is
+    /// `CALL_PART_BYTES` long, as `call` and `reply` cut them. A peer's
+    /// empty or short non-last parts used to be taken, each resetting the
+    /// stall clock, so a call could be held open for ever within the caps.
+    #[test]
+    fn short_parts_before_the_last_fail_the_link() {
+        let w = Loopback::default();
+        let rpc = Rpc::default();
+        let call = |part: u32, more: bool, len: usize| Msg::Call { id: 3, method: 1, part, more, body: vec![7; len] }.encode().to_vec();
+        assert!(rpc.on_msg(&w, 1, &call(0, true, 0)).is_err(), "an empty part with more to come was taken");
+        let rpc = Rpc::default();
+        assert!(rpc.on_msg(&w, 1, &call(0, true, CALL_PART_BYTES - 1)).is_err(), "a short part with more to come was taken");
+        let rpc = Rpc::default();
+        rpc.on_msg(&w, 1, &call(0, true, CALL_PART_BYTES)).unwrap();
+        rpc.on_msg(&w, 1, &call(1, false, 5)).unwrap();
+        // Replies alike.
+        let rpc = Rpc::default();
+        let (_got, done) = recorder();
+        let id = rpc.call(&w, "/job:peer/task:0", 1, b"q", None, false, done).unwrap();
+        let reply = Msg::Reply { id, code: 0, part: 0, more: true, body: vec![1; 10] }.encode().to_vec();
+        assert!(rpc.on_msg(&w, 1, &reply).is_err(), "a short reply part with more to come was taken");
+    }
+
+    /// Review finding: the caps counted the bytes received, while the
+    /// buffers holding them grow by doubling, so twice the cap could be
+    /// allocated. Now what a call holds is its buffer's capacity.
+    #[test]
+    fn calls_still_arriving_are_charged_what_their_buffers_hold() {
+        let mut s = Served { caps: (usize::MAX, usize::MAX), ..Served::default() };
+        for i in 0..5u32 {
+            s.take_part(|| 77, 1, 1, 1, i, true, vec![0; CALL_PART_BYTES]).unwrap();
+            let held = s.calls[&77].body.capacity();
+            assert_eq!((s.links[&1].partial, s.partial), (held, held), "after part {i}: charged less than the buffer holds");
+        }
+        let w = s.take_part(|| 77, 1, 1, 1, 5, false, vec![0; 3]).unwrap().expect("whole");
+        assert_eq!(w.body.len(), 5 * CALL_PART_BYTES + 3);
+        assert_eq!((s.links[&1].partial, s.partial), (0, 0));
+        // A cap below the doubled buffer refuses the part that would need it.
+        let mut s = Served { caps: (3 * CALL_PART_BYTES, usize::MAX), ..Served::default() };
+        for i in 0..2u32 {
+            s.take_part(|| 78, 1, 1, 1, i, true, vec![0; CALL_PART_BYTES]).unwrap();
+        }
+        let r = s.take_part(|| 78, 1, 1, 1, 2, true, vec![0; CALL_PART_BYTES]);
+        assert!(matches!(r, Err(Error::ResourceExhausted(_))), "a buffer grown to 4 parts under a cap of 3: ok={}", r.is_ok());
+    }
+
+    /// Review finding: a reply's status code is the peer's; one TensorFlow
+    /// does not know reaches the caller as UNKNOWN, not cast blindly.
+    #[test]
+    fn a_reply_code_tensorflow_does_not_know_becomes_unknown() {
+        let w = Loopback::default();
+        for (sent, seen) in [(0u32, 0u32), (5, 5), (16, 16), (17, 2), (u32::MAX, 2)] {
+            let rpc = Rpc::default();
+            let (got, done) = recorder();
+            let id = rpc.call(&w, "/job:peer/task:0", 1, b"q", None, false, done).unwrap();
+            rpc.on_msg(&w, 1, &Msg::Reply { id, code: sent, part: 0, more: false, body: b"r".to_vec() }.encode()).unwrap();
+            assert_eq!(got.lock()[0].0, seen, "code {sent}");
+        }
     }
 
     /// M1: parts must come in order from 0; the tail of a call dropped
@@ -674,13 +835,13 @@ mod tests {
     #[test]
     fn parts_come_in_order_and_tails_of_dropped_calls_are_never_served() {
         let mut s = Served::default();
-        assert!(part(&mut s, 1, 5, 0, true, 3).unwrap().is_none());
-        assert!(part(&mut s, 1, 5, 2, true, 3).is_err(), "a part skipped");
+        assert!(part(&mut s, 1, 5, 0, true, CALL_PART_BYTES).unwrap().is_none());
+        assert!(part(&mut s, 1, 5, 2, true, CALL_PART_BYTES).is_err(), "a part skipped");
         let mut s = Served::default();
-        assert!(part(&mut s, 1, 5, 0, true, 3).unwrap().is_none());
+        assert!(part(&mut s, 1, 5, 0, true, CALL_PART_BYTES).unwrap().is_none());
         let h = s.by_key[&(1, 5)];
         s.remove(h); // cancelled
-        assert!(part(&mut s, 1, 5, 1, true, 3).unwrap().is_none(), "the tail is dropped");
+        assert!(part(&mut s, 1, 5, 1, true, CALL_PART_BYTES).unwrap().is_none(), "the tail is dropped");
         assert!(part(&mut s, 1, 5, 2, false, 3).unwrap().is_none(), "and never served");
         assert!(s.calls.is_empty());
         assert!(part(&mut s, 1, 9, 1, false, 3).is_err(), "a part of a call never begun");

@@ -98,12 +98,32 @@ impl TensorWrite {
 
 /// A write dropped before it completed (the job that held it panicked, a
 /// backend dropped it): it fails rather than leave its `done` unrun.
+///
+/// Dropped while its thread unwinds, it does not complete there (a second
+/// panic would abort the process, and the unwinding frame may hold a lock
+/// the completion takes): the whole completion goes to `rdev-callbacks`.
 impl Drop for TensorWrite {
     fn drop(&mut self) {
-        if !matches!(self.then, Then::Nothing) {
-            log::error!("a tensor write on connection {} was dropped before it completed; it fails", self.link);
-            self.finish(Err(crate::error::Error::Internal("a tensor write was dropped before it completed (a panic in the thread writing it)".into())));
+        if matches!(self.then, Then::Nothing) {
+            return;
         }
+        log::error!("a tensor write on connection {} was dropped before it completed; it fails", self.link);
+        let why = || crate::error::Error::Internal("a tensor write was dropped before it completed (a panic in the thread writing it)".into());
+        if std::thread::panicking() {
+            if let Some(n) = self.node.upgrade() {
+                let mut rest = TensorWrite {
+                    header: [0; HEADER_BYTES],
+                    payload: self.payload.take(),
+                    then: std::mem::replace(&mut self.then, Then::Nothing),
+                    node: std::mem::take(&mut self.node),
+                    link: self.link,
+                };
+                let job: SendDone = Box::new(move |_: Result<()>| rest.finish(Err(why())));
+                n.handoff.run(Action::SendDone { done: job, result: Ok(()) });
+                return;
+            }
+        }
+        self.finish(Err(why()));
     }
 }
 
@@ -140,5 +160,31 @@ mod tests {
         let op = TensorWrite::new([0; HEADER_BYTES], Box::new(vec![1u8; 8]), Then::Send(Box::new(Count(runs.clone(), errs.clone()))), Weak::new(), 3);
         WriteOp::complete(op, Ok(()));
         assert_eq!((runs.load(Ordering::SeqCst), errs.load(Ordering::SeqCst)), (1, 0));
+    }
+
+    /// Review finding: a write dropped while its thread unwinds used to run
+    /// TensorFlow's callback and the node's protocol right there, inside
+    /// the unwinding (a second panic aborts the process; a lock held by the
+    /// panicking frame would deadlock). It goes to `rdev-callbacks`.
+    #[test]
+    fn a_write_dropped_while_unwinding_completes_on_the_callback_thread() {
+        let cfg = crate::config::Config { arena_bytes: 1 << 20, ..crate::config::Config::default() };
+        let node = crate::node::Node::new(cfg, "/job:w/replica:0/task:0", "localhost:1").unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        struct Where(std::sync::mpsc::Sender<(Option<String>, bool)>);
+        impl crate::completion::Complete<Result<()>> for Where {
+            fn complete(self: Box<Self>, r: Result<()>) {
+                let _ = self.0.send((std::thread::current().name().map(str::to_string), r.is_err()));
+            }
+        }
+        let op = TensorWrite::new([0; HEADER_BYTES], Box::new(vec![1u8; 8]), Then::Send(Box::new(Where(tx))), Arc::downgrade(&node.inner), 3);
+        let r = crate::error::catch_panic("a test write", move || {
+            let _held = op;
+            panic!("the backend's write panicked");
+        });
+        assert!(r.is_err());
+        let (thread, failed) = rx.recv_timeout(std::time::Duration::from_secs(5)).expect("done ran");
+        assert!(failed, "a dropped write must fail");
+        assert_eq!(thread.as_deref(), Some("rdev-callbacks"), "done ran on the unwinding thread");
     }
 }

@@ -100,6 +100,10 @@ impl RingBacklog {
 }
 
 impl Backlog for RingBacklog {
+    fn abandon(&self, why: Error) {
+        self.fail_all(why);
+    }
+
     fn flush(&self) -> Flushed {
         let mut done = Vec::new();
         let mut wake = false;
@@ -145,8 +149,11 @@ impl RingBacklog {
         if wake {
             self.doorbell.ring();
         }
+        // Each completion on its own: one that panics (logged) neither
+        // drops the others nor unwinds out of `flush` (the send thread
+        // would drop this backlog while it still counts as registered).
         for op in done {
-            op.complete(Ok(()));
+            let _ = crate::error::catch_panic("completing an shm write", || op.complete(Ok(())));
         }
         r
     }
@@ -338,5 +345,74 @@ impl Drop for ShmEndpoint {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
         // SAFETY: exactly the mapping created in handshake.
         unsafe { libc::munmap(self.arena.cast(), self.arena_len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fabric::shm::ring::RingWord;
+    use crate::fabric::Segs;
+
+    type Seen = Arc<Mutex<Vec<(&'static str, bool)>>>;
+
+    /// A write whose completion records itself, or panics.
+    struct Op(&'static str, Seen, bool);
+
+    impl WriteOp for Op {
+        fn segments(&self) -> Segs<'_> {
+            Segs::new()
+        }
+        fn complete(self: Box<Self>, r: Result<()>) {
+            if self.2 {
+                panic!("a write completion that panics");
+            }
+            self.1.lock().push((self.0, r.is_ok()));
+        }
+    }
+
+    /// Review finding: a completion that panicked while the send thread
+    /// flushed a doorbell backlog unwound out of `flush`; the thread
+    /// dropped the backlog while it still counted as registered, so the
+    /// writes queued behind it never completed (and later ones only
+    /// queued). Each write behind it still completes, once, with Ok.
+    #[test]
+    fn a_panicking_completion_does_not_strand_the_writes_behind_it() {
+        let ring = Ring::create().unwrap();
+        let bells = Arc::new(RingBacklog {
+            ring,
+            doorbell: Doorbell::create().unwrap(),
+            remote: "peer".into(),
+            dead: Arc::new(AtomicBool::new(false)),
+            q: Mutex::new(Pushes { waiting: VecDeque::new(), since: Instant::now(), registered: false }),
+        });
+        let mut n = 0u32;
+        while bells.ring.try_push(n).is_some() {
+            n += 1;
+        }
+        let seen: Seen = Arc::default();
+        bells.push(1, Box::new(Op("panics", seen.clone(), true)), "peer");
+        bells.push(2, Box::new(Op("b", seen.clone(), false)), "peer");
+        bells.push(3, Box::new(Op("c", seen.clone(), false)), "peer");
+        // The consumer's side of the same shared ring (a test thread).
+        let consumer = &bells.ring;
+        // Room for one: the send thread pushes the panicking one only.
+        consumer.poke(RingWord::Head, 1);
+        std::thread::sleep(Duration::from_millis(50));
+        // Then room for all.
+        consumer.drain(|_| {});
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while seen.lock().len() < 2 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(*seen.lock(), vec![("b", true), ("c", true)], "the writes behind a panicking completion");
+        // And the backlog still works for the next write.
+        bells.push(4, Box::new(Op("d", seen.clone(), false)), "peer");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while seen.lock().len() < 3 && Instant::now() < deadline {
+            consumer.drain(|_| {});
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(seen.lock().last(), Some(&("d", true)));
     }
 }

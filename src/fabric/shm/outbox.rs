@@ -44,6 +44,10 @@ pub(super) enum Flushed {
 pub(super) trait Backlog: Send + Sync {
     /// Move what can move now, without waiting; fail what waited too long.
     fn flush(&self) -> Flushed;
+    /// `flush` panicked: the send thread drops this backlog. Fail what it
+    /// holds and leave it unregistered, so later work registers it again
+    /// (or fails) instead of queueing behind a flush that never comes.
+    fn abandon(&self, why: Error);
 }
 
 struct Queue {
@@ -177,6 +181,12 @@ impl Outbox {
 }
 
 impl Backlog for Outbox {
+    fn abandon(&self, why: Error) {
+        let mut q = self.q.lock();
+        q.registered = false;
+        self.fail(&mut q, why);
+    }
+
     fn flush(&self) -> Flushed {
         let mut q = self.q.lock();
         if q.failed.is_some() {
@@ -322,6 +332,7 @@ fn send_loop(wake: RawFd) {
             }
             Err(e) => {
                 log::error!("shm send thread: {e}");
+                let _ = crate::error::catch_panic("abandoning an shm connection's backlog", || b.abandon(e));
                 false
             }
         });

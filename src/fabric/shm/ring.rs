@@ -121,8 +121,9 @@ impl Ring {
 }
 
 /// A word of the ring's shared memory, for the fuzz target that plays a
-/// peer scribbling over all of it.
-#[cfg(fuzzing)]
+/// peer scribbling over all of it (and tests).
+#[cfg(any(test, fuzzing))]
+#[cfg_attr(not(fuzzing), allow(dead_code))]
 pub enum RingWord {
     Tail,
     Head,
@@ -130,7 +131,7 @@ pub enum RingWord {
     Entry(usize),
 }
 
-#[cfg(fuzzing)]
+#[cfg(any(test, fuzzing))]
 impl Ring {
     /// Overwrite one word of the shared ring as a hostile peer could.
     pub fn poke(&self, w: RingWord, v: u64) {
