@@ -137,6 +137,15 @@ pub const MAX_FAILED_AHEAD_PER_LINK: usize = MAX_FAILED_AHEAD / 4;
 pub const MAX_STREAMED_AHEAD: usize = 4096;
 pub const MAX_STREAMED_AHEAD_PER_LINK: usize = MAX_STREAMED_AHEAD / 4;
 
+/// Live incoming links one task (by the name its hello gives) may hold at
+/// once, and all tasks together. The per-link caps above are a quarter of
+/// the node's: without this a sender could open four links and take a
+/// node-wide budget alone. Two, not one: a reconnecting or restarted task
+/// may connect again before its old link's loss is seen. One more is
+/// refused in the handshake, naming the cap.
+pub const MAX_RX_LINKS_PER_PEER: usize = 2;
+pub const MAX_RX_LINKS: usize = 1 << 14;
+
 /// Placements one peer may ask us to make on its behalf (`PlaceFor`) that
 /// are queued or running at once, and all peers together; one more is
 /// answered at once with an error naming the cap (the peer's placement

@@ -115,6 +115,52 @@ fn read_frame(s: &mut UnixStream) -> (u8, Vec<u8>) {
     (head[4], body)
 }
 
+/// Issue 30 (L3): a task may hold two incoming links at once (a reconnect
+/// may overlap its old link's loss), not more: each link's caps are a
+/// quarter of the node's, so more links would take a node-wide budget.
+/// The third is refused in the handshake, naming the cap; another task
+/// still connects, and a link that ends gives its place back.
+#[test]
+fn a_task_cannot_open_more_than_two_links_at_once() {
+    let (_a, b, b_addr) = pair();
+    let hello = |task: &str| Hello { task: task.into(), incarnation: 9, target: task_of_b(), rpc: false, proof: vec![] }.encode();
+    let mut held = Vec::new();
+    for i in 0..2 {
+        let (mut s, _) = raw_connect(&b_addr);
+        write_frame(&mut s, 1, &hello(EVIL));
+        assert_eq!(read_frame(&mut s).0, 2, "link {i} of {EVIL} is accepted");
+        held.push(s);
+    }
+    let (mut s, _) = raw_connect(&b_addr);
+    write_frame(&mut s, 1, &hello(EVIL));
+    let (kind, why) = read_frame(&mut s);
+    let why = String::from_utf8_lossy(&why).into_owned();
+    assert_eq!(kind, 3, "a third link of one task was accepted");
+    assert!(why.contains("at most 2"), "{why}");
+    // Another task is not held back.
+    let (mut s, _) = raw_connect(&b_addr);
+    write_frame(&mut s, 1, &hello(&task(0)));
+    assert_eq!(read_frame(&mut s).0, 2, "another task's link is accepted");
+    // One of EVIL's links ends: a new one is accepted.
+    drop(held.pop());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (mut s, _) = raw_connect(&b_addr);
+        write_frame(&mut s, 1, &hello(EVIL));
+        if read_frame(&mut s).0 == 2 {
+            held.push(s);
+            break;
+        }
+        assert!(Instant::now() < deadline, "a link of {EVIL} that ended did not give its place back");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(b);
+}
+
+fn task_of_b() -> String {
+    task(1)
+}
+
 /// Raw shm handshake as `EVIL`: returns the socket after the accept frame.
 fn raw_handshake(b_addr: &str) -> UnixStream {
     let (mut s, _) = raw_connect(b_addr);

@@ -155,7 +155,7 @@ fn hostile_inputs_are_rejected_without_panics() {
     for hello in [
         b"garbage".to_vec(),
         Hello { task: "x".into(), incarnation: 1, target: "/job:someone/else".into(), rpc: false, proof: vec![] }.encode(),
-        { let mut h = Hello { task: "x".into(), incarnation: 1, target: String::new(), rpc: false, proof: vec![] }.encode(); h[4] = 9; h },
+        { let mut h = Hello { task: "x".into(), incarnation: 1, target: String::new(), rpc: false, proof: vec![] }.encode(); h[4] = h[4].wrapping_add(1); h },
         Hello { task: "x".into(), incarnation: 1, target: String::new(), rpc: true, proof: vec![] }.encode(),
     ] {
         let r = fab.connect(&f.b_addr, &hello, Recorder::new(b"", None), Duration::from_secs(5), true);

@@ -506,8 +506,20 @@ impl FabricEvents for Events {
                 h.task, mode_name(h.rpc), n.task, mode_name(n.cfg.rpc_mode)
             )));
         }
-        n.links.lock().insert(conn, LinkRef::Rx(self.kind));
-        n.locked(|r| r.add_rx_link(conn, &h.task, h.incarnation));
+        // Admitted and added under one hold of both locks (links, then
+        // the protocol state): concurrent handshakes of one task cannot
+        // all pass the check (L3).
+        let (admitted, refused) = {
+            let mut links = n.links.lock();
+            n.locked_under_links(|r| {
+                r.admit_rx_link(&h.task)?;
+                links.insert(conn, LinkRef::Rx(self.kind));
+                r.add_rx_link(conn, &h.task, h.incarnation);
+                Ok::<(), Error>(())
+            })
+        };
+        n.fail_refused(refused);
+        admitted?;
         log::info!("{}: {} connected over {} (incarnation {:#x})", n.task, h.task, self.kind.name(), h.incarnation);
         let proof = rendezvous::proof::reply(&n.cfg.cluster_token, &n.task, &h.proof);
         Ok(Hello { task: n.task.clone(), incarnation: n.incarnation, target: String::new(), rpc: n.cfg.rpc_mode, proof }.encode())

@@ -334,3 +334,27 @@ fn stream_ids_that_wrap_past_u32_max_go_on() {
     // A far jump is still refused, without walking the ids.
     assert!(closed(&begin(&mut rx, 2 + (1 << 30))), "a jump past the cap");
 }
+
+/// L3: one task may hold at most `MAX_RX_LINKS_PER_PEER` incoming links
+/// (each link's caps are a quarter of the node's), and all tasks together
+/// `MAX_RX_LINKS`; a link that ends gives its place back.
+#[test]
+fn incoming_links_are_capped_per_peer_and_per_node() {
+    use crate::constants::{MAX_RX_LINKS, MAX_RX_LINKS_PER_PEER};
+    let mut rx = Rendezvous::new(params(), 1 << 20);
+    for l in 0..MAX_RX_LINKS_PER_PEER as LinkId {
+        rx.admit_rx_link("p").unwrap();
+        rx.add_rx_link(l + 1, "p", 7);
+    }
+    let e = rx.admit_rx_link("p").unwrap_err();
+    assert!(matches!(e, Error::ResourceExhausted(_)) && e.to_string().contains("at most 2"), "{e}");
+    rx.admit_rx_link("q").expect("another task is not held back by p's links");
+    let _ = rx.on_link_lost(1, Error::PeerLost("gone".into()));
+    rx.admit_rx_link("p").expect("an ended link gives its place back");
+    let mut rx = Rendezvous::new(params(), 1 << 20);
+    for l in 0..MAX_RX_LINKS as LinkId {
+        rx.add_rx_link(l + 1, &format!("t{l}"), 7);
+    }
+    let e = rx.admit_rx_link("new").unwrap_err();
+    assert!(e.to_string().contains(&format!("at most {MAX_RX_LINKS}")), "{e}");
+}

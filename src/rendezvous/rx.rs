@@ -129,6 +129,25 @@ fn all_lent(r: &RxLink, edge_id: u32) -> bool {
 }
 
 impl Rendezvous {
+    /// May a sender calling itself `peer` open one more incoming link? At
+    /// most `MAX_RX_LINKS_PER_PEER` from one task and `MAX_RX_LINKS` from
+    /// all (L3: many links must not take a node-wide budget). Check and
+    /// `add_rx_link` under one lock.
+    pub fn admit_rx_link(&self, peer: &str) -> Result<()> {
+        use crate::constants::{MAX_RX_LINKS, MAX_RX_LINKS_PER_PEER};
+        let from_peer = self.rx.values().filter(|r| r.peer == peer).count();
+        if from_peer >= MAX_RX_LINKS_PER_PEER {
+            return Err(Error::ResourceExhausted(format!(
+                "{peer} already has {from_peer} connections to this task (at most {MAX_RX_LINKS_PER_PEER}); \
+                 its earlier ones must end first"
+            )));
+        }
+        if self.rx.len() >= MAX_RX_LINKS {
+            return Err(Error::ResourceExhausted(format!("this task has {} incoming connections (at most {MAX_RX_LINKS})", self.rx.len())));
+        }
+        Ok(())
+    }
+
     /// A sender `peer` (in life `incarnation`) connected to us on `link`.
     pub fn add_rx_link(&mut self, link: LinkId, peer: &str, incarnation: u64) {
         self.lost.remove(peer);
