@@ -530,3 +530,45 @@ fn only_tasks_with_the_cluster_token_connect() {
         assert_eq!(d.counters().tensors_received, 0);
     }
 }
+
+/// Issue 30 (locks across I/O): a placement with a short timeout, made
+/// while another thread's connect to the same peer hangs, returns within
+/// its own timeout. The per-peer connection slot used to be a mutex held
+/// across `Fabric::connect`, so the placement waited out the whole
+/// connect (and then made its own).
+#[test]
+fn a_placement_does_not_wait_out_another_threads_connect() {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixListener};
+    let p = free_port();
+    let (a, _) = {
+        let pa = free_port();
+        (Node::new(Config { connect_timeout_ms: 4000, ..small_config() }, &task(0), &addr(pa)).unwrap(), pa)
+    };
+    // A listener that accepts and never answers: the connect hangs.
+    let name = rdma_device::fabric::shm::socket::socket_name(&addr(p)).unwrap();
+    let mute = UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name).unwrap()).unwrap();
+    let held = std::thread::spawn(move || {
+        let mut conns = Vec::new();
+        mute.set_nonblocking(true).unwrap();
+        let end = Instant::now() + Duration::from_secs(12);
+        while Instant::now() < end {
+            if let Ok((c, _)) = mute.accept() {
+                conns.push(c);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+    assert!(a.add_peer(&task(1), &addr(p)).transport.is_some());
+    let a = Arc::new(a);
+    let a2 = a.clone();
+    let connecting = std::thread::spawn(move || a2.connect(&task(1)));
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = Instant::now();
+    let r = a.place_ahead(&task(1), "k", 64, Duration::from_millis(300));
+    let took = t0.elapsed();
+    assert!(r.is_err(), "placed through a listener that never answers");
+    assert!(took < Duration::from_secs(2), "the placement waited {took:?} (its timeout: 300 ms): {}", r.unwrap_err());
+    assert!(connecting.join().unwrap().is_err());
+    held.join().unwrap();
+}

@@ -11,7 +11,9 @@
 //!   go first): tensors are matched by (key, step), never by order;
 //! - `connect`, `place_ahead` and `request_placement` block their caller up
 //!   to the connect timeout plus the given timeout (the shim calls them from
-//!   its own pool only);
+//!   its own pool only). One thread connects to a peer at a time, holding
+//!   no lock while it does; the others wait on the slot's condvar, each up
+//!   to its own deadline (a placement's timeout), never behind a mutex;
 //! - `recv` never blocks; a peer we only receive from is watched from the
 //!   `rdev-connect` pool (one watch per peer at a time);
 //! - `place_for` (a peer asks us to place an edge we send) runs
@@ -48,8 +50,32 @@ pub struct PeerChoice {
 /// already up, short enough that a dead one fails a step well within 5 s.
 const LOST_PEER_GRACE: Duration = Duration::from_millis(1500);
 
-/// The sender-side connection to a peer, once made.
-type TxSlot = Arc<Mutex<Option<(ConnId, Arc<dyn Endpoint>)>>>;
+/// The sender-side connection to a peer, once made, and whether a thread
+/// is making it. No lock is held while connecting: one thread connects,
+/// the others for the same peer wait on `made`, each up to its own
+/// deadline.
+#[derive(Default)]
+struct TxSlot {
+    state: Mutex<TxState>,
+    made: parking_lot::Condvar,
+}
+
+#[derive(Default)]
+struct TxState {
+    link: Option<(ConnId, Arc<dyn Endpoint>)>,
+    connecting: bool,
+}
+
+/// Ends a connect attempt however `ensure_tx` returns (an error, a
+/// panic): the slot is free again and the waiters look.
+struct Connecting<'a>(&'a TxSlot);
+
+impl Drop for Connecting<'_> {
+    fn drop(&mut self) {
+        self.0.state.lock().connecting = false;
+        self.0.made.notify_all();
+    }
+}
 
 /// A send waiting for its peer's connection.
 struct QueuedSend {
@@ -65,8 +91,8 @@ struct PeerEntry {
     choice: Option<TransportKind>,
     /// Why the peer goes over gRPC when `choice` is None.
     grpc_reason: String,
-    /// The sender-side connection; its mutex also serializes connecting.
-    tx: TxSlot,
+    /// The sender-side connection (one connect at a time per peer).
+    tx: Arc<TxSlot>,
     watching: bool,
     /// The sender connection once made (may have died since: check
     /// `links`); read without touching the slot's connect lock.
@@ -123,7 +149,7 @@ impl Inner {
             addr: addr.to_string(),
             choice,
             grpc_reason: String::new(),
-            tx: Arc::new(Mutex::new(None)),
+            tx: Arc::default(),
             watching: false,
             live: None,
             connecting: false,
@@ -136,20 +162,35 @@ impl Inner {
         PeerChoice { transport: choice, reason }
     }
 
-    /// The live sender connection to `peer`, connecting if needed.
-    fn ensure_tx(&self, peer: &str) -> Result<ConnId> {
+    /// The live sender connection to `peer`, connecting if needed. While
+    /// another thread connects to `peer`, wait for it until `deadline`
+    /// (`None`: the connect timeout from now), never holding a lock.
+    fn ensure_tx(&self, peer: &str, deadline: Option<std::time::Instant>) -> Result<ConnId> {
         let (addr, choice, slot) = {
             let t = self.peers.table.lock();
             let e = t.get(peer).ok_or_else(|| Error::InvalidArgument(format!("unknown peer {peer}: add it first")))?;
             (e.addr.clone(), e.choice, e.tx.clone())
         };
         let kind = choice.ok_or_else(|| self.grpc_route(peer))?;
-        let mut held = slot.lock();
-        if let Some((id, _)) = held.as_ref() {
-            if self.links.lock().contains_key(id) {
-                return Ok(*id);
+        let deadline = deadline.unwrap_or_else(|| std::time::Instant::now() + Duration::from_millis(self.cfg.connect_timeout_ms));
+        {
+            let mut st = slot.state.lock();
+            loop {
+                if let Some((id, _)) = st.link.as_ref() {
+                    if self.links.lock().contains_key(id) {
+                        return Ok(*id);
+                    }
+                }
+                if !st.connecting {
+                    st.connecting = true;
+                    break;
+                }
+                if slot.made.wait_until(&mut st, deadline).timed_out() {
+                    return Err(Error::Timeout(format!("{}: another thread is still connecting to {peer} at {addr}", self.task)));
+                }
             }
         }
+        let _connecting = Connecting(&slot);
         let f = self
             .fabrics
             .iter()
@@ -205,7 +246,6 @@ impl Inner {
         let ep = match connected {
             Ok(ep) => ep,
             Err(Error::NotViable(why)) => {
-                drop(held);
                 return Err(self.demote(peer, &format!("{peer} at {addr} does not take this transport from {}: {why}", self.task)));
             }
             Err(e) => return Err(e.context(&format!("connecting to {peer} at {addr}"))),
@@ -226,7 +266,7 @@ impl Inner {
             // The receiver sends its requests on this link once it is up.
             self.exec(crate::rendezvous::smallvec![crate::rendezvous::Action::Send { link: id, msg: crate::rendezvous::Msg::Ready }]);
         }
-        *held = Some((id, ep));
+        slot.state.lock().link = Some((id, ep));
         if let Some(e) = self.peers.table.lock().get_mut(peer) {
             e.live = Some(id);
         }
@@ -235,7 +275,7 @@ impl Inner {
     }
 
     pub(super) fn connect(&self, peer: &str) -> Result<()> {
-        self.ensure_tx(peer).map(|_| ())
+        self.ensure_tx(peer, None).map(|_| ())
     }
 
     /// The NotViable error for a peer routed over gRPC.
@@ -344,7 +384,7 @@ impl Inner {
 
     /// On `rdev-connect`: connect to `peer`, then send or fail what queued.
     fn connect_and_flush(&self, peer: &str) {
-        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.ensure_tx(peer)))
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.ensure_tx(peer, None)))
             .unwrap_or_else(|_| Err(Error::Internal(format!("connecting to {peer} panicked"))));
         let queued = {
             let mut t = self.peers.table.lock();
@@ -402,7 +442,7 @@ impl Inner {
         let peer = peer.to_string();
         super::pool::CONNECT.schedule(move || {
             let Some(n) = me.upgrade() else { return };
-            let res = crate::error::catch_panic("rdev-watch", || n.ensure_tx(&peer)).and_then(|r| r);
+            let res = crate::error::catch_panic("rdev-watch", || n.ensure_tx(&peer, None)).and_then(|r| r);
             if let Some(e) = n.peers.table.lock().get_mut(&peer) {
                 e.watching = false;
             }
@@ -424,11 +464,11 @@ impl Inner {
     /// use the slower path).
     pub(super) fn place_ahead(&self, peer: &str, key: &str, bytes: u64, timeout: Duration) -> Result<bool> {
         use crate::rendezvous::Placement;
-        let link = self.ensure_tx(peer)?;
+        let deadline = std::time::Instant::now() + timeout;
+        let link = self.ensure_tx(peer, Some(deadline))?;
         let mut seen = *self.progress.0.lock();
         let acts = self.locked(|r| r.place_ahead(link, key, bytes));
         self.exec(acts);
-        let deadline = std::time::Instant::now() + timeout;
         loop {
             match self.locked(|r| r.placement(link, key)) {
                 Placement::Placed(cap) if cap >= bytes => return Ok(true),
@@ -446,7 +486,7 @@ impl Inner {
         if sender == self.task {
             return self.place_ahead(receiver, key, bytes, timeout);
         }
-        let link = self.ensure_tx(sender)?;
+        let link = self.ensure_tx(sender, Some(std::time::Instant::now() + timeout))?;
         static NEXT_REQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let req = NEXT_REQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (tx, rx) = std::sync::mpsc::channel();
