@@ -371,6 +371,54 @@ mod tests {
         }
     }
 
+    /// A write whose completion queues another write on the same backlog
+    /// (as completing a tensor write may start the next one).
+    struct Chained(Arc<RingBacklog>, Seen);
+
+    impl WriteOp for Chained {
+        fn segments(&self) -> Segs<'_> {
+            Segs::new()
+        }
+        fn complete(self: Box<Self>, r: Result<()>) {
+            self.1.lock().push(("chained", r.is_ok()));
+            self.0.push(9, Box::new(Op("next", self.1.clone(), false)), "peer");
+        }
+    }
+
+    fn backlog() -> Arc<RingBacklog> {
+        Arc::new(RingBacklog {
+            ring: Ring::create().unwrap(),
+            doorbell: Doorbell::create().unwrap(),
+            remote: "peer".into(),
+            dead: Arc::new(AtomicBool::new(false)),
+            q: Mutex::new(Pushes { waiting: VecDeque::new(), since: Instant::now(), registered: false }),
+        })
+    }
+
+    /// Issue 30 (locks across callbacks): the send thread completes the
+    /// writes it pushed without holding the backlog's lock, so a
+    /// completion that queues the next write on the same connection (or a
+    /// TF thread's small write) does not wait on it. Held, this completion
+    /// deadlocked the send thread.
+    #[test]
+    fn a_completion_may_queue_the_next_write_on_its_own_connection() {
+        let bells = backlog();
+        while bells.ring.try_push(0).is_some() {}
+        let seen: Seen = Arc::default();
+        bells.push(1, Box::new(Chained(bells.clone(), seen.clone())), "peer");
+        bells.push(2, Box::new(Op("b", seen.clone(), false)), "peer");
+        // Room for one: the chained write is pushed while b still waits.
+        bells.ring.poke(RingWord::Head, 1);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while seen.lock().len() < 3 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            bells.ring.drain(|_| {});
+        }
+        let got = seen.lock().clone();
+        assert_eq!(got.len(), 3, "the writes stopped completing (the send thread is stuck?): {got:?}");
+        assert!(got.iter().all(|(_, ok)| *ok), "{got:?}");
+    }
+
     /// Review finding: a completion that panicked while the send thread
     /// flushed a doorbell backlog unwound out of `flush`; the thread
     /// dropped the backlog while it still counted as registered, so the
@@ -378,14 +426,7 @@ mod tests {
     /// queued). Each write behind it still completes, once, with Ok.
     #[test]
     fn a_panicking_completion_does_not_strand_the_writes_behind_it() {
-        let ring = Ring::create().unwrap();
-        let bells = Arc::new(RingBacklog {
-            ring,
-            doorbell: Doorbell::create().unwrap(),
-            remote: "peer".into(),
-            dead: Arc::new(AtomicBool::new(false)),
-            q: Mutex::new(Pushes { waiting: VecDeque::new(), since: Instant::now(), registered: false }),
-        });
+        let bells = backlog();
         let mut n = 0u32;
         while bells.ring.try_push(n).is_some() {
             n += 1;
