@@ -37,22 +37,43 @@ impl Handoff {
         match spawned {
             Ok(_) => Handoff { shared: Some(shared), node },
             Err(e) => {
-                log::error!("cannot start the rdev-callbacks thread ({e}): callbacks run on the transport's threads");
+                log::error!("cannot start the rdev-callbacks thread ({e}): the transport does not start");
                 Handoff { shared: None, node }
             }
         }
     }
 
+    /// Did the thread start? (`Node::new` fails without it: callbacks must
+    /// never run on the thread that hands them over.)
+    pub(super) fn started(&self) -> bool {
+        self.shared.is_some()
+    }
+
     /// Queue `a` for the node's `exec`; never blocks (the queue keeps its
-    /// capacity, so a steady state allocates nothing). Without a thread it
-    /// runs here.
+    /// capacity, so a steady state allocates nothing). Never runs it on
+    /// the calling thread, which may hold a caller's lock that `a` takes
+    /// (a TF cancellation callback's mutex): out of memory for the queue,
+    /// it goes to a thread of its own; only if no thread can start either
+    /// does it run here (logged).
     pub(super) fn run(&self, a: Action) {
         let Some(sh) = &self.shared else {
             return run_one(&self.node, a);
         };
         if let Err(a) = sh.push(a) {
-            log::error!("rdev-callbacks: out of memory for its queue; running a callback on the event thread");
-            run_one(&self.node, a);
+            log::error!("rdev-callbacks: out of memory for its queue; a callback runs on a thread of its own");
+            let slot = std::sync::Arc::new(parking_lot::Mutex::new(Some(a)));
+            let (s, n) = (slot.clone(), self.node.clone());
+            let spawned = std::thread::Builder::new().name("rdev-callbacks-spill".into()).spawn(move || {
+                if let Some(a) = s.lock().take() {
+                    let _ = crate::error::catch_panic("a spilled callback", || run_one(&n, a));
+                }
+            });
+            if spawned.is_err() {
+                log::error!("rdev-callbacks: no thread for a spilled callback either; it runs on the calling thread");
+                if let Some(a) = slot.lock().take() {
+                    run_one(&self.node, a);
+                }
+            }
         }
     }
 }

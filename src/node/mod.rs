@@ -192,6 +192,9 @@ impl Node {
             engine: engine::WriteEngine::start(),
             me: me.clone(),
         });
+        if !inner.handoff.started() {
+            return Err(Error::Internal("cannot start the rdev-callbacks thread (out of threads or memory)".into()));
+        }
         let st = Stats::global();
         st.c.arena_bytes_total.store(inner.arena.len() as u64, std::sync::atomic::Ordering::Relaxed);
         for f in &inner.fabrics {
