@@ -51,8 +51,10 @@
 //! connection the backend has accepted but not yet answered is held and
 //! follows the answer.
 //!
-//! Locks: a peer's tx slot may be held while taking `rdv` or `links`
-//! (connecting), never the reverse; `links` may be held while taking `rdv`
+//! Locks: a peer's tx slot state is held only to read or set its link and
+//! its "connecting" flag (taking `links` to check the link is live), never
+//! across a connect: other callers wait on its condvar up to their own
+//! deadline; `links` may be held while taking `rdv`
 //! (registering or ending a link, through `locked_under_links`, which
 //! hands back the links to fail instead of failing them: failing one takes
 //! `links`); `rdv` may be held while taking

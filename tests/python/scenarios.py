@@ -554,3 +554,32 @@ def tf1_resize(spec, ready):
         digest.add(sess.run(w))
     return {"digest": digest.hexdigest(), "items": digest.items, "losses": losses,
             "stats": _stats(spec)}
+
+
+def big_reply(spec, ready):
+    """A fetch of more than 1 GiB from a partition the master does not run.
+    TF's master returns a fetch through the RunGraph reply of the worker
+    whose partition made it (its recv_key), not as a tensor sent between
+    tasks, so this is a RunGraph response of over 1 GiB. Two steps: the
+    link must stay up for the second."""
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+    server = _start_chief_server(spec, tf)
+    ready()
+    n = spec.get("bytes", 1_200_000_000) // 4096 * 4096
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device(WORKER):
+            step = tf.compat.v1.placeholder(tf.uint8, [], name="step")
+            pattern = tf.cast(tf.range(4096) % 251, tf.uint8) + step
+            big = tf.tile(pattern, [n // 4096])
+    digests, sizes = [], []
+    with tf.compat.v1.Session(server.target, graph=graph) as sess:
+        for s in range(2):
+            out = sess.run(big, {step: s})
+            sizes.append(int(out.nbytes))
+            # The consumer touches every byte it received.
+            digests.append(hashlib.sha256(memoryview(out)).hexdigest())
+            del out
+    return {"digests": digests, "sizes": sizes, "stats": _stats(spec)}
