@@ -223,6 +223,7 @@ impl Rpc {
     /// (its first part not sent), a reply, `cancel`, `expire`, `link_lost`
     /// or `fail_all`. Only when this function removed it before any part
     /// left may it return `Err`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn call(&self, w: &dyn Wire, peer: &str, method: u32, body: &[u8], timeout: Option<Duration>, inline: bool, done: CallDone) -> Result<u64> {
         let Some(link) = w.call_link(peer) else {
             return Err(Error::NotViable(format!("no connection with {peer} yet")));

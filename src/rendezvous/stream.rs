@@ -64,7 +64,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use crate::sync::Mutex;
 
 use super::rx::{RxEdge, Token};
 use super::wire::{ChunkAt, Msg, SlotHeader, TensorMeta, STREAM_MESSAGES, STREAM_REFUSED, STREAM_SLOTS};
@@ -111,7 +111,7 @@ fn ids_between(from: u32, to: u32) -> impl Iterator<Item = u32> {
 fn skipped_ids(from: u32, to: u32) -> usize {
     let n = to.wrapping_sub(from).saturating_sub(1) as u64;
     // 0 lies between them when the walk from `from` wraps within n steps.
-    let zero_inside = from != 0 && u64::from(u32::MAX - from) + 1 <= n;
+    let zero_inside = from != 0 && u64::from(u32::MAX - from) < n;
     (n - u64::from(zero_inside)) as usize
 }
 
