@@ -36,7 +36,7 @@ cargo test --features verbs
 section "the shm-only build (no rdma-core needed): unit, C ABI, shm fabric and node tests (no features)"
 cargo test --lib --test c_abi --test fabric_shm --test node_shm --test header
 
-section "schedule exploration of the call channel (shuttle: random and PCT schedules, 3000 each per test)"
+section "schedule exploration of the call channel and of streamed and written tensors with aborts, lost links and shutdowns (shuttle: random and PCT schedules)"
 cargo test --features shuttle --lib sched
 
 section "deterministic simulation with faults (300 seeds, 600 schedules)"

@@ -28,7 +28,8 @@
 //! without faults.
 //!
 //! Not simulated: real NIC timing, kernel behaviour, the node's threads
-//! and pools (the schedule tests explore those for the call channel), and
+//! and pools (the schedule tests explore the call channel's, and the jobs
+//! of streamed and written tensors: `node::stream::sched_tests`), and
 //! waits (the node's waits carry their deadlines; nothing here blocks).
 
 use std::collections::{HashMap, VecDeque};

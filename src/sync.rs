@@ -1,5 +1,6 @@
 //! The locks and atomics of the code that runs under schedule exploration
-//! (`--features shuttle`; see `node::rpc::sched_tests`). In a normal build
+//! (`--features shuttle`; see `node::rpc::sched_tests` and
+//! `node::stream::sched_tests`). In a normal build
 //! these are `parking_lot`'s locks and std's atomics, unchanged. With the
 //! `shuttle` feature they are the shuttle crate's, which its scheduler
 //! controls, so a test can run the real code under many thread
@@ -34,6 +35,12 @@ mod explored {
         }
         pub fn lock(&self) -> MutexGuard<'_, T> {
             self.0.lock().unwrap_or_else(|p| p.into_inner())
+        }
+        pub fn get_mut(&mut self) -> &mut T {
+            self.0.get_mut().unwrap_or_else(|p| p.into_inner())
+        }
+        pub fn into_inner(self) -> T {
+            self.0.into_inner().unwrap_or_else(|p| p.into_inner())
         }
     }
 

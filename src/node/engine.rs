@@ -24,7 +24,8 @@ use crate::constants::{ENGINE_QUEUE, WRITE_ENGINE_THREADS};
 use crate::fabric::Endpoint;
 use crate::trace;
 
-struct Job {
+/// One write for the engine: `op` at `offset` of `ep`'s peer.
+pub(super) struct Job {
     ep: Arc<dyn Endpoint>,
     offset: u64,
     key: u32,
@@ -32,6 +33,13 @@ struct Job {
     op: Box<TensorWrite>,
     step: u64,
     bytes: u64,
+}
+
+impl Job {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(ep: Arc<dyn Endpoint>, offset: u64, key: u32, imm: u32, op: Box<TensorWrite>, step: u64, bytes: u64) -> Job {
+        Job { ep, offset, key, imm, op, step, bytes }
+    }
 }
 
 pub(super) struct WriteEngine {
@@ -58,7 +66,7 @@ impl WriteEngine {
     /// on the engine's; never blocks for more than a queue push.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn post(&self, ep: Arc<dyn Endpoint>, offset: u64, key: u32, imm: u32, op: Box<TensorWrite>, step: u64, bytes: u64) {
-        let job = Job { ep, offset, key, imm, op, step, bytes };
+        let job = Job::new(ep, offset, key, imm, op, step, bytes);
         if self.threads == 0 {
             return run(job);
         }
@@ -83,8 +91,14 @@ fn run(j: Job) {
 
 fn serve(q: &JobQueue<Job>) {
     while let Some(job) = q.pop() {
-        if crate::error::catch_panic("a tensor write", || run(job)).is_err() {
-            log::error!("rdev-write: a write panicked; the thread goes on");
-        }
+        serve_one(job);
+    }
+}
+
+/// One job on an engine thread: a write that panics is caught (the
+/// write's `Drop` fails it: L4) and the thread goes on.
+pub(super) fn serve_one(job: Job) {
+    if crate::error::catch_panic("a tensor write", || run(job)).is_err() {
+        log::error!("rdev-write: a write panicked; the thread goes on");
     }
 }

@@ -23,7 +23,7 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-type Job = Box<dyn FnOnce() + Send>;
+pub(super) type Job = Box<dyn FnOnce() + Send>;
 
 /// A fixed set of named threads with a queue (see the module docs).
 pub(super) struct Pool {
@@ -72,7 +72,9 @@ impl Pool {
     }
 }
 
-fn run_one(name: &str, job: Job) {
+/// One job on a pool thread: a panic is caught and logged, the thread
+/// goes on.
+pub(super) fn run_one(name: &str, job: Job) {
     if catch_unwind(AssertUnwindSafe(job)).is_err() {
         log::error!("a {name} job panicked (its waiters fail by their deadlines)");
     }

@@ -15,17 +15,17 @@
 //! Locks: none held while copying but the destination's own (one per
 //! stream, a leaf); the protocol lock only to report the result.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use super::pool;
-use super::write::{TensorWrite, Then};
+use super::write::{TensorWrite, Then, WriteHost};
 use super::Inner;
 use crate::error::{Error, Result};
-use crate::fabric::ConnId;
+use crate::fabric::{ConnId, Endpoint};
 use crate::rendezvous::{self, ChunkSrc, Payload, StreamBuf};
 
 /// `n` zeroed bytes, or None if the allocator refuses.
-fn zeroed(n: u64) -> Option<Vec<u8>> {
+pub(super) fn zeroed(n: u64) -> Option<Vec<u8>> {
     let n = usize::try_from(n).ok()?;
     if n == 0 {
         return Some(Vec::new());
@@ -42,6 +42,35 @@ fn zeroed(n: u64) -> Option<Vec<u8>> {
     Some(unsafe { Vec::from_raw_parts(p, n, n) })
 }
 
+/// The write of a stream chunk (an rdev-stream job): its completion, or
+/// its drop unfinished, reports the chunk to `host` (`chunk_written`).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn write_chunk_now(
+    ep: &dyn Endpoint,
+    host: Weak<dyn WriteHost>,
+    link: ConnId,
+    stream: u32,
+    offset: u64,
+    key: u32,
+    header: rendezvous::SlotHeader,
+    payload: Box<dyn Payload>,
+    imm: u32,
+) {
+    let op = TensorWrite::new(header.encode(), payload, Then::Chunk(stream), host, link);
+    ep.write(offset, key, imm, op);
+}
+
+/// The copy of a chunk from its stream slot (an rdev-stream job): `copy`
+/// fills `dst`. A panic in it fails the chunk (L4: it was lost, and the
+/// stream's receive waited until its step ended), and `dst` is let go
+/// before the caller reports the result (`chunk_copied` of the last chunk
+/// takes the buffer whole).
+pub(super) fn copy_slot_chunk(dst: Arc<StreamBuf>, copy: impl FnOnce(&StreamBuf) -> Result<()>) -> Result<()> {
+    let res = crate::error::catch_panic("copying a stream chunk", || copy(&dst)).and_then(|r| r);
+    drop(dst);
+    res
+}
+
 impl Inner {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn write_chunk(&self, link: ConnId, stream: u32, offset: u64, key: u32, header: rendezvous::SlotHeader, payload: Box<dyn Payload>, imm: u32) {
@@ -51,10 +80,7 @@ impl Inner {
             return;
         };
         let me = self.me.clone();
-        pool::STREAM.schedule(move || {
-            let op = TensorWrite::new(header.encode(), payload, Then::Chunk(stream), me, link);
-            ep.write(offset, key, imm, op);
-        });
+        pool::STREAM.schedule(move || write_chunk_now(&*ep, me, link, stream, offset, key, header, payload, imm));
     }
 
     pub(super) fn send_chunk(&self, link: ConnId, stream: u32, offset: u64, payload: Box<dyn Payload>) {
@@ -90,10 +116,7 @@ impl Inner {
                 let me = self.me.clone();
                 pool::STREAM.schedule(move || {
                     let Some(n) = me.upgrade() else { return };
-                    // A panic here still reports the chunk (failed), so
-                    // the stream's receive completes instead of waiting.
-                    let res = crate::error::catch_panic("copying a stream chunk", || n.copy_from_arena(offset, len, &dst, at)).and_then(|r| r);
-                    drop(dst);
+                    let res = copy_slot_chunk(dst, |dst| n.copy_from_arena(offset, len, dst, at));
                     let acts = n.locked(|r| r.chunk_copied(link, stream, Some((slot, gen)), len, res));
                     n.exec(acts);
                 });
@@ -118,3 +141,6 @@ impl Inner {
         dst.write_at(at, src)
     }
 }
+
+#[cfg(all(test, feature = "shuttle"))]
+mod sched_tests;

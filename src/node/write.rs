@@ -12,6 +12,47 @@ use crate::error::Result;
 use crate::fabric::{ConnId, Segs, WriteOp};
 use crate::rendezvous::{Action, Payload, SendDone};
 
+/// What a finished write reports to: the node (`Inner`, below), or the
+/// schedule tests' stand-in for it (`stream::sched_tests`), so that the
+/// same completion code runs in both.
+pub(super) trait WriteHost: Send + Sync {
+    /// A tensor's write finished with `r`: run `done`, then free the
+    /// link's write budget.
+    fn send_written(&self, link: ConnId, done: SendDone, r: Result<()>);
+    /// A chunk write of stream `stream` finished with `r`.
+    fn chunk_written(&self, link: ConnId, stream: u32, r: Result<()>);
+}
+
+impl WriteHost for Inner {
+    fn send_written(&self, link: ConnId, done: SendDone, r: Result<()>) {
+        if crate::fabric::on_event_thread() {
+            // A verbs write completes on the backend's progress thread:
+            // TensorFlow's callback goes to rdev-callbacks.
+            self.handoff.run(Action::SendDone { done, result: r });
+        } else {
+            complete_send(done, r);
+        }
+        let acts = self.locked(|rdv| rdv.write_done(link));
+        self.exec(acts);
+    }
+
+    fn chunk_written(&self, link: ConnId, stream: u32, r: Result<()>) {
+        let acts = self.locked(|rdv| rdv.chunk_written(link, stream, r));
+        self.exec(acts);
+    }
+}
+
+fn complete_send(done: SendDone, r: Result<()>) {
+    let t = crate::trace::start();
+    done.complete(r);
+    crate::trace::end("send_done", t, 0, 0, None);
+}
+
+/// No host: what a write holds once it finished.
+fn no_host() -> Weak<dyn WriteHost> {
+    Weak::<Inner>::new()
+}
+
 /// What the completion of a write leads to.
 pub(super) enum Then {
     /// A tensor's write: complete the send, then free the link's budget.
@@ -26,14 +67,14 @@ pub(super) struct TensorWrite {
     header: [u8; HEADER_BYTES],
     payload: Option<Box<dyn Payload>>,
     then: Then,
-    node: Weak<Inner>,
+    node: Weak<dyn WriteHost>,
     link: ConnId,
 }
 
 static WRITES: Recycler<TensorWrite> = Recycler::new(crate::completion::KEPT);
 
 impl TensorWrite {
-    pub(super) fn new(header: [u8; HEADER_BYTES], payload: Box<dyn Payload>, then: Then, node: Weak<Inner>, link: ConnId) -> Box<TensorWrite> {
+    pub(super) fn new(header: [u8; HEADER_BYTES], payload: Box<dyn Payload>, then: Then, node: Weak<dyn WriteHost>, link: ConnId) -> Box<TensorWrite> {
         WRITES.boxed(TensorWrite { header, payload: Some(payload), then, node, link })
     }
 }
@@ -65,30 +106,16 @@ impl TensorWrite {
             p.release();
         }
         let then = std::mem::replace(&mut self.then, Then::Nothing);
-        let node = std::mem::take(&mut self.node);
+        let node = std::mem::replace(&mut self.node, no_host());
         let link = self.link;
         match then {
-            Then::Send(done) => {
-                let n = node.upgrade();
-                match &n {
-                    // A verbs write completes on the backend's progress
-                    // thread: TensorFlow's callback goes to rdev-callbacks.
-                    Some(n) if crate::fabric::on_event_thread() => n.handoff.run(Action::SendDone { done, result: r }),
-                    _ => {
-                        let t = crate::trace::start();
-                        done.complete(r);
-                        crate::trace::end("send_done", t, 0, 0, None);
-                    }
-                }
-                if let Some(n) = n {
-                    let acts = n.locked(|rdv| rdv.write_done(link));
-                    n.exec(acts);
-                }
-            }
+            Then::Send(done) => match node.upgrade() {
+                Some(n) => n.send_written(link, done, r),
+                None => complete_send(done, r),
+            },
             Then::Chunk(stream) => {
                 if let Some(n) = node.upgrade() {
-                    let acts = n.locked(|rdv| rdv.chunk_written(link, stream, r));
-                    n.exec(acts);
+                    n.chunk_written(link, stream, r);
                 }
             }
             Then::Nothing => {}
@@ -148,7 +175,7 @@ mod tests {
     #[test]
     fn a_write_dropped_by_a_panicking_job_completes_its_done_once_with_an_error() {
         let (runs, errs) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-        let op = TensorWrite::new([0; HEADER_BYTES], Box::new(vec![1u8; 8]), Then::Send(Box::new(Count(runs.clone(), errs.clone()))), Weak::new(), 3);
+        let op = TensorWrite::new([0; HEADER_BYTES], Box::new(vec![1u8; 8]), Then::Send(Box::new(Count(runs.clone(), errs.clone()))), no_host(), 3);
         let r = crate::error::catch_panic("a test write", move || {
             let _held = op;
             panic!("the backend's write panicked");
@@ -157,7 +184,7 @@ mod tests {
         assert_eq!((runs.load(Ordering::SeqCst), errs.load(Ordering::SeqCst)), (1, 1));
         // A completed write runs it once, and only then.
         let (runs, errs) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-        let op = TensorWrite::new([0; HEADER_BYTES], Box::new(vec![1u8; 8]), Then::Send(Box::new(Count(runs.clone(), errs.clone()))), Weak::new(), 3);
+        let op = TensorWrite::new([0; HEADER_BYTES], Box::new(vec![1u8; 8]), Then::Send(Box::new(Count(runs.clone(), errs.clone()))), no_host(), 3);
         WriteOp::complete(op, Ok(()));
         assert_eq!((runs.load(Ordering::SeqCst), errs.load(Ordering::SeqCst)), (1, 0));
     }

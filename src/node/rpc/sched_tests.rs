@@ -174,11 +174,7 @@ fn run(chaos: Chaos, parts: usize, hold: bool) {
             });
             let r = a.rpc.call(&*a, "b", 1, &body(parts), timeout, false, done);
             *id_cell.lock().unwrap() = Some(r.is_ok());
-            if let Ok(id) = r {
-                id
-            } else {
-                0
-            }
+            r.unwrap_or_default()
         })
     };
     let chaos_thread = {
