@@ -21,6 +21,9 @@ pub(super) trait WriteHost: Send + Sync {
     fn send_written(&self, link: ConnId, done: SendDone, r: Result<()>);
     /// A chunk write of stream `stream` finished with `r`.
     fn chunk_written(&self, link: ConnId, stream: u32, r: Result<()>);
+    /// Run `job` later, never on the calling thread (the node: on
+    /// `rdev-callbacks`): for a write dropped while its thread unwinds.
+    fn later(&self, job: Box<dyn FnOnce() + Send>);
 }
 
 impl WriteHost for Inner {
@@ -39,6 +42,11 @@ impl WriteHost for Inner {
     fn chunk_written(&self, link: ConnId, stream: u32, r: Result<()>) {
         let acts = self.locked(|rdv| rdv.chunk_written(link, stream, r));
         self.exec(acts);
+    }
+
+    fn later(&self, job: Box<dyn FnOnce() + Send>) {
+        let done: SendDone = Box::new(move |_: Result<()>| job());
+        self.handoff.run(Action::SendDone { done, result: Ok(()) });
     }
 }
 
@@ -142,11 +150,10 @@ impl Drop for TensorWrite {
                     header: [0; HEADER_BYTES],
                     payload: self.payload.take(),
                     then: std::mem::replace(&mut self.then, Then::Nothing),
-                    node: std::mem::take(&mut self.node),
+                    node: std::mem::replace(&mut self.node, no_host()),
                     link: self.link,
                 };
-                let job: SendDone = Box::new(move |_: Result<()>| rest.finish(Err(why())));
-                n.handoff.run(Action::SendDone { done: job, result: Ok(()) });
+                n.later(Box::new(move || rest.finish(Err(why()))));
                 return;
             }
         }
@@ -204,7 +211,7 @@ mod tests {
                 let _ = self.0.send((std::thread::current().name().map(str::to_string), r.is_err()));
             }
         }
-        let op = TensorWrite::new([0; HEADER_BYTES], Box::new(vec![1u8; 8]), Then::Send(Box::new(Where(tx))), Arc::downgrade(&node.inner), 3);
+        let op = TensorWrite::new([0; HEADER_BYTES], Box::new(vec![1u8; 8]), Then::Send(Box::new(Where(tx))), { let w: Weak<Inner> = Arc::downgrade(&node.inner); w }, 3);
         let r = crate::error::catch_panic("a test write", move || {
             let _held = op;
             panic!("the backend's write panicked");
