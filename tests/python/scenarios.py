@@ -556,12 +556,11 @@ def tf1_resize(spec, ready):
             "stats": _stats(spec)}
 
 
-def big_reply(spec, ready):
-    """A fetch of more than 1 GiB from a partition the master does not run.
-    TF's master returns a fetch through the RunGraph reply of the worker
-    whose partition made it (its recv_key), not as a tensor sent between
-    tasks, so this is a RunGraph response of over 1 GiB. Two steps: the
-    link must stay up for the second."""
+def big_fetch(spec, ready):
+    """A TF1 fetch of more than 1 GiB made on another task, twice (the
+    link must stay up for the second step). TF's master receives a fetch
+    on its own device, so the tensor crosses from the worker as a tensor,
+    not inside the RunGraph reply."""
     import tensorflow as tf
 
     tf.compat.v1.disable_eager_execution()
