@@ -582,3 +582,53 @@ def big_fetch(spec, ready):
             digests.append(hashlib.sha256(memoryview(out)).hexdigest())
             del out
     return {"digests": digests, "sizes": sizes, "stats": _stats(spec)}
+
+
+def tf1_run_options(spec, ready):
+    """TF1 features that ride on RunGraph's options and reply, over tensors
+    that cross tasks: a FULL_TRACE step's RunMetadata, a cost model
+    (GraphOptions.build_cost_model: record_costs in every RunGraph), and
+    Session.make_callable. Returns what each produced, to compare with
+    stock gRPC (timings left out)."""
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+    server = _start_chief_server(spec, tf)
+    ready()
+    w0, _ = initial_values()
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device(PS):
+            w = tf.compat.v1.get_variable("w", initializer=w0)
+        with tf.device(CHIEF):
+            x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")
+        with tf.device(WORKER):
+            h = tf.nn.relu(tf.matmul(x, w))                       # chief,ps -> worker
+            big = tf.tile(h, [64, 1024])                          # a few MB back
+        with tf.device(CHIEF):
+            loss = tf.reduce_sum(big) + tf.reduce_sum(h)          # worker -> chief
+        init = tf.compat.v1.global_variables_initializer()
+    config = tf.compat.v1.ConfigProto(graph_options=tf.compat.v1.GraphOptions(build_cost_model=1))
+    digest = Digest()
+    lanes = {}
+    with tf.compat.v1.Session(server.target, graph=graph, config=config) as sess:
+        sess.run(init)
+        md = tf.compat.v1.RunMetadata()
+        full = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
+                                       output_partition_graphs=True)
+        digest.add(sess.run(loss, {x: batch(1)}, options=full, run_metadata=md))
+        for dev in md.step_stats.dev_stats:
+            lanes.setdefault(dev.device, set()).update(n.node_name for n in dev.node_stats)
+        # The cost model is built over a few steps.
+        md2 = tf.compat.v1.RunMetadata()
+        for step in range(2, 6):
+            digest.add(sess.run(loss, {x: batch(step)}, options=full, run_metadata=md2))
+        costs = sorted({(n.name, n.device) for n in md2.cost_graph.node})
+        fn = sess.make_callable([loss, h], feed_list=[x])
+        for step in range(6, 10):
+            for v in fn(batch(step)):
+                digest.add(v)
+    return {"digest": digest.hexdigest(), "items": digest.items,
+            "lanes": {d: sorted(n) for d, n in lanes.items()},
+            "cost_nodes": costs, "partition_graphs": len(md.partition_graphs),
+            "stats": _stats(spec)}
