@@ -53,7 +53,8 @@ impl Handoff {
     /// capacity, so a steady state allocates nothing). Never runs it on
     /// the calling thread, which may hold a caller's lock that `a` takes
     /// (a TF cancellation callback's mutex): out of memory for the queue,
-    /// it goes to a thread of its own; only if no thread can start either
+    /// it goes to a thread of its own (so it may run out of the queue's
+    /// order; still exactly once); only if no thread can start either
     /// does it run here (logged).
     pub(super) fn run(&self, a: Action) {
         let Some(sh) = &self.shared else {

@@ -249,6 +249,9 @@ impl Rpc {
             if let Some(o) = self.out.lock().remove(&id) {
                 w.later(Box::new(move || (o.done)(CODE_INTERNAL, why.into_bytes())));
             }
+            // Parts may have gone out: the callee drops what it holds of
+            // the call rather than wait for the rest (best effort).
+            let _ = crate::error::catch_panic("cancelling a call that failed as it started", || w.send(link, &Msg::CallCancel { id }));
             Ok(id)
         })
     }
@@ -273,7 +276,9 @@ impl Rpc {
             if let Err(e) = w.send(link, &msg) {
                 let mine = self.out.lock().remove(&id);
                 let why = Error::PeerLost(format!("{}: call to {peer} on connection {link} not sent: {}", w.task(), e.message()));
-                w.fail_link(link, why.clone());
+                // Whatever failing the link does (it runs other code), the
+                // call taken out just above is answered below.
+                let _ = crate::error::catch_panic("failing a link whose call could not be sent", || w.fail_link(link, why.clone()));
                 return match mine {
                     // Nothing reached the peer's server: the caller may go
                     // another way (its `done` is dropped uncalled).
@@ -716,6 +721,9 @@ mod tests {
     struct Loopback {
         sent: Mutex<Vec<Msg>>,
         panic_on_send: bool,
+        /// Refuse sends of a call's part of this index (and later ones).
+        fail_part: Option<u32>,
+        panic_on_fail_link: bool,
         failed: Mutex<Vec<ConnId>>,
     }
 
@@ -730,11 +738,19 @@ mod tests {
             if self.panic_on_send && matches!(msg, Msg::Call { .. }) {
                 panic!("a send that panics");
             }
+            if let (Some(k), Msg::Call { part, .. }) = (self.fail_part, msg) {
+                if *part >= k {
+                    return Err(Error::PeerLost("closed".into()));
+                }
+            }
             self.sent.lock().push(msg.clone());
             Ok(())
         }
         fn fail_link(&self, link: ConnId, _why: Error) {
             self.failed.lock().push(link);
+            if self.panic_on_fail_link {
+                panic!("failing the link panics");
+            }
         }
         fn later(&self, f: Box<dyn FnOnce() + Send>) {
             f()
@@ -768,6 +784,27 @@ mod tests {
         let got = got.lock();
         assert_eq!(got.len(), 1, "done ran {} times", got.len());
         assert_eq!(got[0].0, CODE_INTERNAL);
+    }
+
+    /// Review finding: a send failing in the middle of a call took the
+    /// call out of `out` and then failed the link; a panic there dropped
+    /// `done` unrun while `call` returned `Ok` (TF would wait for ever).
+    /// A failing first part still returns `Err` with `done` unrun; a later
+    /// one runs `done` once, panic or not.
+    #[test]
+    fn a_panic_while_failing_the_link_loses_no_call() {
+        for (fail_part, want_err) in [(0u32, true), (1, false)] {
+            let w = Loopback { fail_part: Some(fail_part), panic_on_fail_link: true, ..Loopback::default() };
+            let rpc = Rpc::default();
+            let (got, done) = recorder();
+            let body = vec![1u8; 2 * CALL_PART_BYTES];
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rpc.call(&w, "/job:peer/task:0", 1, &body, None, false, done)));
+            let r = r.expect("a panic unwound out of Rpc::call");
+            assert_eq!(r.is_err(), want_err, "part {fail_part}: {r:?}");
+            let runs = got.lock().len();
+            assert_eq!(runs, usize::from(!want_err), "part {fail_part} failed: done ran {runs} times");
+            assert!(rpc.out.lock().is_empty());
+        }
     }
 
     /// Review finding: every part but a call's (or reply's) last is
