@@ -166,6 +166,43 @@ pub fn new_nonce() -> Result<[u8; NONCE_LEN]> {
     Ok(n)
 }
 
+/// A refusal's kind and message, for a handshake's refuse frame (both
+/// backends): the sender gets the receiver's error as it was made.
+pub(crate) fn encode_refusal(e: &Error) -> Vec<u8> {
+    let code = match e {
+        Error::InvalidArgument(_) => 1,
+        Error::NotViable(_) => 2,
+        Error::PeerLost(_) => 3,
+        Error::Aborted(_) => 4,
+        Error::Protocol(_) => 5,
+        Error::ResourceExhausted(_) => 6,
+        Error::Io(_) => 7,
+        Error::Config(_) => 8,
+        Error::Timeout(_) => 9,
+        Error::Internal(_) => 10,
+    };
+    let mut v = vec![code];
+    v.extend_from_slice(e.message().as_bytes());
+    v
+}
+
+/// The error `encode_refusal` made (a malformed one is a protocol error).
+pub(crate) fn decode_refusal(b: &[u8]) -> Error {
+    let m = String::from_utf8_lossy(b.get(1..).unwrap_or_default()).into_owned();
+    match b.first() {
+        Some(1) => Error::InvalidArgument(m),
+        Some(2) => Error::NotViable(m),
+        Some(3) => Error::PeerLost(m),
+        Some(4) => Error::Aborted(m),
+        Some(6) => Error::ResourceExhausted(m),
+        Some(7) => Error::Io(m),
+        Some(8) => Error::Config(m),
+        Some(9) => Error::Timeout(m),
+        Some(10) => Error::Internal(m),
+        _ => Error::Protocol(m),
+    }
+}
+
 /// What a backend tells its owner. Calls come from the backend's own
 /// threads (progress / connection threads); they must not block for long.
 /// For one connection, `on_disconnect` is the last call.

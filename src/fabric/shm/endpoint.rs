@@ -182,7 +182,8 @@ impl ShmEndpoint {
             Error::PeerLost(m) => Error::PeerLost(format!("shm handshake with {remote}: the listener closed the connection before answering ({m})")),
             e => e.context(&format!("shm handshake with {remote}")),
         };
-        let refused = |body: &[u8]| Error::NotViable(format!("{remote} refused the shm connection: {}", String::from_utf8_lossy(body)));
+        // The listener's error, of its kind (see `fabric::encode_refusal`).
+        let refused = |body: &[u8]| crate::fabric::decode_refusal(body).context(&format!("{remote} refused the shm connection"));
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
         stream.set_read_timeout(Some(left))?;
         // The listener opens with its nonce for this connection; the hello

@@ -224,8 +224,9 @@ fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<R
     let me = unsafe { libc::getuid() };
     if uid != me {
         let msg = format!("peer uid {uid} differs from ours ({me})");
-        let _ = socket::send_frame(&stream, KIND_REFUSE, msg.as_bytes(), &[]);
-        return Err(Error::InvalidArgument(msg));
+        let e = Error::InvalidArgument(msg);
+        let _ = socket::send_frame(&stream, KIND_REFUSE, &crate::fabric::encode_refusal(&e), &[]);
+        return Err(e);
     }
     // The connection's nonce first: the sender's token proof must cover
     // it, so a hello recorded on another connection proves nothing here.
@@ -236,7 +237,7 @@ fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<R
     if inner.stop.load(Ordering::SeqCst) {
         // Said, not just dropped: the connector then treats this address
         // as having no listener (it may come back), not as a broken peer.
-        let _ = socket::send_frame(&stream, KIND_REFUSE, b"the listener is shutting down", &[]);
+        let _ = socket::send_frame(&stream, KIND_REFUSE, &crate::fabric::encode_refusal(&Error::NotViable("the listener is shutting down".into())), &[]);
         return Err(Error::Aborted("listener is shutting down".into()));
     }
     if kind != KIND_HELLO {
@@ -259,7 +260,7 @@ fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<R
         Ok(r) => r,
         Err(e) => {
             inner.accepting.lock().remove(&id);
-            let _ = socket::send_frame(&stream, KIND_REFUSE, e.to_string().as_bytes(), &[]);
+            let _ = socket::send_frame(&stream, KIND_REFUSE, &crate::fabric::encode_refusal(&e), &[]);
             return Err(e);
         }
     };

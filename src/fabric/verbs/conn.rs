@@ -43,7 +43,7 @@ use super::wr::{self, NO_CHUNK};
 
 mod events;
 mod post;
-pub(crate) use events::{decode_refusal, encode_refusal};
+pub(crate) use crate::fabric::{decode_refusal, encode_refusal};
 use crate::error::{Error, Result};
 use crate::fabric::{ConnId, FabricEvents, WriteOp as FabricWrite};
 

@@ -7,6 +7,7 @@ use rdma_sys::*;
 
 use super::{post, wr, Action, Conn, Finished, Inner, Op, Phase, Role, FLAG_MORE, HDR, HELLO_OK_KEYS, MSG_HELLO, MSG_HELLO_ERR, MSG_HELLO_OK, MSG_USER};
 use crate::error::{Error, Result};
+use crate::fabric::decode_refusal;
 use crate::fabric::verbs::wr::{WrKind, NO_CHUNK};
 
 impl Conn {
@@ -210,43 +211,10 @@ fn take_op(inner: &mut Inner, idx: u32, gen: u32) -> Option<Op> {
 }
 
 /// A refusal travels as one kind byte + the message.
-pub(crate) fn encode_refusal(e: &Error) -> Vec<u8> {
-    let code = match e {
-        Error::InvalidArgument(_) => 1,
-        Error::NotViable(_) => 2,
-        Error::PeerLost(_) => 3,
-        Error::Aborted(_) => 4,
-        Error::Protocol(_) => 5,
-        Error::ResourceExhausted(_) => 6,
-        Error::Io(_) => 7,
-        Error::Config(_) => 8,
-        Error::Timeout(_) => 9,
-        Error::Internal(_) => 10,
-    };
-    let mut v = vec![code];
-    v.extend_from_slice(e.message().as_bytes());
-    v
-}
-
-pub(crate) fn decode_refusal(b: &[u8]) -> Error {
-    let m = String::from_utf8_lossy(b.get(1..).unwrap_or_default()).into_owned();
-    match b.first() {
-        Some(1) => Error::InvalidArgument(m),
-        Some(2) => Error::NotViable(m),
-        Some(3) => Error::PeerLost(m),
-        Some(4) => Error::Aborted(m),
-        Some(6) => Error::ResourceExhausted(m),
-        Some(7) => Error::Io(m),
-        Some(8) => Error::Config(m),
-        Some(9) => Error::Timeout(m),
-        Some(10) => Error::Internal(m),
-        _ => Error::Protocol(m),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fabric::encode_refusal;
 
     #[test]
     fn refusal_keeps_kind_and_message() {
