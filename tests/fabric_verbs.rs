@@ -545,6 +545,61 @@ fn connections_beyond_the_handshake_cap_wait_for_room() {
     l.shutdown();
 }
 
+/// A receiver whose `on_accept` takes `delay` (a node still starting),
+/// keeping the one setup thread busy.
+struct SlowAccept {
+    rec: Arc<Rec>,
+    delay: Duration,
+}
+
+impl FabricEvents for SlowAccept {
+    fn on_accept(&self, c: ConnId, h: &[u8], n: &[u8]) -> Result<Vec<u8>> {
+        std::thread::sleep(self.delay);
+        self.rec.on_accept(c, h, n)
+    }
+    fn on_write_imm(&self, c: ConnId, imm: u32) {
+        self.rec.on_write_imm(c, imm)
+    }
+    fn on_message(&self, c: ConnId, m: &[u8]) {
+        self.rec.on_message(c, m)
+    }
+    fn on_disconnect(&self, c: ConnId, why: Error) {
+        self.rec.on_disconnect(c, why)
+    }
+}
+
+/// M2's deadline, with the receiver's one setup thread kept busy by a slow
+/// `on_accept` (a node still starting): connections past their hello
+/// deadline fail, none is accepted late, and none looks to its sender like
+/// "nobody listens here" (NotViable routes the peer over gRPC for good).
+/// A request still unanswered at its deadline is refused with a timeout
+/// (`handshakes::tend`); here the setup thread answered each request before
+/// its deadline, so this run covers the deadline after the answer only.
+#[test]
+#[cfg_attr(not(feature = "verbs-device-tests"), ignore = "needs an RDMA device: tests/softroce/run.sh runs it on Soft-RoCE")]
+fn connections_past_their_deadline_behind_a_busy_setup_thread_never_look_like_no_listener() {
+    let Some(f) = fabric_with(VerbsOptions { hello_timeout: Duration::from_millis(600), ..VerbsOptions::default() }) else { return };
+    let arena = Arc::new(Arena::new("verbs-busy-setup", 1 << 20).unwrap());
+    let rx = Rec::new(false);
+    let l = f.listen(&format!("{}:0", local_ip(&f)), arena, Arc::new(SlowAccept { rec: rx.clone(), delay: Duration::from_millis(2500) })).unwrap();
+    let mut threads = Vec::new();
+    for i in 0..3 {
+        let (addr, g) = (l.local_addr(), fabric().expect("selected"));
+        threads.push(std::thread::spawn(move || g.connect(&addr, format!("c{i}").as_bytes(), Rec::new(false), Duration::from_secs(20), true).map(|_| ())));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let results: Vec<Result<()>> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    println!("{results:?}");
+    for r in &results {
+        match r {
+            Err(Error::NotViable(m)) => panic!("a connection closed at its deadline looked like no listener: {m}"),
+            Err(_) => {}
+            Ok(()) => panic!("a connection past its deadline was accepted"),
+        }
+    }
+    l.shutdown();
+}
+
 // ---- Transport choice and the whole protocol over verbs (node level) --
 
 /// A peer on another host gets verbs when the device is viable; without a

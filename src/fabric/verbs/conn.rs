@@ -183,6 +183,8 @@ pub(crate) struct Inner {
     /// Passive side: the nonce this connection was accepted with (goes to
     /// `on_accept` with the sender's hello).
     pub nonce: [u8; crate::fabric::NONCE_LEN],
+    /// Passive side: the sender's hello arrived (only one is taken).
+    pub hello_taken: bool,
     /// Active side: the hello to send once established.
     pub hello: Vec<u8>,
     /// Active side: how `connect` ends.
@@ -266,6 +268,7 @@ impl Conn {
                 remote: None,
                 peer_hello: Vec::new(),
                 nonce: [0; crate::fabric::NONCE_LEN],
+                hello_taken: false,
                 hello: Vec::new(),
                 result: None,
                 owes_disconnect: false,

@@ -350,10 +350,12 @@ fn kill_all(sh: &Arc<Shared>, why: &Error) {
     for t in tokens {
         close_listener(sh, t);
     }
+    handshakes::drop_waiting(sh, None);
 }
 
 fn close_listener(sh: &Arc<Shared>, token: u64) {
     let Some(l) = sh.listeners.lock().remove(&token) else { return };
+    handshakes::drop_waiting(sh, Some(token));
     drop(l.cm.lock().take());
     let ids: Vec<ConnId> = l.conns.lock().drain().collect();
     for id in ids {

@@ -124,7 +124,15 @@ impl Conn {
         let msg = std::mem::take(&mut inner.reasm);
         match (kind, self.role, inner.phase) {
             (MSG_USER, _, Phase::Ready) => acts.push(Action::Message(msg)),
-            (MSG_HELLO, Role::Passive, Phase::Handshake) => acts.push(Action::Accept(msg)),
+            (MSG_HELLO, Role::Passive, Phase::Handshake) => {
+                // One hello per connection: a second would be accepted
+                // again (the node would register the link twice and hear
+                // of its end twice).
+                if std::mem::replace(&mut inner.hello_taken, true) {
+                    return Err(Error::Protocol("a second hello on one connection".into()));
+                }
+                acts.push(Action::Accept(msg))
+            }
             (MSG_HELLO_OK, Role::Active, Phase::Handshake) => {
                 let (Some(addr), Some(rkey)) = (
                     msg.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes),
@@ -210,11 +218,35 @@ fn take_op(inner: &mut Inner, idx: u32, gen: u32) -> Option<Op> {
     Some(op)
 }
 
-/// A refusal travels as one kind byte + the message.
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::fabric::encode_refusal;
+
+    /// Review finding: a sender's second hello, while the connection was
+    /// still in the handshake, was accepted again (the node registered the
+    /// link twice and heard of its end twice). One hello is taken; a
+    /// second is a protocol error that closes the connection.
+    #[test]
+    fn a_second_hello_on_one_connection_is_a_protocol_error() {
+        let ev = crate::fabric::conformance::Recorder::new(b"", None);
+        let sizing = super::super::Sizing { slot: 4096, n_recv: 1, n_send: 1, n_small: 0, chunk: 4096, n_chunks: 0, sq_depth: 1, register_threshold: 1 << 20 };
+        let c = Conn::new(1, Role::Passive, ev, 0, sizing);
+        let mut inner = c.inner.lock();
+        inner.phase = Phase::Handshake;
+        let mut frag = vec![MSG_HELLO, 0, 0, 0];
+        frag.extend_from_slice(&5u32.to_le_bytes());
+        frag.extend_from_slice(b"hello");
+        // SAFETY: ibv_wc is plain old data.
+        let mut wc: ibv_wc = unsafe { std::mem::zeroed() };
+        wc.opcode = ibv_wc_opcode::IBV_WC_RECV;
+        wc.byte_len = frag.len() as u32;
+        let mut acts = Vec::new();
+        c.on_recv(&mut inner, &wc, &frag, &mut acts).unwrap();
+        assert!(matches!(acts[..], [Action::Accept(_)]), "the first hello is taken");
+        let r = c.on_recv(&mut inner, &wc, &frag, &mut acts);
+        assert!(matches!(r, Err(Error::Protocol(_))), "a second hello was taken: {} actions", acts.len());
+    }
 
     #[test]
     fn refusal_keeps_kind_and_message() {

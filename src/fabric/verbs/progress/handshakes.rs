@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use super::{events, kill, ListenerShared, Request, Shared};
 use crate::error::Error;
 use crate::fabric::verbs::cm::CmId;
+use crate::fabric::verbs::conn::Phase;
 use crate::fabric::ConnId;
 
 /// Connect requests that may wait for room before more are refused.
@@ -119,15 +120,51 @@ pub(super) fn tend(sh: &Arc<Shared>) {
     let timeout = sh.opts.hello_timeout;
     for id in late {
         let c = sh.conns.lock().get(&id).cloned();
-        if let Some(c) = c {
-            log::warn!("verbs: connection {id} sent no acceptable hello within {timeout:?}: closing it");
-            kill(sh, &c, Error::Timeout(format!("the sender was not accepted within {timeout:?} of connecting")));
+        let Some(c) = c else { continue };
+        let why = Error::Timeout(format!("the sender was not accepted within {timeout:?} of connecting"));
+        {
+            // Under the connection's lock: the setup thread brings it up
+            // (and accepts it) under the same lock.
+            let inner = c.inner.lock();
+            match inner.phase {
+                // Accepted meanwhile (its `done` is on its way): it stays.
+                Phase::Ready => continue,
+                // Not answered yet (the setup thread is busy): say why, or
+                // the sender would read a bare reject as "nobody listens"
+                // and give up on the transport.
+                Phase::Connecting => {
+                    if let Some(cm) = inner.cm.as_ref() {
+                        events::reject(cm.raw, &why);
+                    }
+                }
+                _ => {}
+            }
         }
+        log::warn!("verbs: connection {id} sent no acceptable hello within {timeout:?}: closing it");
+        kill(sh, &c, why);
     }
     for w in expired {
         refuse(&w, &busy(sh));
     }
     for w in start {
         events::bring_up(sh, w);
+    }
+}
+
+/// A listener closed (`Some(token)`) or the runtime shuts down (`None`):
+/// refuse the connect requests still waiting for room for it.
+pub(super) fn drop_waiting(sh: &Shared, token: Option<u64>) {
+    let gone: Vec<Waiting> = {
+        let mut hs = sh.handshakes.lock();
+        let (gone, keep): (Vec<Waiting>, Vec<Waiting>) =
+            std::mem::take(&mut hs.waiting).into_iter().partition(|w| match token {
+                Some(t) => w.listener.token == t,
+                None => true,
+            });
+        hs.waiting = keep.into();
+        gone
+    };
+    for w in gone {
+        refuse(&w, &Error::NotViable("listener is closed".into()));
     }
 }
