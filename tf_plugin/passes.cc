@@ -14,7 +14,7 @@
 // no RegisterGraph happens. So this pass places every partition's static
 // edges from here: its own directly, the other tasks' by asking each sender
 // (rdev_request_placement), and on a thread of the user's waits for them, so the
-// function's first run already pushes. See the README section "Placement
+// function's first run already pushes. See docs/design.md, "Placement
 // at graph-registration time".
 //
 // TF1 sessions do not come here: their workers run POST_PARTITIONING with

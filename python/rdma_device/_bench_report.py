@@ -285,22 +285,36 @@ def _render(meta, records, names, out, root, args):
     return 1 if failed else 0
 
 
+def _documents(root):
+    """README.md and docs/*.md: where generated regions may be."""
+    paths = [os.path.join(root, "README.md")]
+    d = os.path.join(root, "docs")
+    if os.path.isdir(d):
+        paths += sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".md"))
+    return paths
+
+
 def _rewrite_readme(root, meta, tables, records, out):
     if not root:
         print("bench report: not in a checkout: README and docs/ left alone")
         return
-    path = os.path.join(root, "README.md")
-    with open(path) as f:
-        text = f.read()
+    texts = {}
+    for path in _documents(root):
+        with open(path) as f:
+            texts[path] = f.read()
     for n, table in tables.items():
         ok = sum(1 for r in records if r["bench"] == n and "error" not in r)
-        new = _bench_tables.replace_region(text, n, _header(meta, n, ok, records) + "\n\n" + table)
-        if new is None:
-            print(f"bench report: README has no {_bench_tables.marker(n)} markers: {n}'s table is only in report.md")
+        body = _header(meta, n, ok, records) + "\n\n" + table
+        for path, text in texts.items():
+            new = _bench_tables.replace_region(text, n, body)
+            if new is not None:
+                texts[path] = new
+                break
         else:
-            text = new
-    with open(path, "w") as f:
-        f.write(text)
+            print(f"bench report: no document has {_bench_tables.marker(n)} markers: {n}'s table is only in report.md")
+    for path, text in texts.items():
+        with open(path, "w") as f:
+            f.write(text)
     docs = os.path.join(root, "docs", "eval")
     os.makedirs(docs, exist_ok=True)
     if os.path.exists(os.path.join(out, "fabric.png")):
@@ -311,7 +325,7 @@ def _rewrite_readme(root, meta, tables, records, out):
         for f in os.listdir(last):
             if f.endswith(".png"):
                 shutil.copy(os.path.join(last, f), docs)
-    print(f"bench report: README.md's generated regions and {docs} rewritten")
+    print(f"bench report: the generated regions of README.md and docs/*.md, and {docs}, rewritten")
 
 
 def add_parser(sub):

@@ -12,7 +12,7 @@ libgcc: the shim (librdma_device_tf.so) by function, the transport
 Prints a table per protocol; asserts that the counter saw every task's
 allocations (so a zero below is a measurement, not a blind spot) and that
 the transport library allocates nothing per tensor in the steady state
-(the README's "The hot path allocates nothing", here with the shim and
+(docs/design.md, "The tensor path allocates nothing", here with the shim and
 TensorFlow around it and several edges at once)."""
 
 import collections

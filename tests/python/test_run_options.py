@@ -27,12 +27,12 @@ def test_full_trace_cost_model_and_callables_match_stock_grpc(log_dir, plugin_bu
     # Every op's stats are there as under stock. Stock also logs each
     # tensor a worker pulled by gRPC as a "RecvTensor" entry on that
     # worker's lane; tensors that crossed over the transport are not
-    # logged there (the README says so). Pin exactly that difference.
+    # logged there (docs/worker-rpcs.md says so). Pin exactly that difference.
     def without_recv_tensor(lanes):
         return {d: [n for n in names if n != "RecvTensor"] for d, names in lanes.items()}
     assert without_recv_tensor(ours["lanes"]) == without_recv_tensor(stock["lanes"]), "op stats differ from stock's"
     assert any("RecvTensor" in names for names in stock["lanes"].values()), "stock logged no RecvTensor"
     assert not any("RecvTensor" in names for names in ours["lanes"].values()), \
-        "transport transfers now appear as RecvTensor: update this test and the README"
+        "transport transfers now appear as RecvTensor: update this test and docs/worker-rpcs.md"
     c = ours["stats"]["counters"]
     assert c["tensors_received"] > 0 and c["fallback_tensors"] == 0, c

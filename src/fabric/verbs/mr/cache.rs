@@ -3,7 +3,7 @@
 //!
 //! A large write's segments are written straight from the application's
 //! memory, which must be registered. Registering per write costs a kernel
-//! pin + translation + unpin per write (see the README's numbers); the
+//! pin + translation + unpin per write (see docs/verbs.md's numbers); the
 //! cache keeps a write source's region after the write and hands it to the
 //! next write from the same pages, as TensorFlow's allocator hands a
 //! step's tensor the memory the last step freed.
