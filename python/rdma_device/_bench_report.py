@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -215,8 +216,60 @@ def _fabric_plot(runs, path):
     return path
 
 
+# What a generated block's numbers depend on: a commit touching one of
+# these after the block's stamped commit makes the block stale.
+CODE_PATHS = ("src", "tf_plugin", "python", "Cargo.toml", "Cargo.lock", "CMakeLists.txt", "include", "cmake")
+_STAMP = re.compile(r"\((\d+) runs? per benchmark.*?commit ([0-9a-f]{7,40})\b", re.S)
+
+
+def stale_blocks(root):
+    """Every generated block of README.md and docs/*.md that is not fresh:
+    [(document, benchmark, why)]. Stale: code changed (CODE_PATHS) after
+    the commit the block is stamped with, the stamp is unknown to git, or
+    it was made from fewer than 3 runs."""
+    found = []
+    begin = re.compile(r"<!-- report:(\S+) begin -->\n(.*?)<!-- report:\1 end -->", re.S)
+    for path in _documents(root):
+        with open(path) as f:
+            text = f.read()
+        doc = os.path.relpath(path, root)
+        for m in begin.finditer(text):
+            name, body = m.group(1), m.group(2)
+            stamp = _STAMP.search(body)
+            if not stamp:
+                found.append((doc, name, "no run count and commit stamp in its header"))
+                continue
+            runs, rev = int(stamp.group(1)), stamp.group(2)
+            p = subprocess.run(["git", "-C", root, "log", "--format=%h %s", f"{rev}..HEAD", "--", *CODE_PATHS],
+                               capture_output=True, text=True)
+            if p.returncode != 0:
+                found.append((doc, name, f"stamped commit {rev} is not in this repository's history"))
+                continue
+            changed = p.stdout.splitlines()
+            if changed:
+                found.append((doc, name, f"generated at {rev}; {len(changed)} commit(s) changed code since, "
+                                         f"the latest: {changed[0]}"))
+            elif runs < 3:
+                found.append((doc, name, f"generated from {runs} run(s) per benchmark (at least 3 are needed)"))
+    return found
+
+
+def check(root):
+    """`bench report --check`: list the stale generated blocks; exit 1 if any."""
+    if not root:
+        raise SystemExit("bench report --check: not in a checkout")
+    found = stale_blocks(root)
+    for doc, name, why in found:
+        print(f"stale: {doc}: {name}: {why}")
+    print(f"bench report --check: {len(found)} stale generated block(s)"
+          + ("; regenerate with `python -m rdma_device.bench report`" if found else ""))
+    return 1 if found else 0
+
+
 def report(args):
     root = repo_root()
+    if getattr(args, "check", False):
+        return check(root)
     if args.render:
         # Tables, report.md and the README again from a finished run's
         # report.json (nothing is measured).
@@ -338,6 +391,9 @@ def add_parser(sub):
     r.add_argument("--seed", type=int, default=None, help="seed of the run order (default: random, recorded)")
     r.add_argument("--timeout", type=int, default=7200, help="seconds one benchmark run may take")
     r.add_argument("--no-readme", action="store_true", help="leave README.md and docs/ alone")
+    r.add_argument("--check", action="store_true",
+                   help="measure nothing: list every generated block of README.md and docs/ made before a code "
+                        "change or from fewer than 3 runs (exit 1 if any)")
     r.add_argument("--render", default="", metavar="DIR",
                    help="measure nothing: write the tables (and the README's regions) again from DIR/report.json")
     return report
