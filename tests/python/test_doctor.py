@@ -110,7 +110,11 @@ def test_pair_over_shm_on_loopback(plugin_built):
     rows = out["results"]
     assert [r["size"] for r in rows] == [1 << 10, 64 << 10, 1 << 20, 4 << 20]
     for r in rows:
-        assert 0 < r["gbps"] < 1000 and 0 < r["memcpy_gbps"] < 1000, r
+        # Over shm a one-sided write is a copy into the receiver's slot: it
+        # cannot beat this host's own memcpy of the same size (measured by
+        # the same run with as many threads) by more than timing noise.
+        assert 0 < r["gbps"] <= 1.5 * r["memcpy_gbps"], r
+        assert 0.1 < r["memcpy_gbps"] < 500, r
         assert abs(r["ratio"] - r["gbps"] / r["memcpy_gbps"]) < 1e-6 * max(1, r["ratio"]), r
         assert 1 < r["rtt_us"] < 5e6 and r["receiver_cpu_s_per_gb"] >= 0, r
         assert r["placed"] is True, r

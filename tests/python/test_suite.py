@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import rdma_device
 from rdma_device import _suite
@@ -24,7 +25,9 @@ def test_suite_tiny(tmp_path, plugin_built):
     cmd = [sys.executable, "-m", "rdma_device.bench", "suite", "--quick", "--out", str(out),
            "--workloads", "wide_deep", "--workers", "2", "--reps", "1", "--block", "2", "--warmup", "1",
            "--sweep-sizes", "256K"]
+    t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=360, env=env)
+    wall_ms = (time.monotonic() - t0) * 1000
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())
     modes = [m for m, *_ in _suite.modes_available()]
@@ -37,6 +40,9 @@ def test_suite_tiny(tmp_path, plugin_built):
         # gradients between the ps and each worker: dozens of tensors.
         assert r["tensors_per_step"] >= 10, r
         assert r["bytes_per_step"] > 0 and r["avg_tensor_bytes"] > 0
+    # Against a clock of our own: every mode's measured steps (--reps 1 x
+    # --block 2 each) ran inside this process's wall time.
+    assert sum(2 * r["step_ms"] for r in rows) < wall_ms, (wall_ms, [(r["mode"], r["step_ms"]) for r in rows])
     # The transport counted at least what the partition graphs say crosses
     # tasks (it also carries the client's fetches and the steps' control edges).
     graph = next(r for r in rows if r["mode"] == "grpc")
