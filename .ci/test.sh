@@ -15,6 +15,17 @@ section() {
   echo "== $1"
 }
 trap '[ -n "${SECTION:-}" ] && echo "== ($SECTION: ${SECONDS} s)"' EXIT
+# Rust tests that check nothing on this machine say so (tests/common's
+# `skipped`); libtest counts them as passed, so they are listed after each
+# Rust section instead.
+export RDMA_DEVICE_SKIP_LOG="$(mktemp)"
+show_skips() {
+  if [ -s "$RDMA_DEVICE_SKIP_LOG" ]; then
+    echo "-- skipped (ran, checked nothing here): $(wc -l <"$RDMA_DEVICE_SKIP_LOG") test(s)"
+    sort "$RDMA_DEVICE_SKIP_LOG" | sed 's/^/   /'
+    : >"$RDMA_DEVICE_SKIP_LOG"
+  fi
+}
 section "set-up (.ci/setup.sh, torch)"
 bash .ci/setup.sh
 # PyTorch, for the endpoint API's DLPack test with torch tensors and the gloo
@@ -28,6 +39,7 @@ fi
 
 section "Rust tests (cargo test --features verbs; verbs device tests run in the VM below)"
 cargo test --features verbs
+show_skips
 # The shm-only build differs from the one above only where the verbs
 # backend is compiled in or out (src/fabric/mod.rs: which backends exist;
 # tests/fabric_verbs.rs): its unit tests, the C ABI (transport choice and
@@ -35,6 +47,7 @@ cargo test --features verbs
 # suites run the same code in both builds and ran above.
 section "the shm-only build (no rdma-core needed): unit, C ABI, shm fabric and node tests (no features)"
 cargo test --lib --test c_abi --test fabric_shm --test node_shm --test header
+show_skips
 
 section "schedule exploration of the call channel and of streamed and written tensors with aborts, lost links and shutdowns (shuttle: random and PCT schedules)"
 cargo test --features shuttle --lib sched
