@@ -517,7 +517,7 @@ impl FabricEvents for Events {
         let (admitted, refused) = {
             let mut links = n.links.lock();
             n.locked_under_links(|r| {
-                r.admit_rx_link(&h.task)?;
+                r.admit_rx_link(&h.task, h.incarnation)?;
                 links.insert(conn, LinkRef::Rx(self.kind));
                 r.add_rx_link(conn, &h.task, h.incarnation);
                 Ok::<(), Error>(())

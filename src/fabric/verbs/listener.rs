@@ -177,7 +177,15 @@ impl Listener for VerbsListener {
         let acts = c.bind(mw.clone())?;
         windows.insert(off, (end, mw));
         drop(windows);
-        progress::run_actions(&self.shared, &c, acts);
+        if !acts.is_empty() {
+            // Every grant runs under the node's protocol lock (and often on
+            // the progress thread): what the connection owes now (a failed
+            // bind's Kill, whose disconnect takes that lock; completions of
+            // writes it failed) must not run here, or the thread deadlocks
+            // on the lock it holds. The setup thread runs it.
+            let (sh, c) = (self.shared.clone(), c.clone());
+            progress::worker::spawn(move || progress::run_actions(&sh, &c, acts));
+        }
         Ok(Some(rkey))
     }
 
