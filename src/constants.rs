@@ -137,8 +137,8 @@ pub const MAX_FAILED_AHEAD_PER_LINK: usize = MAX_FAILED_AHEAD / 4;
 pub const MAX_STREAMED_AHEAD: usize = 4096;
 pub const MAX_STREAMED_AHEAD_PER_LINK: usize = MAX_STREAMED_AHEAD / 4;
 
-/// Live incoming links one life of a task (by the name and incarnation its
-/// hello gives) may hold at once, and all tasks together. The per-link caps above are a quarter of
+/// Live incoming links one task (by the name its hello gives, all its
+/// lives together) may hold at once, and all tasks together. The per-link caps above are a quarter of
 /// the node's: without this a sender could open four links and take a
 /// node-wide budget alone. Two, not one: a reconnecting or restarted task
 /// may connect again before its old link's loss is seen. One more is

@@ -403,7 +403,8 @@ impl Drop for Node {
         self.inner.rpc_serve(None);
         self.inner.rpc_fail_all();
         self.abort_all(Error::Aborted("transport shut down".into()));
-        for l in self.inner.listeners.lock().drain() {
+        let listeners: Vec<_> = self.inner.listeners.lock().drain().collect();
+        for l in listeners {
             l.1.shutdown();
         }
         let eps: Vec<Arc<dyn Endpoint>> = self
@@ -517,7 +518,7 @@ impl FabricEvents for Events {
         let (admitted, refused) = {
             let mut links = n.links.lock();
             n.locked_under_links(|r| {
-                r.admit_rx_link(&h.task, h.incarnation)?;
+                r.admit_rx_link(&h.task)?;
                 links.insert(conn, LinkRef::Rx(self.kind));
                 r.add_rx_link(conn, &h.task, h.incarnation);
                 Ok::<(), Error>(())
@@ -859,7 +860,9 @@ impl Inner {
         match l {
             Some(Ok(e)) => e.close(),
             Some(Err(k)) => {
-                if let Some(l) = self.listeners.lock().get(&k).cloned() {
+                // Looked up first: `listeners` is not held across the call.
+                let l = self.listeners.lock().get(&k).cloned();
+                if let Some(l) = l {
                     l.close_conn(link);
                 }
             }

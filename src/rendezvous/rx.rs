@@ -129,16 +129,15 @@ fn all_lent(r: &RxLink, edge_id: u32) -> bool {
 }
 
 impl Rendezvous {
-    /// May a sender calling itself `peer`, in life `incarnation`, open one
-    /// more incoming link? At most `MAX_RX_LINKS_PER_PEER` from one life of
-    /// a task and `MAX_RX_LINKS` from all (L3: many links must not take a
-    /// node-wide budget). Links of the task's other lives do not count: a
-    /// task that restarted has one life now, and its old links are dead
-    /// even before their loss is seen. Check and `add_rx_link` under one
-    /// lock.
-    pub fn admit_rx_link(&self, peer: &str, incarnation: u64) -> Result<()> {
+    /// May a sender calling itself `peer` open one more incoming link? At
+    /// most `MAX_RX_LINKS_PER_PEER` from one task, all its lives together
+    /// (a sender chooses the incarnation its hello claims, so counting per
+    /// life would let it open two links per made-up life), and
+    /// `MAX_RX_LINKS` from all (L3: many links must not take a node-wide
+    /// budget). Check and `add_rx_link` under one lock.
+    pub fn admit_rx_link(&self, peer: &str) -> Result<()> {
         use crate::constants::{MAX_RX_LINKS, MAX_RX_LINKS_PER_PEER};
-        let from_peer = self.rx.values().filter(|r| r.peer == peer && r.incarnation == incarnation).count();
+        let from_peer = self.rx.values().filter(|r| r.peer == peer).count();
         if from_peer >= MAX_RX_LINKS_PER_PEER {
             return Err(Error::ResourceExhausted(format!(
                 "{peer} already has {from_peer} connections to this task (at most {MAX_RX_LINKS_PER_PEER}); \
