@@ -62,7 +62,8 @@ section "the wheel: built, installed into a fresh venv without build tools, a 2-
 RDMA_DEVICE_CMAKE_BUILD_DIR="$ROOT/build/python-package" bash .ci/wheel.sh
 
 section "TensorFlow cluster tests (pytest)"
-"$VENV/bin/python" -m pytest -q tests/python
+# --durations: the slowest tests, so a suite that grows slower shows where.
+"$VENV/bin/python" -m pytest -q --durations=15 tests/python
 
 section "bench report --quick: every benchmark the README quotes, once, small (tables to a temporary dir, not committed)"
 report_dir=$(mktemp -d)
