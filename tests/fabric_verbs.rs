@@ -432,20 +432,26 @@ fn listener_shutdown_fails_pending_and_disconnects() {
     assert!(write_sync(&*ep, key, 0, vec![Box::new(vec![0u8; 10])], 0).is_err());
 }
 
-/// A sender whose hello is held back: `sign_hello` (on the sender's own
+/// A `Rec` that is slow on purpose: as a sender, `sign_hello` (on its own
 /// progress thread) waits until released or `hold` passes, as a peer that
-/// connects and then says nothing.
-struct HeldHello {
+/// connects and then says nothing; as a receiver, `on_accept` takes
+/// `accept_delay` (a node still starting), keeping the setup thread busy.
+struct Slow {
     rec: Arc<Rec>,
     hold: Duration,
+    accept_delay: Duration,
     release: Mutex<bool>,
     cv: Condvar,
     signing: std::sync::atomic::AtomicBool,
 }
 
-impl HeldHello {
-    fn new(hold: Duration) -> Arc<HeldHello> {
-        Arc::new(HeldHello { rec: Rec::new(false), hold, release: Mutex::new(false), cv: Condvar::new(), signing: Default::default() })
+impl Slow {
+    fn new(rec: Arc<Rec>, hold: Duration, accept_delay: Duration) -> Arc<Slow> {
+        Arc::new(Slow { rec, hold, accept_delay, release: Mutex::new(false), cv: Condvar::new(), signing: Default::default() })
+    }
+    /// A sender holding its hello back for up to `hold`.
+    fn hello(hold: Duration) -> Arc<Slow> {
+        Slow::new(Rec::new(false), hold, Duration::ZERO)
     }
     fn release(&self) {
         *self.release.lock() = true;
@@ -453,7 +459,7 @@ impl HeldHello {
     }
 }
 
-impl FabricEvents for HeldHello {
+impl FabricEvents for Slow {
     fn sign_hello(&self, hello: &[u8], _nonce: &[u8]) -> Vec<u8> {
         self.signing.store(true, std::sync::atomic::Ordering::SeqCst);
         let deadline = Instant::now() + self.hold;
@@ -462,6 +468,7 @@ impl FabricEvents for HeldHello {
         hello.to_vec()
     }
     fn on_accept(&self, c: ConnId, h: &[u8], n: &[u8]) -> Result<Vec<u8>> {
+        std::thread::sleep(self.accept_delay);
         self.rec.on_accept(c, h, n)
     }
     fn on_write_imm(&self, c: ConnId, imm: u32) {
@@ -496,7 +503,7 @@ fn a_silent_sender_is_closed_at_the_hello_deadline() {
     let arena = Arc::new(Arena::new("verbs-hello-deadline", 1 << 20).unwrap());
     let rx = Rec::new(false);
     let l = f.listen(&format!("{}:0", local_ip(&f)), arena, rx.clone()).unwrap();
-    let held = HeldHello::new(Duration::from_secs(4));
+    let held = Slow::hello(Duration::from_secs(4));
     let addr = l.local_addr();
     let (h2, ev) = (held.clone(), evil.clone());
     let t0 = Instant::now();
@@ -524,7 +531,7 @@ fn connections_beyond_the_handshake_cap_wait_for_room() {
     let arena = Arc::new(Arena::new("verbs-handshake-cap", 1 << 20).unwrap());
     let rx = Rec::new(false);
     let l = f.listen(&format!("{}:0", local_ip(&f)), arena, rx.clone()).unwrap();
-    let held = HeldHello::new(Duration::from_secs(8));
+    let held = Slow::hello(Duration::from_secs(8));
     let (a1, h1) = (l.local_addr(), held.clone());
     let first = std::thread::spawn(move || slow.connect(&a1, b"first", h1, Duration::from_secs(20), true).map(|ep| ep.id()));
     wait_until("the first sender to hold its hello", Duration::from_secs(20), || held.signing.load(std::sync::atomic::Ordering::SeqCst));
@@ -545,29 +552,6 @@ fn connections_beyond_the_handshake_cap_wait_for_room() {
     l.shutdown();
 }
 
-/// A receiver whose `on_accept` takes `delay` (a node still starting),
-/// keeping the one setup thread busy.
-struct SlowAccept {
-    rec: Arc<Rec>,
-    delay: Duration,
-}
-
-impl FabricEvents for SlowAccept {
-    fn on_accept(&self, c: ConnId, h: &[u8], n: &[u8]) -> Result<Vec<u8>> {
-        std::thread::sleep(self.delay);
-        self.rec.on_accept(c, h, n)
-    }
-    fn on_write_imm(&self, c: ConnId, imm: u32) {
-        self.rec.on_write_imm(c, imm)
-    }
-    fn on_message(&self, c: ConnId, m: &[u8]) {
-        self.rec.on_message(c, m)
-    }
-    fn on_disconnect(&self, c: ConnId, why: Error) {
-        self.rec.on_disconnect(c, why)
-    }
-}
-
 /// M2's deadline, with the receiver's one setup thread kept busy by a slow
 /// `on_accept` (a node still starting): connections past their hello
 /// deadline fail, none is accepted late, and none looks to its sender like
@@ -581,7 +565,7 @@ fn connections_past_their_deadline_behind_a_busy_setup_thread_never_look_like_no
     let Some(f) = fabric_with(VerbsOptions { hello_timeout: Duration::from_millis(600), ..VerbsOptions::default() }) else { return };
     let arena = Arc::new(Arena::new("verbs-busy-setup", 1 << 20).unwrap());
     let rx = Rec::new(false);
-    let l = f.listen(&format!("{}:0", local_ip(&f)), arena, Arc::new(SlowAccept { rec: rx.clone(), delay: Duration::from_millis(2500) })).unwrap();
+    let l = f.listen(&format!("{}:0", local_ip(&f)), arena, Slow::new(rx.clone(), Duration::ZERO, Duration::from_millis(2500))).unwrap();
     let mut threads = Vec::new();
     for i in 0..3 {
         let (addr, g) = (l.local_addr(), fabric().expect("selected"));

@@ -70,10 +70,16 @@ impl Drop for NoBlocking {
     }
 }
 
+/// Is the calling thread inside [`no_blocking`] (it holds the node's
+/// protocol lock)? Then nothing may call back into the node here.
+pub fn under_no_blocking() -> bool {
+    NO_BLOCKING.with(|d| d.get() > 0)
+}
+
 /// May the calling thread do work that takes long (pin or unpin memory,
 /// copy a tensor)? Not on an event thread, nor under [`no_blocking`].
 pub fn may_block() -> bool {
-    !on_event_thread() && NO_BLOCKING.with(|d| d.get() == 0)
+    !on_event_thread() && !under_no_blocking()
 }
 
 /// Identifies one connection, unique within the process (across backends).

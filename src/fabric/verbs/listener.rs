@@ -21,7 +21,7 @@ use parking_lot::Mutex;
 use rdma_sys::*;
 
 use super::cm::{self, CmId, RawAddr};
-use super::conn::{self, MSG_USER};
+use super::conn::MSG_USER;
 use super::mw::Mw;
 use super::progress::{self, ListenerShared, Request, Shared, LISTENER_BIT};
 use crate::error::{Error, Result};
@@ -177,23 +177,9 @@ impl Listener for VerbsListener {
         let acts = c.bind(mw.clone())?;
         windows.insert(off, (end, mw));
         drop(windows);
-        // Every grant runs under the node's protocol lock (and often on the
-        // progress thread): what the connection owes now must not call back
-        // into the node here, or the thread deadlocks on the lock it holds.
-        // A Kill (a bind behind a failed registration, a failed post) is
-        // requested from the progress thread (no lock, no wait); anything
-        // else goes to the setup thread.
-        let mut rest = Vec::new();
-        for a in acts {
-            match a {
-                conn::Action::Kill(e) => self.shared.request(Request::Kill(c.id, e)),
-                a => rest.push(a),
-            }
-        }
-        if !rest.is_empty() {
-            let (sh, c) = (self.shared.clone(), c.clone());
-            progress::worker::spawn(move || progress::run_actions(&sh, &c, rest));
-        }
+        // Under the node's protocol lock: `run_actions` defers what the
+        // connection owes (a failed bind's Kill) rather than run it here.
+        progress::run_actions(&self.shared, &c, acts);
         Ok(Some(rkey))
     }
 

@@ -251,8 +251,30 @@ impl Shared {
     }
 }
 
-/// Run the callbacks a connection owes, outside every lock.
+/// Run the callbacks a connection owes, outside every lock. A caller that
+/// holds the node's protocol lock (`fabric::no_blocking`: a grant) gets
+/// nothing run in place, since each callback, and a Kill's disconnect, may
+/// take that lock: a Kill is requested from the progress thread (no lock,
+/// no wait), the rest goes to `rdev-verbs-setup`.
 pub(crate) fn run_actions(sh: &Arc<Shared>, c: &Arc<Conn>, acts: Vec<Action>) {
+    if crate::fabric::under_no_blocking() && !acts.is_empty() {
+        let mut rest = Vec::new();
+        for a in acts {
+            match a {
+                Action::Kill(e) => sh.request(Request::Kill(c.id, e)),
+                a => rest.push(a),
+            }
+        }
+        if !rest.is_empty() {
+            let (sh, c) = (sh.clone(), c.clone());
+            worker::spawn(move || run_now(&sh, &c, rest));
+        }
+        return;
+    }
+    run_now(sh, c, acts);
+}
+
+fn run_now(sh: &Arc<Shared>, c: &Arc<Conn>, acts: Vec<Action>) {
     for a in acts {
         match a {
             // Inline on any thread: a registration the write held that
