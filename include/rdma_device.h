@@ -498,6 +498,14 @@ enum rdev_status rdev_serve_reply(const struct rdev_context *ctx,
 // Count a per-step worker RPC that went over gRPC (`worker_rpcs_over_grpc`).
 void rdev_record_worker_rpc_over_grpc(void);
 
+// Count a peer's per-step worker RPC served on the transport's thread that
+// read it (`worker_rpcs_served_inline`).
+void rdev_record_worker_rpc_served_inline(void);
+
+// Count a peer's per-step worker RPC handed to TensorFlow's compute pool
+// (`worker_rpcs_served_on_pool`).
+void rdev_record_worker_rpc_served_on_pool(void);
+
 // true when RDMA_DEVICE_WORKER_RPCS is on: per-step worker RPCs to peers
 // on the transport go over it (`rdev_call`).
 bool rdev_context_worker_rpcs(const struct rdev_context *ctx);

@@ -73,6 +73,8 @@ counters! {
         steps_reopened: "steps whose rendezvous TensorFlow made again after the last one had gone (an eager function's later component on this task): what peers pushed for them meanwhile was kept",
         worker_rpcs_over_transport: "per-step worker RPCs (RunGraph, CleanupGraph) this task made over the transport's message channel",
         worker_rpcs_over_grpc: "per-step worker RPCs this task made over gRPC (peer off the transport, not connected yet, or RDMA_DEVICE_WORKER_RPCS=0)",
+        worker_rpcs_served_inline: "per-step worker RPCs this task served from a peer on the transport's thread that read them (a RunGraph of at most 16 KiB)",
+        worker_rpcs_served_on_pool: "per-step worker RPCs this task served from a peer on TensorFlow's compute pool, where stock's gRPC worker service serves them (a larger RunGraph, every CleanupGraph)",
         collective_tensors: "collective chunks (all-reduce, broadcast, gather) received over this transport; also in tensors_received",
         collective_bytes: "payload bytes of those chunks",
         collective_sent_tensors: "collective chunks this task wrote to a peer over this transport",

@@ -230,6 +230,9 @@ class Transport : public std::enable_shared_from_this<Transport> {
   void ServeInline(uint32_t method);
   void Reply(uint64_t handle, const absl::Status& status, const std::string& body);
   void RecordWorkerRpcOverGrpc();
+  // Counts a peer's worker RPC served where it ran (worker_rpc.cc).
+  enum class ServedOn { kReaderThread, kComputePool };
+  void RecordWorkerRpcServed(ServedOn where);
   // Counts a collective chunk (collectives.h): received or sent over the
   // transport, or received over stock gRPC because of `reason`.
   enum class CollectiveEvent { kReceived, kSent, kFallback };

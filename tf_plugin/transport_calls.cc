@@ -101,6 +101,14 @@ void Transport::Reply(uint64_t handle, const absl::Status& status, const std::st
 
 void Transport::RecordWorkerRpcOverGrpc() { rdev_record_worker_rpc_over_grpc(); }
 
+void Transport::RecordWorkerRpcServed(ServedOn where) {
+  if (where == ServedOn::kReaderThread) {
+    rdev_record_worker_rpc_served_inline();
+  } else {
+    rdev_record_worker_rpc_served_on_pool();
+  }
+}
+
 void Transport::RecordFallback(uint64_t bytes, const std::string& reason) {
   rdev_record_fallback(bytes, reason.data(), reason.size());
 }

@@ -13,6 +13,7 @@
 #include "tensorflow/core/platform/logging.h"
 #include "tensorflow/core/platform/mutex.h"
 #include "tensorflow/core/protobuf/worker.pb.h"
+#include "pool.h"
 #include "trace.h"
 #include "transport.h"
 
@@ -67,7 +68,7 @@ class TransportWorker : public tf::WorkerInterface {
     const int64_t traced = TraceStart();
     const uint64_t step = static_cast<uint64_t>(request->step_id());
     tf::RunGraphResponse* proto = get_proto_from_wrapper(response);
-    auto on_reply = [opts, proto, done, traced, step](const absl::Status& s, std::string reply) {
+    auto finish = [opts, proto, done, traced, step](const absl::Status& s, const std::string& reply) {
       if (opts != nullptr) opts->ClearCancelCallback();
       absl::Status status = s;
       if (status.ok() && !proto->ParseFromString(reply)) {
@@ -76,9 +77,21 @@ class TransportWorker : public tf::WorkerInterface {
       TraceEnd("call:RunGraph", traced, step);
       done(status);
     };
+    auto on_reply = [finish](const absl::Status& s, std::string reply) {
+      if (reply.size() > kParseReplyInlineMax) {
+        // A large reply (step stats, cost graphs, partition graphs) is
+        // parsed on the plugin's data-path pool, not on rdev-callbacks,
+        // which runs every other completion of this transport.
+        auto owned = std::make_shared<std::string>(std::move(reply));
+        Schedule([finish, s, owned] { finish(s, *owned); });
+        return;
+      }
+      finish(s, reply);
+    };
     uint64_t id = 0;
-    // on_reply parses the response and hands it to TF's master, which only
-    // counts it down: fit for the transport's thread that reads the reply.
+    // on_reply parses a small response and hands it to TF's master, which
+    // only counts it down: fit for the transport's thread that reads the
+    // reply.
     absl::Status started =
         transport_->Call(target_, kRunGraph, body, opts != nullptr ? opts->GetTimeout() : 0,
                          /*inline_ok=*/true, on_reply, &id);
@@ -427,9 +440,15 @@ void ServeWorkerRpcs(const std::shared_ptr<Transport>& transport, tf::WorkerInte
     }
   };
   transport->Serve(
-      [serve, served, compute_pool](uint64_t handle, uint32_t method, std::string body) {
+      [weak, serve, served, compute_pool](uint64_t handle, uint32_t method, std::string body) {
         if (method == kRunGraph) served->Arrived(handle);
-        if ((method == kRunGraph && body.size() <= kServeInlineMax) || compute_pool == nullptr) {
+        const bool here =
+            (method == kRunGraph && body.size() <= kServeInlineMax) || compute_pool == nullptr;
+        if (std::shared_ptr<Transport> t = weak.lock()) {
+          t->RecordWorkerRpcServed(here ? Transport::ServedOn::kReaderThread
+                                        : Transport::ServedOn::kComputePool);
+        }
+        if (here) {
           serve(handle, method, body);
           return;
         }

@@ -20,17 +20,18 @@
 // Threads: a call is written to the connection from the caller's thread
 // (TF's master); a successful reply of at most 64 KiB completes on the
 // transport's thread that read it (rdev_call_inline), anything else on its
-// callback thread. A served call runs where TF's gRPC worker service runs
-// it, on the worker's compute pool: the parse of its body (a TF1 feed can
-// be hundreds of MB) and CleanupGraph's teardown (pending receives'
-// callbacks, collective executors' destructors) never hold up the thread
-// that reads the connection. Only a RunGraph of at most kServeInlineMax
-// bytes starts on that thread (rdev_serve_inline: its parse takes
-// microseconds, and RunGraphAsync only prepares the partition and queues
-// its first ops on TF's pool), one thread wake-up fewer per step. The
-// reply is written by the thread that finished the call (for RunGraph,
-// TF's executor thread that finished the partition): one non-blocking
-// send. A response that cannot be serialized (past protobuf's 2 GiB) is
+// callback thread, and a reply larger than that is parsed on the plugin's
+// data-path pool (pool.h), never on either. A served call runs where TF's
+// gRPC worker service runs it, on the worker's compute pool: the parse of
+// its body (a TF1 feed can be hundreds of MB) and CleanupGraph's teardown
+// (pending receives' callbacks, collective executors' destructors) never
+// hold up the thread that reads the connection. Only a RunGraph of at most
+// kServeInlineMax bytes starts on that thread (rdev_serve_inline: its parse
+// takes microseconds, and RunGraphAsync only prepares the partition and
+// queues its first ops on TF's pool), one thread wake-up fewer per step.
+// The reply is written by the thread that finished the call (for RunGraph,
+// TF's executor thread that finished the partition): one non-blocking send.
+// A response that cannot be serialized (past protobuf's 2 GiB) is
 // an error reply, never an empty OK.
 #ifndef RDMA_DEVICE_TF_PLUGIN_WORKER_RPC_H_
 #define RDMA_DEVICE_TF_PLUGIN_WORKER_RPC_H_
@@ -59,6 +60,10 @@ void ServeWorkerRpcs(const std::shared_ptr<Transport>& transport,
 
 // The largest RunGraph request served on the thread that read it.
 inline constexpr size_t kServeInlineMax = 16 << 10;
+
+// The largest RunGraph reply parsed on the transport's thread that
+// completed the call; a larger one is parsed on the plugin's data-path pool.
+inline constexpr size_t kParseReplyInlineMax = 64 << 10;
 
 }  // namespace rdma_device
 

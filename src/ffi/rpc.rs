@@ -208,6 +208,20 @@ pub extern "C" fn rdev_record_worker_rpc_over_grpc() {
     Stats::add(&Stats::global().c.worker_rpcs_over_grpc, 1);
 }
 
+/// Count a peer's per-step worker RPC served on the transport's thread that
+/// read it (`worker_rpcs_served_inline`).
+#[no_mangle]
+pub extern "C" fn rdev_record_worker_rpc_served_inline() {
+    Stats::add(&Stats::global().c.worker_rpcs_served_inline, 1);
+}
+
+/// Count a peer's per-step worker RPC handed to TensorFlow's compute pool
+/// (`worker_rpcs_served_on_pool`).
+#[no_mangle]
+pub extern "C" fn rdev_record_worker_rpc_served_on_pool() {
+    Stats::add(&Stats::global().c.worker_rpcs_served_on_pool, 1);
+}
+
 /// true when RDMA_DEVICE_WORKER_RPCS is on: per-step worker RPCs to peers
 /// on the transport go over it (`rdev_call`).
 #[no_mangle]

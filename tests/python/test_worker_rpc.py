@@ -241,3 +241,195 @@ def test_a_peer_with_no_tensor_link_gets_its_run_graph_over_the_transport_soon(p
         assert master["worker_rpcs_over_grpc"] == 0, (steps, master)
     finally:
         c.close()
+
+
+FEED_MB = 128
+
+
+def _small_and_big(tf, c):
+    """Two graphs on one cluster: a small training step between worker 0
+    and the ps, and a step that feeds FEED_MB to a placeholder on the ps."""
+    g, init, train, step = _train_graph(tf, c)
+    bg = tf.Graph()
+    with bg.as_default():
+        with tf.device(c.device("ps", 0)):
+            x = tf.compat.v1.placeholder(tf.float32, [FEED_MB << 18])
+            head = tf.reduce_sum(x[:16])
+    return (g, init, train, step), (bg, x, head)
+
+
+def _steps_during_feeds(tf, c, feeds):
+    """Small steps run back to back in one session while another session
+    makes `feeds` large feeds to the ps, one after another. Returns the
+    small steps that overlapped a feed (their wall times, s), how many
+    small steps ran, and each feed's fetched value."""
+    import threading
+
+    import numpy as np
+
+    (g, init, train, step), (bg, x, head) = _small_and_big(tf, c)
+    feed = np.full(FEED_MB << 18, 2.0, np.float32)
+    small = tf.compat.v1.Session(c.target(), graph=g)
+    big = tf.compat.v1.Session(c.target(), graph=bg)
+    try:
+        small.run(init)
+        small.run(train, {step: 0.5})  # registers the partitions; connects the tasks
+        big.run(head, {x: feed[: FEED_MB << 18]})
+        c.reset_stats()
+        stop = threading.Event()
+        spans = []
+
+        def loop():
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                small.run(train, {step: 0.1})
+                spans.append((t0, time.perf_counter()))
+
+        th = threading.Thread(target=loop, daemon=True)
+        th.start()
+        windows, heads = [], []
+        try:
+            for _ in range(feeds):
+                t0 = time.perf_counter()
+                heads.append(float(big.run(head, {x: feed})))
+                windows.append((t0, time.perf_counter()))
+        finally:
+            stop.set()
+            th.join(60)
+        assert not th.is_alive(), "the small steps still run 60 s after the feeds ended"
+        during = [b - a for a, b in spans if any(a < we and b > ws for ws, we in windows)]
+        return during, len(spans), heads
+    finally:
+        small.close()
+        big.close()
+
+
+def test_a_large_remote_feed_holds_up_no_other_session(clusters):
+    # A TF1 feed of FEED_MB aimed at a placeholder on the ps, while another
+    # session's small steps cross the same pair of tasks. TensorFlow 2.21's
+    # master receives a feed on its own device and sends it to the ps as a
+    # tensor (a one-sided write, counted below), not inside its RunGraph
+    # request: the requests stay a few KB and are served on the transport's
+    # thread that read them; every CleanupGraph (a step's teardown) is
+    # served on TF's compute pool, as stock's gRPC worker service serves
+    # it. Counted exactly on the ps. The other session's step times while
+    # the feeds run stay within 2x of the same run under stock gRPC
+    # (interleaved, two rounds each).
+    import statistics
+
+    tf = _tf()
+    feeds = 2
+    mean_ms = {"grpc": [], "grpc+rdma_device": []}
+    for _ in range(2):
+        for p in mean_ms:
+            c = clusters[p]
+            during, steps, heads = _steps_during_feeds(tf, c, feeds)
+            assert heads == [32.0] * feeds, heads
+            assert during, f"{p}: no small step ran while the feeds did"
+            mean_ms[p].append(1e3 * statistics.mean(during))
+            if p == "grpc":
+                continue
+            # Every call this round has been answered but the last steps'
+            # CleanupGraph, which follows its step: wait for them.
+            calls = steps + feeds
+            deadline = time.time() + 10
+            while True:
+                ps = _counters(c)["/job:ps/task:0"]
+                if ps["worker_rpcs_served_on_pool"] >= calls or time.time() > deadline:
+                    break
+                time.sleep(0.05)
+            assert ps["worker_rpcs_served_inline"] == calls, (steps, feeds, ps)
+            assert ps["worker_rpcs_served_on_pool"] == calls, (steps, feeds, ps)
+            # The feeds crossed as tensors: one per step of either session.
+            assert ps["tensors_received"] == calls, (steps, feeds, ps)
+            assert ps["bytes_received"] >= feeds * (FEED_MB << 20), ps
+            master = _counters(c)["/job:worker/task:0"]
+            assert master["worker_rpcs_over_grpc"] == 0 and master["fallback_tensors"] == 0, master
+    ours, stock = statistics.median(mean_ms["grpc+rdma_device"]), statistics.median(mean_ms["grpc"])
+    assert ours <= 2 * stock, (
+        f"the other session's steps took {ours:.1f} ms on average while the feeds ran, against "
+        f"{stock:.1f} ms under stock gRPC (every round: {mean_ms})")
+    print(f"other session's mean step while feeding: {mean_ms}")
+
+
+def test_a_run_graph_cancelled_while_it_starts_ends_instead_of_going_to_grpc(plugin_built, log_dir,
+                                                                            tmp_path_factory):
+    # TF's master cancels each of a step's calls once, when another
+    # partition fails. A cancel that reaches a RunGraph while the transport
+    # is still starting it, whose start then fails, must end that call: a
+    # call sent over gRPC instead would never see the cancel, and a
+    # partition blocked on the callee would hold the step. An LD_PRELOAD
+    # (call_start_race/) makes that interleaving every time: the partition
+    # the master calls first fails at once; its RunGraph to the other ps
+    # (whose partition would block on an empty queue) is held until that
+    # failure has cancelled the step's calls, then fails to start. Each ps
+    # runs the same partition, made to fail or to block by a flag.
+    import harness
+    import rdma_device
+
+    tf = _tf()
+    work = tmp_path_factory.mktemp("call-race")
+    ctl, log = str(work / "ctl"), str(work / "calls.log")
+    env = {"LD_PRELOAD": harness.build_preload(tmp_path_factory, "call_start_race", "the call-start race",
+                                               ["-ldl", "-lpthread"]),
+           "CALL_RACE_LIB": os.path.join(rdma_device.lib_dir(), "librdma_device.so"),
+           "CALL_RACE_CTL": ctl, "CALL_RACE_LOG": log, "RDMA_DEVICE_STRICT": "1"}
+    c = LocalCluster("grpc+rdma_device", {"ps": 2, "worker": 1}, env=env, log_dir=log_dir,
+                     name="worker-rpc-call-race")
+
+    def write_ctl(text):
+        with open(ctl + ".new", "w") as f:
+            f.write(text + "\n")
+        os.replace(ctl + ".new", ctl)
+
+    def log_lines():
+        with open(log) as f:
+            return f.read().splitlines()
+
+    try:
+        g = tf.Graph()
+        with g.as_default():
+            flags, fills, outs = [], [], []
+            for i in range(2):
+                with tf.device(c.device("ps", i)):
+                    fail = tf.Variable(0.0, name=f"fail{i}")
+                    q = tf.queue.FIFOQueue(1, tf.float32, shapes=[[]], name=f"q{i}")
+                    # Fails on the ps's own state, needing nothing of the
+                    # master's partition (held meanwhile); its dequeue is
+                    # then cancelled with its step.
+                    check = tf.debugging.Assert(fail.value() < 0.5, [f"the partition on ps {i} fails"])
+                    with tf.control_dependencies([check]):
+                        outs.append(q.dequeue())
+                    flags.append(fail)
+                    fills.append(q.enqueue(float(i)))
+            with tf.device(c.device("worker", 0)):
+                out = outs[0] + outs[1]
+                warm = flags[0].value() + flags[1].value()
+        cfg = tf.compat.v1.ConfigProto(operation_timeout_in_ms=20000)
+        with tf.compat.v1.Session(c.target(), graph=g, config=cfg) as s:
+            s.run(tf.compat.v1.variables_initializer(flags))
+            assert s.run(warm) == 0.0  # connects worker 0 with both ps
+            # The order the master calls this step's partitions in (fixed
+            # for one graph and fetch).
+            s.run(fills)
+            write_ctl("record")
+            assert s.run(out) == 1.0
+            os.remove(ctl)
+            first, second = [l.split()[1] for l in log_lines() if l.startswith("call ")]
+            assert {first, second} == {"/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"}, (first, second)
+            s.run(flags[int(first[-1])].assign(1.0))
+            write_ctl(f"race {first} {second}")
+            t0 = time.time()
+            with pytest.raises(tf.errors.InvalidArgumentError, match=f"the partition on ps {first[-1]} fails"):
+                s.run(out)
+            took = time.time() - t0
+            os.remove(ctl)
+            assert log_lines()[-1] == f"held {second} after_reply=1", log_lines()
+            # Under 744741f the held call went to gRPC after its cancel and
+            # the step waited for its 20 s timeout.
+            assert took < 5.0, f"the step failed after {took:.1f} s"
+            s.run(flags[int(first[-1])].assign(0.0))
+            s.run(fills)
+            assert s.run(out) == 1.0
+    finally:
+        c.close()
