@@ -10,6 +10,8 @@ so the printed ratio is one some run actually measured.
 import re
 import statistics
 
+from rdma_device._units import size_label
+
 
 def _stat(values):
     vals = [v for v in values if isinstance(v, (int, float))]
@@ -35,10 +37,6 @@ def aggregate(runs, key):
                 d[f] = s
         d["n"] = len(rows)
     return out
-
-
-def _human(n):
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 def _med(cell, fmt="{:.2f}"):
@@ -69,7 +67,7 @@ def fabric_md(runs):
     rows = []
     for size, d in agg.items():
         threads = int(d["memcpy_threads"][0]) if "memcpy_threads" in d else 1
-        rows.append([_human(size), _med(d.get("gbps")), f"{_med(d.get('memcpy_gbps'))} ({threads} thr)",
+        rows.append([size_label(size), _med(d.get("gbps")), f"{_med(d.get('memcpy_gbps'))} ({threads} thr)",
                      _rng(d.get("ratio"), bold=True), _med(d.get("memcpy1_gbps")), _rng(d.get("ratio1")),
                      _us(d.get("p50_us")), _us(d.get("p99_us"))])
     return _table(["size", "write GB/s", "memcpy GB/s (threads as the write)", "ratio (median, range)",
@@ -81,7 +79,7 @@ def transfer_md(runs):
     agg = aggregate(runs, lambda r: r["size"])
     rows = []
     for size, d in agg.items():
-        rows.append([_human(size), _med(d.get("grpc_ms")) + " ms", _med(d.get("rdma_device_ms")) + " ms",
+        rows.append([size_label(size), _med(d.get("grpc_ms")) + " ms", _med(d.get("rdma_device_ms")) + " ms",
                      _rng(d.get("ratio"), bold=True), _med(d.get("grpc_gbps")), _med(d.get("rdma_device_gbps")),
                      f"{_med(d.get('grpc_cpu_s_per_gb'))} / {_med(d.get('rdma_device_cpu_s_per_gb'))}",
                      f"{_med(d.get('first_step_grpc_ms'), '{:.1f}')} / {_med(d.get('first_step_rdma_device_ms'), '{:.1f}')}"
@@ -104,7 +102,7 @@ def allreduce_md(runs):
     agg = aggregate(runs, lambda r: (r["workers"], r["size"]))
     rows = []
     for (n, size), d in agg.items():
-        rows.append([str(n), _human(size), _med(d.get("grpc_ms")) + " ms", _med(d.get("rdma_ms")) + " ms",
+        rows.append([str(n), size_label(size), _med(d.get("grpc_ms")) + " ms", _med(d.get("rdma_ms")) + " ms",
                      _rng(d.get("ratio"), bold=True), f"{_med(d.get('grpc_gbps'))} / {_med(d.get('rdma_gbps'))}",
                      f"{_med(d.get('grpc_cpu_ms'), '{:.1f}')} / {_med(d.get('rdma_cpu_ms'), '{:.1f}')}"])
     return _table(["workers", "size", "grpc", "grpc+rdma_device", "ratio (median, range)",

@@ -51,6 +51,8 @@ import traceback
 
 import numpy as np
 
+from rdma_device._units import parse_size
+
 OURS = "rdma_device"
 SHM = "shared_memory+pipe"
 GLOO = "gloo"
@@ -72,12 +74,6 @@ def add_parser(sub):
     p.add_argument("--plot", default="rdma_device_py.png", help="plot file ('' for none)")
     p.add_argument("--json", action="store_true", help="one JSON row per size and baseline")
     return run
-
-
-def _parse_size(s):
-    s = s.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(s[:-1] if s[-1:] in "KMG" else s) * mult
 
 
 def _count(size):
@@ -456,7 +452,7 @@ def run(args):
     from rdma_device._pyplot import plot, table
 
     sizes = ["4K", "1M"] if args.quick else args.sizes.split(",")
-    cfg = {"sizes": [_parse_size(s) for s in sizes], "reps": 2 if args.quick else args.reps,
+    cfg = {"sizes": [parse_size(s) for s in sizes], "reps": 2 if args.quick else args.reps,
            "pings": 20 if args.quick else args.pings, "baselines": [OURS, SHM]}
     why = "--no-gloo" if args.no_gloo else _gloo_missing()
     if why:

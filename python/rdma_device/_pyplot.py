@@ -1,13 +1,9 @@
 """Table and plot of ``python -m rdma_device.bench py`` (see _pybench)."""
 
+from rdma_device._units import size_label
+
 COLORS = {"rdma_device": "#d62728", "shared_memory+pipe": "#1f77b4", "gloo": "#2ca02c",
           "tensorpipe_rpc": "#9467bd", "memcpy": "#7f7f7f"}
-
-
-def _human(n):
-    if n >= 1 << 20:
-        return f"{n >> 20} MiB"
-    return f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
 
 
 def table(rows, cfg, prod_stats, cons_stats):
@@ -19,7 +15,7 @@ def table(rows, cfg, prod_stats, cons_stats):
                  f"{'ours CPU us/rt':>15} {'base CPU us/rt':>15}")
     for r in rows:
         if r["kind"] == "ping":
-            lines.append(f"{_human(r['size']):>8} {r['baseline']:>20} {r['ours_latency_us']:9.1f} "
+            lines.append(f"{size_label(r['size']):>8} {r['baseline']:>20} {r['ours_latency_us']:9.1f} "
                          f"{r['baseline_latency_us']:9.1f} {r['ratio']:6.2f} "
                          f"{r['ours_cpu_us_per_roundtrip']:15.1f} "
                          f"{r['baseline_cpu_us_per_roundtrip']:15.1f}")
@@ -29,7 +25,7 @@ def table(rows, cfg, prod_stats, cons_stats):
                  f"{'ours CPU s/GB':>14} {'base CPU s/GB':>14} {'memcpy GB/s':>12}")
     for r in rows:
         if r["kind"] == "stream":
-            lines.append(f"{_human(r['size']):>8} {r['baseline']:>20} {r['ours_gbps']:10.2f} "
+            lines.append(f"{size_label(r['size']):>8} {r['baseline']:>20} {r['ours_gbps']:10.2f} "
                          f"{r['baseline_gbps']:10.2f} {r['ratio']:6.2f} "
                          f"{r['ours_cpu_s_per_gb']:14.3f} {r['baseline_cpu_s_per_gb']:14.3f} "
                          f"{r['memcpy_gbps']:12.2f}")
@@ -61,7 +57,7 @@ def plot(rows, path):
         label = "memcpy (one thread, np.copyto)" if name == "memcpy" else name
         ax1.plot(sizes, [pts[s] for s in sizes], style, color=COLORS.get(name), label=label)
     ax1.set_xscale("log", base=2)
-    ax1.set_xticks(sizes, [_human(s) for s in sizes])
+    ax1.set_xticks(sizes, [size_label(s) for s in sizes])
     ax1.set_yscale("log")
     ax1.set_xlabel("array size")
     ax1.set_ylabel("GB/s (median; consumer touches every byte)")
@@ -78,7 +74,7 @@ def plot(rows, path):
         xs = [j + i * width for j in range(len(psizes))]
         ax2.bar(xs, [pts[s] for s in psizes], width, color=COLORS.get(name), label=name)
     ax2.set_xticks([j + width * (len(lat) - 1) / 2 for j in range(len(psizes))],
-                   [_human(s) for s in psizes])
+                   [size_label(s) for s in psizes])
     ax2.set_yscale("log")
     top = max(v for pts in lat.values() for v in pts.values())
     ax2.set_ylim(top=top * 30)  # room for the legend above the bars

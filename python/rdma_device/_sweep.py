@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from rdma_device._suite import cpu_seconds
+from rdma_device._units import parse_size
 
 SIZES_QUICK = (64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 SIZES_FULL = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
@@ -48,9 +49,7 @@ def memcpy_gbps(size, reps=9):
 def sweep(tf, modes, clusters, args):
     sizes = SIZES_QUICK if args.quick else SIZES_FULL
     if getattr(args, "sweep_sizes", ""):
-        from rdma_device.bench import _parse_size
-
-        sizes = [_parse_size(x) for x in args.sweep_sizes.split(",")]
+        sizes = [parse_size(x) for x in args.sweep_sizes.split(",")]
     reps, block = (3, 5) if args.quick else (5, 10)
     rows = []
     for size in sizes:

@@ -27,6 +27,7 @@ import statistics
 import time
 
 from rdma_device._cluster import LocalCluster
+from rdma_device._units import parse_size, size_label
 
 RPCS_OVER_GRPC = "grpc+rdma_device, worker RPCs over gRPC"
 
@@ -154,9 +155,7 @@ def run(args):
     import tensorflow as tf
 
     tf.compat.v1.disable_eager_execution()
-    from rdma_device.bench import _human, _parse_size
-
-    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
     log_dir = args.log_dir
     env = {"RDMA_DEVICE_STRICT": "1"}
     clusters = {
@@ -197,14 +196,14 @@ def run(args):
                 s.run(out)
             rdma.trace(True)
             if args.tensorboard:
-                rdma._ask("profile_start " + os.path.abspath(os.path.join(args.tensorboard, _human(size))))
+                rdma._ask("profile_start " + os.path.abspath(os.path.join(args.tensorboard, size_label(size))))
             runs = []
             for _ in range(args.steps):
                 t0 = time.time_ns()
                 s.run(out)
                 t1 = time.time_ns()
                 runs.append((t0 / 1000.0, t1 / 1000.0))
-                events.append({"ph": "X", "cat": "client", "name": f"session.run {_human(size)}", "pid": client_pid,
+                events.append({"ph": "X", "cat": "client", "name": f"session.run {size_label(size)}", "pid": client_pid,
                                "tid": 1, "ts": t0 / 1000.0, "dur": (t1 - t0) / 1000.0, "args": {"bytes": size}})
             if args.tensorboard:
                 rdma._ask("profile_stop")
@@ -242,8 +241,6 @@ def plot(events, results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rdma_device.bench import _human
-
     names = _process_names(events)
     spans = [e for e in events if e.get("ph") == "X"]
     colors = {"RunGraph": "#4c72b0", "CleanupGraph": "#8172b3", "tf:Send": "#dd8452", "send": "#e6a06b",
@@ -253,7 +250,7 @@ def plot(events, results, path):
               "call done": "#a8963c", "Credit": "#a07850"}
     fig, axes = plt.subplots(len(results), 1, figsize=(12, 2.6 * len(results) + 0.6), squeeze=False)
     for ax, r in zip(axes[:, 0], results):
-        runs = sorted((e for e in spans if e["name"] == f"session.run {_human(r['size'])}"), key=lambda e: e["dur"])
+        runs = sorted((e for e in spans if e["name"] == f"session.run {size_label(r['size'])}"), key=lambda e: e["dur"])
         if not runs:
             continue
         run = runs[len(runs) // 2]
@@ -273,7 +270,7 @@ def plot(events, results, path):
         ax.set_xlabel("µs from the start of session.run", fontsize=8)
         ax.tick_params(axis="x", labelsize=7)
         sm = r["step_ms"]
-        ax.set_title(f"{_human(r['size'])}: one traced step ({run['dur']:.0f} µs); untraced medians "
+        ax.set_title(f"{size_label(r['size'])}: one traced step ({run['dur']:.0f} µs); untraced medians "
                      f"{sm['grpc+rdma_device']:.2f} ms grpc+rdma_device, {sm['grpc']:.2f} ms grpc, "
                      f"{sm['one task']:.2f} ms on one task", fontsize=9)
         ax.grid(axis="x", alpha=0.3)
@@ -284,11 +281,9 @@ def plot(events, results, path):
 
 
 def print_results(results, out, plot_path=""):
-    from rdma_device.bench import _human
-
     for r in results:
         sm, over = r["step_ms"], r["over_one_task_ms"]
-        print(f"\n== {_human(r['size'])}: median step {sm['grpc']:.3f} ms grpc, {sm['grpc+rdma_device']:.3f} ms "
+        print(f"\n== {size_label(r['size'])}: median step {sm['grpc']:.3f} ms grpc, {sm['grpc+rdma_device']:.3f} ms "
               f"grpc+rdma_device, {sm['one task']:.3f} ms on one task (untraced)")
         print(f"   over the one-task step: grpc +{over['grpc']:.3f} ms, grpc+rdma_device "
               f"+{over['grpc+rdma_device']:.3f} ms (with its worker RPCs over gRPC: {sm[RPCS_OVER_GRPC]:.3f} ms, "
@@ -317,8 +312,6 @@ def markdown(runs):
     size, the median over runs of each mode's median step, the cost over
     the one-task step and the step ratios, with the runs' range in
     brackets; then the first run's median timeline per size."""
-    from rdma_device.bench import _human
-
     lines = ["| size | step ms: grpc / grpc+rdma_device / its worker RPCs over gRPC / one task "
              "| over one task ms: grpc / grpc+rdma_device / worker RPCs over gRPC | vs grpc | vs worker RPCs over gRPC |",
              "|---:|---:|---:|---:|---:|"]
@@ -328,19 +321,19 @@ def markdown(runs):
         over = {m: [r["over_one_task_ms"][m] for r in per] for m in r0["over_one_task_ms"]}
         vs_grpc = [r["step_ms"]["grpc"] / r["step_ms"]["grpc+rdma_device"] for r in per]
         vs_rpcs = [r["step_ms"][RPCS_OVER_GRPC] / r["step_ms"]["grpc+rdma_device"] for r in per]
-        lines.append(f"| {_human(r0['size'])} | {step['grpc']:.2f} / {step['grpc+rdma_device']:.2f} / "
+        lines.append(f"| {size_label(r0['size'])} | {step['grpc']:.2f} / {step['grpc+rdma_device']:.2f} / "
                      f"{step[RPCS_OVER_GRPC]:.2f} / {step['one task']:.2f} | {_med_range(over['grpc'])} / "
                      f"**{_med_range(over['grpc+rdma_device'])}** / {_med_range(over[RPCS_OVER_GRPC])} | "
                      f"{_med_range(vs_grpc)} | {_med_range(vs_rpcs)} |")
     for r in runs[0]:
-        lines += ["", f"{_human(r['size'])}, the first run's median traced step (`session.run` "
+        lines += ["", f"{size_label(r['size'])}, the first run's median traced step (`session.run` "
                       f"{r['traced_step_us']:.0f} µs):", "",
                   "| span | task | start µs | duration µs |", "|---|---|---:|---:|"]
         for t in r["timeline"]:
             lines.append(f"| {t['span']} | {t['task'].replace('/job:', '')} | "
                          f"{t['start_us']:.0f} | {t['dur_us']:.0f} |")
     lines += ["", "Hand-offs, the first run's traced steps (µs per step: median [10th–90th percentile]):", "",
-              "| hand-off | " + " | ".join(_human(r["size"]) for r in runs[0]) + " |",
+              "| hand-off | " + " | ".join(size_label(r["size"]) for r in runs[0]) + " |",
               "|---|" + "---:|" * len(runs[0])]
     for i, (what, _, _) in enumerate(HANDOFFS):
         cells = []

@@ -75,21 +75,12 @@ from rdma_device import _quiet
 from rdma_device._cluster import LocalCluster
 from rdma_device._progress import Progress
 from rdma_device._suite import cpu_seconds
+from rdma_device._units import parse_size, size_label
 
 PROTOCOLS = ("grpc", "grpc+rdma_device")
 # A third cluster for first steps only: placement on first use.
 TRACED = "grpc+rdma_device traced"
 TRACED_ENV = {"RDMA_DEVICE_STATIC_PLACEMENT": "0"}
-
-
-def _parse_size(s):
-    s = s.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(s[:-1] if s[-1:] in "KMG" else s) * mult
-
-
-def _human(n):
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 def _transfer_graph(tf, cluster, size):
@@ -113,7 +104,7 @@ def transfer(args):
     import tensorflow as tf
 
     tf.compat.v1.disable_eager_execution()
-    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
     env = {"RDMA_DEVICE_STRICT": "1"} if args.strict else {}
     clusters = {p: LocalCluster(p, {"worker": 2}, env=env) for p in PROTOCOLS}
     clusters[TRACED] = LocalCluster("grpc+rdma_device", {"worker": 2}, env=dict(env, **TRACED_ENV))
@@ -167,7 +158,7 @@ def transfer(args):
                 "first_step_rdma_device_traced_ms": round(first[TRACED], 3),
             }
             results.append(r)
-            prog.step(f"{_human(size)}: grpc {r['grpc_ms']:.2f} ms, grpc+rdma_device {r['rdma_device_ms']:.2f} ms")
+            prog.step(f"{size_label(size)}: grpc {r['grpc_ms']:.2f} ms, grpc+rdma_device {r['rdma_device_ms']:.2f} ms")
             if args.json:
                 print(json.dumps(r), flush=True)
         prog.close()
@@ -185,7 +176,7 @@ def transfer(args):
         print(f"{'size':>8} {'grpc ms':>9} {'rdma ms':>9} {'ratio':>6} {'grpc GB/s':>10} {'rdma GB/s':>10} "
               f"{'grpc CPU s/GB':>13} {'rdma CPU s/GB':>13} {'1st grpc':>9} {'1st rdma':>9} {'1st traced':>10}")
         for r in results:
-            print(f"{_human(r['size']):>8} {r['grpc_ms']:>9.2f} {r['rdma_device_ms']:>9.2f} {r['ratio']:>6.2f} "
+            print(f"{size_label(r['size']):>8} {r['grpc_ms']:>9.2f} {r['rdma_device_ms']:>9.2f} {r['ratio']:>6.2f} "
                   f"{r['grpc_gbps']:>10.2f} {r['rdma_device_gbps']:>10.2f} {r['grpc_cpu_s_per_gb']:>13.2f} "
                   f"{r['rdma_device_cpu_s_per_gb']:>13.2f} {r['first_step_grpc_ms']:>9.2f} "
                   f"{r['first_step_rdma_device_ms']:>9.2f} {r['first_step_rdma_device_traced_ms']:>10.2f}")
@@ -204,7 +195,7 @@ def _print_transport(stats):
 def allreduce(args):
     from rdma_device._mwms import MwmsCluster
 
-    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
     env = {"RDMA_DEVICE_STRICT": "1"} if args.strict else {}
     results, stats = [], {}
     counts = [int(w) for w in args.workers.split(",")]
@@ -238,7 +229,7 @@ def allreduce(args):
                      "grpc_cpu_ms": round(cpu["grpc"] / calls * 1e3, 2),
                      "rdma_cpu_ms": round(cpu["grpc+rdma_device"] / calls * 1e3, 2)}
                 results.append(r)
-                prog.step(f"{_human(size)} on {n} workers: grpc {r['grpc_ms']:.2f} ms, "
+                prog.step(f"{size_label(size)} on {n} workers: grpc {r['grpc_ms']:.2f} ms, "
                           f"grpc+rdma_device {r['rdma_ms']:.2f} ms")
                 if args.json:
                     print(json.dumps(r), flush=True)
@@ -253,7 +244,7 @@ def allreduce(args):
         print(f"{'size':>8} {'workers':>7} {'grpc ms':>9} {'rdma ms':>9} {'ratio':>6} {'grpc GB/s':>10} "
               f"{'rdma GB/s':>10} {'grpc CPU ms':>11} {'rdma CPU ms':>11}")
         for r in results:
-            print(f"{_human(r['size']):>8} {r['workers']:>7} {r['grpc_ms']:>9.2f} {r['rdma_ms']:>9.2f} "
+            print(f"{size_label(r['size']):>8} {r['workers']:>7} {r['grpc_ms']:>9.2f} {r['rdma_ms']:>9.2f} "
                   f"{r['ratio']:>6.2f} {r['grpc_gbps']:>10.2f} {r['rdma_gbps']:>10.2f} "
                   f"{r['grpc_cpu_ms']:>11.1f} {r['rdma_cpu_ms']:>11.1f}")
         for n, per_worker in stats.items():

@@ -29,6 +29,7 @@ import subprocess
 import sys
 
 from rdma_device import _loader, _quiet
+from rdma_device._units import human_bytes
 
 IB_SYS = "/sys/class/infiniband"
 OK, FAIL, WARN, NA = "ok", "fail", "warn", "n/a"
@@ -49,13 +50,6 @@ def _read(path, default=""):
             return f.read().strip()
     except OSError:
         return default
-
-
-def _human(n):
-    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.4g} {unit}iB"
-    return f"{n} B"
 
 
 # --- addresses and interfaces -------------------------------------------------
@@ -241,8 +235,8 @@ def check_memlock(cfg, have_devices):
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft == resource.RLIM_INFINITY or _cap_ipc_lock():
         return check("memlock", OK, "unlimited" + (" (CAP_IPC_LOCK)" if soft != resource.RLIM_INFINITY else ""))
-    detail = (f"limit {_human(soft)}; verbs pins up to the arena ({_human(arena)}) plus the registration "
-              f"cache ({_human(cache)}) = {_human(need)}")
+    detail = (f"limit {human_bytes(soft)}; verbs pins up to the arena ({human_bytes(arena)}) plus the registration "
+              f"cache ({human_bytes(cache)}) = {human_bytes(need)}")
     if soft >= need:
         return check("memlock", OK, detail)
     fix = ("`ulimit -l unlimited` (limits.conf: `* - memlock unlimited`; containers: `--ulimit memlock=-1`; "
@@ -305,9 +299,9 @@ def check_shm(cfg):
     st = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
     shm = st.f_blocks * st.f_frsize if st else 0
     limit = _cgroup_memory_limit()
-    detail = f"arena {_human(arena)} (memfd); /dev/shm {_human(shm)}"
+    detail = f"arena {human_bytes(arena)} (memfd); /dev/shm {human_bytes(shm)}"
     if limit is not None:
-        detail += f"; cgroup memory limit {_human(limit)}"
+        detail += f"; cgroup memory limit {human_bytes(limit)}"
     if limit is not None and limit < 2 * arena:
         return check("shared memory", FAIL, detail, "each task maps its arena and its peers' windows: raise "
                      "the container's memory limit or lower RDMA_DEVICE_ARENA_BYTES")
