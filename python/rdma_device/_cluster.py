@@ -96,6 +96,27 @@ def stop_tasks(procs, logs):
         f.close()
 
 
+def cpu_seconds(clusters):
+    """CPU seconds used so far by every thread of every task process of
+    ``clusters`` (``/proc/PID/task/*/schedstat``, nanoseconds) plus this
+    client process."""
+    total = time.process_time()
+    for c in clusters:
+        for p in c.procs.values():
+            base = f"/proc/{p.pid}/task"
+            try:
+                tids = os.listdir(base)
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"{base}/{tid}/schedstat") as f:
+                        total += int(f.read().split()[0]) / 1e9
+                except (OSError, IndexError, ValueError):
+                    pass
+    return total
+
+
 class LocalCluster:
     """Tasks ``jobs`` (e.g. {"worker": 2}) under ``protocol``, as processes."""
 

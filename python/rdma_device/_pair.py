@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from rdma_device import _loader
-from rdma_device.doctor import FAIL, NA, OK, check, print_results
+from rdma_device._checks import FAIL, NA, OK, check, print_results
 
 LISTENER, SENDER = "/job:doctor/replica:0/task:0", "/job:doctor/replica:0/task:1"
 TRANSPORTS = {0: "none", 1: "shm", 2: "verbs"}

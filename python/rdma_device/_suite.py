@@ -29,7 +29,7 @@ import sys
 import time
 
 from rdma_device import _quiet, _workloads
-from rdma_device._cluster import LocalCluster
+from rdma_device._cluster import LocalCluster, cpu_seconds
 from rdma_device._progress import Progress
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -51,27 +51,6 @@ def _config_rows(rdma_device):
     except Exception:  # noqa: BLE001 - an old transport without config(): two modes
         return []
     return cfg if isinstance(cfg, list) else [{"name": k} for k in cfg]
-
-
-def cpu_seconds(clusters):
-    """CPU seconds used so far by every thread of every task process of
-    ``clusters`` (``/proc/PID/task/*/schedstat``, nanoseconds) plus this
-    client process."""
-    total = time.process_time()
-    for c in clusters:
-        for p in c.procs.values():
-            base = f"/proc/{p.pid}/task"
-            try:
-                tids = os.listdir(base)
-            except OSError:
-                continue
-            for tid in tids:
-                try:
-                    with open(f"{base}/{tid}/schedstat") as f:
-                        total += int(f.read().split()[0]) / 1e9
-                except (OSError, IndexError, ValueError):
-                    pass
-    return total
 
 
 def _transport_count(stats):

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from rdma_device._suite import cpu_seconds
+from rdma_device._cluster import cpu_seconds
 from rdma_device._units import parse_size
 
 SIZES_QUICK = (64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)

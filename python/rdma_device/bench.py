@@ -72,9 +72,8 @@ import sys
 import time
 
 from rdma_device import _quiet
-from rdma_device._cluster import LocalCluster
+from rdma_device._cluster import LocalCluster, cpu_seconds
 from rdma_device._progress import Progress
-from rdma_device._suite import cpu_seconds
 from rdma_device._units import parse_size, size_label
 
 PROTOCOLS = ("grpc", "grpc+rdma_device")

@@ -29,19 +29,14 @@ import subprocess
 import sys
 
 from rdma_device import _loader, _quiet
+from rdma_device._checks import FAIL, NA, OK, WARN, check, print_results
 from rdma_device._units import human_bytes
 
 IB_SYS = "/sys/class/infiniband"
-OK, FAIL, WARN, NA = "ok", "fail", "warn", "n/a"
-MARK = {OK: "✓", FAIL: "✗", WARN: "!", NA: "-"}
 IB_MTUS = (256, 512, 1024, 2048, 4096)
 # RoCE v2 headers inside an Ethernet frame (IP 20 + UDP 8 + BTH 12 + RETH
 # 16 + ICRC 4): the largest RDMA MTU an interface MTU carries.
 ROCE_OVERHEAD = 60
-
-
-def check(name, status, detail, fix=""):
-    return {"check": name, "status": status, "detail": detail, "fix": fix if status != OK else ""}
 
 
 def _read(path, default=""):
@@ -355,13 +350,6 @@ def host_checks(addr=None):
                 check_userfaultfd(bool(ports)), check_shm(cfg)]
     results += check_libraries()
     return results
-
-
-def print_results(results, out=sys.stdout):
-    for r in results:
-        print(f"{MARK[r['status']]} {r['check']}: {r['detail']}", file=out)
-        if r["fix"]:
-            print(f"    fix: {r['fix']}", file=out)
 
 
 def main(argv=None):

@@ -1,0 +1,18 @@
+"""The doctor's results, shared by the host checks (doctor) and the pair
+test (_pair): each check is a dict with a status and a one-line fix."""
+
+import sys
+
+OK, FAIL, WARN, NA = "ok", "fail", "warn", "n/a"
+MARK = {OK: "✓", FAIL: "✗", WARN: "!", NA: "-"}
+
+
+def check(name, status, detail, fix=""):
+    return {"check": name, "status": status, "detail": detail, "fix": fix if status != OK else ""}
+
+
+def print_results(results, out=sys.stdout):
+    for r in results:
+        print(f"{MARK[r['status']]} {r['check']}: {r['detail']}", file=out)
+        if r["fix"]:
+            print(f"    fix: {r['fix']}", file=out)
