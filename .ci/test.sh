@@ -37,6 +37,10 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
   "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
 fi
 
+# Before the long sections: documentation that no longer matches the tree.
+section "documentation: relative links in README.md and docs/ resolve (.ci/check_links.py)"
+python3 .ci/check_links.py
+
 section "Rust tests (cargo test --features verbs; verbs device tests run in the VM below)"
 cargo test --features verbs
 show_skips
