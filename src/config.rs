@@ -1,6 +1,7 @@
 //! The one table of settings. Every `RDMA_DEVICE_*` variable is declared
 //! here with its default and help line, parsed and validated once; nothing
-//! else in the crate reads the environment.
+//! else in the crate reads the environment. docs/configuration.md's table
+//! is generated from `VARS` (`python -m rdma_device config --markdown`).
 
 use std::fmt::Write as _;
 
