@@ -316,6 +316,12 @@ pub trait Listener: Send + Sync {
     fn post_msg(&self, conn: ConnId, msg: &[u8]) -> Result<()> {
         self.send_msg(conn, msg)
     }
+    /// Control messages and writes queued on `conn` that wait for the
+    /// peer (0 where the backend does not count them): a sender of many
+    /// messages paces itself by it.
+    fn backlog(&self, _conn: ConnId) -> usize {
+        0
+    }
     /// Let the sender on `conn` write `off..off+len` of the arena (a slot
     /// placed for it; page-aligned, not in use by anything else), and no
     /// one else: whatever any sender was granted there before is revoked.
@@ -363,6 +369,10 @@ pub trait Endpoint: Send + Sync {
     /// See `Listener::post_msg`.
     fn post_msg(&self, msg: &[u8]) -> Result<()> {
         self.send_msg(msg)
+    }
+    /// See `Listener::backlog`.
+    fn backlog(&self) -> usize {
+        0
     }
     /// Close the connection (the peer sees a disconnect).
     fn close(&self);

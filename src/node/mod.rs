@@ -69,6 +69,7 @@ mod engine;
 mod idle;
 mod keepalive;
 mod lease;
+mod pace;
 mod peers;
 mod pool;
 mod stream;
@@ -133,6 +134,8 @@ pub(crate) struct Inner {
     _keepalive: keepalive::Keepalive,
     /// Calls over the transport (worker RPCs, see rpc.rs).
     rpc: rpc::Rpc,
+    /// Sends the rest of large call and reply bodies (see pace.rs).
+    pacer: pace::Pacer,
     /// Large tensor writes, off TensorFlow's threads (see engine.rs).
     engine: engine::WriteEngine,
     me: Weak<Inner>,
@@ -191,6 +194,7 @@ impl Node {
             idle: Mutex::new(idle::IdleSteps::default()),
             _keepalive: keepalive::Keepalive::start(me.clone()),
             rpc: rpc::Rpc::default(),
+            pacer: pace::Pacer::default(),
             engine: engine::WriteEngine::start(),
             me: me.clone(),
         });
@@ -733,6 +737,20 @@ impl Inner {
 
     fn send_msg(&self, link: ConnId, msg: &rendezvous::Msg) -> Result<()> {
         self.send_msg_as(link, msg, false)
+    }
+
+    /// Messages queued on `link` that wait for its peer (0 where the
+    /// backend does not count them, or the link is gone).
+    fn link_backlog(&self, link: ConnId) -> usize {
+        let target = match self.links.lock().get(&link) {
+            Some(LinkRef::Tx(e)) => Ok(e.clone()),
+            Some(LinkRef::Rx(k)) => Err(*k),
+            None => return 0,
+        };
+        match target {
+            Ok(e) => e.backlog(),
+            Err(kind) => self.listeners.lock().get(&kind).cloned().map_or(0, |l| l.backlog(link)),
+        }
     }
 
     /// `send_msg`; with `post`, no I/O on this thread (see

@@ -32,6 +32,12 @@
 //!   `INLINE_REPLY_MAX` bytes on the event thread that read it. Failures,
 //!   cancellations, deadlines and larger replies still run on
 //!   `rdev-callbacks`.
+//! - Pacing: a body's first `DIRECT_PARTS` parts leave from the thread
+//!   that makes the call or the reply; the rest from the node's pacing
+//!   thread (pace.rs), each only while fewer than `PACE_BACKLOG` messages
+//!   wait on the link, so one large body never fills a connection's queue
+//!   (verbs fails sends past `MAX_QUEUED_WORK`) nor holds up the link's
+//!   tensors behind all of it.
 //! - A call that cannot start over the transport (no live link with the
 //!   peer, or its first part could not be sent) is refused at once
 //!   (`Err`), so the caller can make it over gRPC: nothing of it reached
@@ -85,6 +91,19 @@ pub const PARTIAL_CALL_TIMEOUT: Duration = Duration::from_secs(60);
 pub const INLINE_REPLY_MAX: usize = 64 << 10;
 /// Method ids a server may declare inline (`rpc_serve_inline`): below this.
 pub const INLINE_METHODS: u32 = 64;
+/// Parts of one body (a call's or a reply's) sent on the thread that makes
+/// the call or the reply; the rest go from the node's pacing thread
+/// (`rdev-rpc-pace`), as the link's backlog allows.
+pub const DIRECT_PARTS: usize = 64;
+/// The pacing thread sends a body's next part only while fewer than this
+/// many messages wait on its link for the peer: a 1.5 GiB reply never takes
+/// every entry of a connection's queue (verbs caps it at
+/// `MAX_QUEUED_WORK`, past which sends fail), and tensors and other calls
+/// on the link wait behind at most this many parts.
+pub const PACE_BACKLOG: usize = 256;
+/// A paced body whose link took none of its parts for this long fails the
+/// link (its peer stopped consuming).
+pub const PACE_TIMEOUT: Duration = PARTIAL_CALL_TIMEOUT;
 
 /// TensorFlow's status codes the transport produces itself.
 pub const CODE_CANCELLED: u32 = 1;
@@ -128,6 +147,46 @@ pub(crate) trait Wire: Send + Sync {
     /// Run `f` later on a thread of the node's (`rdev-callbacks`), never on
     /// the calling thread.
     fn later(&self, f: Box<dyn FnOnce() + Send>);
+    /// Messages queued on `link` that wait for the peer (0 where the
+    /// backend does not count them).
+    fn backlog(&self, link: ConnId) -> usize;
+    /// Make sure the node's pacing thread runs `Rpc::pace` until it has no
+    /// paced body left.
+    fn start_pacing(&self);
+}
+
+/// What a paced body is.
+#[derive(Clone, Copy)]
+enum PacedKind {
+    Call { id: u64, method: u32 },
+    Reply { id: u64, code: u32 },
+}
+
+/// The rest of a body whose first `DIRECT_PARTS` parts went out from the
+/// thread that made it: sent by the pacing thread.
+struct Paced {
+    link: ConnId,
+    kind: PacedKind,
+    /// The body from part `first` on.
+    rest: Vec<u8>,
+    first: usize,
+    /// The next part to send.
+    next: usize,
+    last_progress: Instant,
+    /// The reply's trace span (replies only).
+    trace: Option<i64>,
+    len: usize,
+}
+
+/// What one round of pacing did.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Pace {
+    /// Nothing left to send.
+    Idle,
+    /// Some part went out: go again at once.
+    Progress,
+    /// Every link with a paced body is full: try again shortly.
+    Stalled,
 }
 
 struct Outgoing {
@@ -206,6 +265,8 @@ pub(crate) struct Rpc {
     server: RwLock<Option<Arc<dyn Server>>>,
     /// Bit m: calls of method m are served on the event thread.
     inline_methods: AtomicU64,
+    /// Bodies whose remaining parts the pacing thread sends.
+    paced: Mutex<Vec<Paced>>,
 }
 
 fn part_index(i: usize) -> Result<u32> {
@@ -270,6 +331,13 @@ impl Rpc {
                 // follows them, so the callee drops what it holds of the call.
                 let _ = w.send(link, &Msg::CallCancel { id });
                 return Ok(id);
+            }
+            if more && index == DIRECT_PARTS {
+                // The rest goes from the pacing thread, as the link's
+                // backlog allows (the caller's thread never waits on it).
+                let offset = index * CALL_PART_BYTES;
+                self.defer(w, link, PacedKind::Call { id, method }, &body[offset..], index, None);
+                break;
             }
             // Fits: checked before the call was registered.
             let msg = Msg::Call { id, method, part: index as u32, more, body: part.to_vec() };
@@ -338,6 +406,12 @@ impl Rpc {
                 w.fail_link(c.link, Error::Internal(format!("{}: a reply of more than 2^32 parts", w.task())));
                 return;
             };
+            if more && index == DIRECT_PARTS {
+                // The rest goes from the pacing thread (see `send_parts`).
+                let offset = index * CALL_PART_BYTES;
+                self.defer(w, c.link, PacedKind::Reply { id: c.id, code }, &body[offset..], index, Some(t));
+                return;
+            }
             if let Err(e) = w.send(c.link, &Msg::Reply { id: c.id, code, part: p, more, body: part.to_vec() }) {
                 w.fail_link(c.link, Error::PeerLost(format!("{}: reply on connection {} not sent: {}", w.task(), c.link, e.message())));
                 return;
@@ -509,6 +583,130 @@ impl Rpc {
         }
     }
 
+    /// Hand the rest of a body, from part `first` on, to the pacing thread.
+    #[allow(clippy::too_many_arguments)]
+    fn defer(&self, w: &dyn Wire, link: ConnId, kind: PacedKind, rest: &[u8], first: usize, trace: Option<i64>) {
+        let mut owned = Vec::new();
+        if owned.try_reserve_exact(rest.len()).is_err() {
+            let why = format!("{}: no memory for the {} bytes left to send of a body", w.task(), rest.len());
+            log::error!("{why}");
+            match kind {
+                // The callee drops what it holds of the call; the caller
+                // gets the error.
+                PacedKind::Call { id, .. } => {
+                    let _ = w.send(link, &Msg::CallCancel { id });
+                    if let Some(o) = self.out.lock().remove(&id) {
+                        w.later(Box::new(move || (o.done)(CODE_RESOURCE_EXHAUSTED, why.into_bytes())));
+                    }
+                }
+                // Half a reply cannot be taken back.
+                PacedKind::Reply { .. } => w.fail_link(link, Error::ResourceExhausted(why)),
+            }
+            return;
+        }
+        owned.extend_from_slice(rest);
+        let len = first * CALL_PART_BYTES + rest.len();
+        self.paced.lock().push(Paced { link, kind, rest: owned, first, next: first, last_progress: Instant::now(), trace, len });
+        w.start_pacing();
+    }
+
+    /// One round of the pacing thread: each paced body sends its next parts
+    /// while its link's backlog is under `PACE_BACKLOG`.
+    pub(crate) fn pace(&self, w: &dyn Wire) -> Pace {
+        let mut work = std::mem::take(&mut *self.paced.lock());
+        if work.is_empty() {
+            return Pace::Idle;
+        }
+        let now = Instant::now();
+        let mut progress = false;
+        work.retain_mut(|p| {
+            let (done, sent) = self.pace_one(w, p, now);
+            progress |= sent;
+            !done
+        });
+        let mut paced = self.paced.lock();
+        // Bodies deferred meanwhile go after these (each body's parts stay
+        // in order: one entry per body).
+        work.append(&mut paced);
+        *paced = work;
+        if progress {
+            Pace::Progress
+        } else if paced.is_empty() {
+            Pace::Idle
+        } else {
+            Pace::Stalled
+        }
+    }
+
+    /// Send what fits of one paced body: (finished, sent anything).
+    fn pace_one(&self, w: &dyn Wire, p: &mut Paced, now: Instant) -> (bool, bool) {
+        let mut sent = false;
+        loop {
+            if let PacedKind::Call { id, .. } = p.kind {
+                if !self.out.lock().contains_key(&id) {
+                    // Taken meanwhile (cancelled, expired, its link lost):
+                    // the callee drops what it holds of the call.
+                    let _ = w.send(p.link, &Msg::CallCancel { id });
+                    return (true, sent);
+                }
+            }
+            if w.backlog(p.link) >= PACE_BACKLOG {
+                break;
+            }
+            let off = (p.next - p.first) * CALL_PART_BYTES;
+            let end = (off + CALL_PART_BYTES).min(p.rest.len());
+            let more = end < p.rest.len();
+            let Ok(part) = part_index(p.next) else {
+                w.fail_link(p.link, Error::Internal(format!("{}: a body of more than 2^32 parts", w.task())));
+                return (true, sent);
+            };
+            let body = p.rest[off..end].to_vec();
+            let msg = match p.kind {
+                PacedKind::Call { id, method } => Msg::Call { id, method, part, more, body },
+                PacedKind::Reply { id, code } => Msg::Reply { id, code, part, more, body },
+            };
+            if let Err(e) = w.send(p.link, &msg) {
+                // Failing the link fails its calls (this one included).
+                w.fail_link(p.link, Error::PeerLost(format!("{}: part {part} of a body on connection {} not sent: {}", w.task(), p.link, e.message())));
+                return (true, sent);
+            }
+            sent = true;
+            p.next += 1;
+            p.last_progress = now;
+            if !more {
+                match p.kind {
+                    PacedKind::Call { id, .. } => {
+                        if !self.out.lock().contains_key(&id) {
+                            // See `send_parts`: a cancel may have overtaken
+                            // the last part.
+                            let _ = w.send(p.link, &Msg::CallCancel { id });
+                        }
+                    }
+                    PacedKind::Reply { .. } => {
+                        if let Some(t) = p.trace.take() {
+                            crate::trace::end("reply", t, 0, p.len as u64, None);
+                        }
+                    }
+                }
+                return (true, sent);
+            }
+        }
+        if !sent && now.duration_since(p.last_progress) > PACE_TIMEOUT {
+            w.fail_link(p.link, Error::Timeout(format!("{}: connection {} took no part of a body for {:?}", w.task(), p.link, PACE_TIMEOUT)));
+            return (true, false);
+        }
+        (false, sent)
+    }
+
+    /// No thread can send the paced bodies: fail their links (and with
+    /// them their calls).
+    pub(crate) fn fail_paced(&self, w: &dyn Wire) {
+        let all = std::mem::take(&mut *self.paced.lock());
+        for p in all {
+            w.fail_link(p.link, Error::Internal(format!("{}: the rest of a large body cannot be sent (no pacing thread)", w.task())));
+        }
+    }
+
     /// The node goes: every call still waiting fails.
     pub(crate) fn fail_all(&self, w: &dyn Wire) {
         let all: Vec<Outgoing> = self.out.lock().drain().map(|(_, o)| o).collect();
@@ -644,9 +842,23 @@ impl Wire for Inner {
         let done: crate::rendezvous::SendDone = Box::new(move |_: Result<()>| f());
         self.handoff.run(crate::rendezvous::Action::SendDone { done, result: Ok(()) });
     }
+
+    fn backlog(&self, link: ConnId) -> usize {
+        self.link_backlog(link)
+    }
+
+    fn start_pacing(&self) {
+        self.pacer.kick(&self.me);
+    }
 }
 
 impl Inner {
+    pub(super) fn rpc_pace(&self) -> Pace {
+        self.rpc.pace(self)
+    }
+    pub(super) fn rpc_fail_paced(&self) {
+        self.rpc.fail_paced(self)
+    }
     pub(super) fn rpc_call(&self, peer: &str, method: u32, body: &[u8], timeout: Option<Duration>, inline: bool, done: CallDone) -> Result<u64> {
         self.rpc.call(self, peer, method, body, timeout, inline, done)
     }
@@ -725,6 +937,9 @@ mod tests {
         fail_part: Option<u32>,
         panic_on_fail_link: bool,
         failed: Mutex<Vec<ConnId>>,
+        /// What `backlog` answers, and how often pacing was asked for.
+        backlog: std::sync::atomic::AtomicUsize,
+        pacing: std::sync::atomic::AtomicUsize,
     }
 
     impl Wire for Loopback {
@@ -755,6 +970,71 @@ mod tests {
         fn later(&self, f: Box<dyn FnOnce() + Send>) {
             f()
         }
+        fn backlog(&self, _link: ConnId) -> usize {
+            self.backlog.load(std::sync::atomic::Ordering::SeqCst)
+        }
+        fn start_pacing(&self) {
+            self.pacing.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// The bodies of the `Call` parts sent, in order, checking their
+    /// indices run 0, 1, 2, ... and only the last says no more.
+    fn call_parts(sent: &[Msg]) -> (Vec<u8>, bool) {
+        let mut body = Vec::new();
+        let mut last = false;
+        for (i, m) in sent.iter().filter(|m| matches!(m, Msg::Call { .. })).enumerate() {
+            let Msg::Call { part, more, body: b, .. } = m else { unreachable!() };
+            assert_eq!(*part as usize, i, "parts out of order");
+            assert!(!last, "a part after the last");
+            last = !more;
+            body.extend_from_slice(b);
+        }
+        (body, last)
+    }
+
+    /// A body of more than `DIRECT_PARTS` parts: its first parts leave on
+    /// the caller's thread, the rest from the pacing thread and only while
+    /// the link's backlog is under `PACE_BACKLOG` (verbs fails a send past
+    /// its queue's cap: a 1.2 GB call took every entry and failed its link).
+    #[test]
+    fn a_large_body_sends_its_first_parts_then_paces_the_rest_by_the_links_backlog() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let w = Loopback::default();
+        let rpc = Rpc::default();
+        let body: Vec<u8> = (0..(DIRECT_PARTS + 10) * CALL_PART_BYTES + 5).map(|i| (i % 251) as u8).collect();
+        let (got, done) = recorder();
+        rpc.call(&w, "/job:ps/task:0", 1, &body, None, false, done).unwrap();
+        assert_eq!(w.sent.lock().len(), DIRECT_PARTS, "the parts sent before pacing");
+        assert_eq!(w.pacing.load(SeqCst), 1);
+        // A full link: nothing more goes.
+        w.backlog.store(PACE_BACKLOG, SeqCst);
+        assert_eq!(rpc.pace(&w), Pace::Stalled);
+        assert_eq!(w.sent.lock().len(), DIRECT_PARTS);
+        // Room: the rest, in order, whole.
+        w.backlog.store(0, SeqCst);
+        assert_eq!(rpc.pace(&w), Pace::Progress);
+        let (sent, last) = call_parts(&w.sent.lock());
+        assert!(last && sent == body, "the parts do not make the body");
+        assert_eq!(rpc.pace(&w), Pace::Idle);
+        assert!(got.lock().is_empty() && w.failed.lock().is_empty());
+    }
+
+    /// A paced call taken meanwhile (here cancelled) sends no more parts,
+    /// and the callee is told to drop what it holds.
+    #[test]
+    fn a_paced_call_cancelled_midway_stops_and_tells_the_callee() {
+        let w = Loopback::default();
+        let rpc = Rpc::default();
+        let body = vec![7u8; (DIRECT_PARTS + 3) * CALL_PART_BYTES];
+        let (got, done) = recorder();
+        let id = rpc.call(&w, "/job:ps/task:0", 1, &body, None, false, done).unwrap();
+        rpc.cancel(&w, id);
+        assert_eq!(got.lock()[0].0, CODE_CANCELLED);
+        w.sent.lock().clear();
+        assert_eq!(rpc.pace(&w), Pace::Idle);
+        let sent = w.sent.lock();
+        assert!(matches!(sent[..], [Msg::CallCancel { id: i }] if i == id), "{:?}", sent.iter().map(|m| m.name()).collect::<Vec<_>>());
     }
 
     type Outcomes = Arc<Mutex<Vec<(u32, Vec<u8>)>>>;

@@ -420,9 +420,14 @@ def test_a_run_graph_cancelled_while_it_starts_ends_instead_of_going_to_grpc(plu
             s.run(flags[int(first[-1])].assign(1.0))
             write_ctl(f"race {first} {second}")
             t0 = time.time()
-            with pytest.raises(tf.errors.InvalidArgumentError, match=f"the partition on ps {first[-1]} fails"):
+            # The other partition's error, whichever class TF's master
+            # reports first (stock gRPC: InvalidArgument; over the
+            # transport the peers' aborts can make it Cancelled or Aborted,
+            # the same message: docs/worker-rpcs.md). Never the timeout.
+            with pytest.raises(tf.errors.OpError, match=f"the partition on ps {first[-1]} fails") as failed:
                 s.run(out)
             took = time.time() - t0
+            assert not isinstance(failed.value, tf.errors.DeadlineExceededError), failed.value
             os.remove(ctl)
             assert log_lines()[-1] == f"held {second} after_reply=1", log_lines()
             # Under 744741f the held call went to gRPC after its cancel and

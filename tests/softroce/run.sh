@@ -10,6 +10,7 @@
 #   SOFTROCE_ENV="K=V ..." ...                  # more environment for the tests
 #                                               # in the VM (suites_over_verbs.sh)
 #   SOFTROCE_RELEASE=1 ...                      # build the test binaries with --release
+#   SOFTROCE_MEM_MB=6144 ...                    # the VM's memory (default 2048)
 #                                               # (for the measurements)
 #   SOFTROCE_FILTER="name ..." ...              # only the tests whose names contain one
 #                                               # of these (libtest filters; "" = all)
@@ -125,7 +126,7 @@ say "initramfs $(du -h "$initrd" | cut -f1), kernel $kver, modules: ${mods_order
 log="$run.console.log"
 say "booting qemu (TCG); console log: $log"
 set +e
-timeout "$(left)" "${qemu_tcg[@]}" -m 2048 -initrd "$initrd" -append "$kargs" \
+timeout "$(left)" "${qemu_tcg[@]}" -m "${SOFTROCE_MEM_MB:-2048}" -initrd "$initrd" -append "$kargs" \
     -netdev user,id=n0,restrict=on -device virtio-net-pci,netdev=n0 </dev/null | tr -d '\r' | tee "$log"
 qemu_rc=${PIPESTATUS[0]}
 set -e

@@ -372,6 +372,12 @@ impl Conn {
         Ok(self.pump(&mut inner))
     }
 
+    /// Work queued (or held) that waits for send slots or the peer.
+    pub fn backlog(&self) -> usize {
+        let inner = self.inner.lock();
+        inner.queue.len() + inner.held.len()
+    }
+
     /// Queue a control message (fragmented to buffer size) and post what fits.
     pub fn send_msg(&self, kind: u8, data: Vec<u8>) -> Result<Vec<Action>> {
         let mut inner = self.inner.lock();

@@ -138,6 +138,10 @@ impl Endpoint for VerbsEndpoint {
         Ok(())
     }
 
+    fn backlog(&self) -> usize {
+        self.conn.backlog()
+    }
+
     fn close(&self) {
         self.shared.request(Request::Kill(self.conn.id, Error::Aborted("connection closed locally".into())));
     }

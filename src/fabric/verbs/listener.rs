@@ -119,6 +119,11 @@ impl Listener for VerbsListener {
         Ok(())
     }
 
+    fn backlog(&self, conn: ConnId) -> usize {
+        let c = self.shared.conns.lock().get(&conn).cloned();
+        c.filter(|c| c.listener == self.lst.token).map_or(0, |c| c.backlog())
+    }
+
     fn grant(&self, conn: ConnId, off: u64, len: u64) -> Result<Option<u32>> {
         if !self.lst.conns.lock().contains(&conn) {
             return Ok(None);

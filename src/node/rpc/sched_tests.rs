@@ -78,6 +78,13 @@ impl Wire for End {
         let h = thread::spawn(f);
         self.threads.lock().push(h);
     }
+    fn backlog(&self, _link: ConnId) -> usize {
+        0
+    }
+    fn start_pacing(&self) {
+        // The schedules' bodies are a few parts: nothing is ever paced.
+        unreachable!("a body of more than DIRECT_PARTS parts in a schedule test")
+    }
 }
 
 /// Answers every call at once with its body reversed (or, holding, never:
