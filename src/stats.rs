@@ -63,6 +63,8 @@ counters! {
         dropped_late: "pushes that arrived after their step finished or their receive was cancelled",
         waiters_failed: "receives that completed with an error",
         receives_cancelled: "receives cancelled one by one (rdev_cancel_recv: the eager context's receives; its step went on)",
+        aborts_propagated: "steps this task aborted as failed and told its peers of (rdev_abort_step with propagate), once per step; TensorFlow's normal end of a step is never one",
+        aborts_received: "steps a peer told this task it aborted, once per peer and step",
         requests_sent: "RDMA_DEVICE_MODE=rpc: tensors this receiver requested (one round trip each)",
         requests_served: "RDMA_DEVICE_MODE=rpc: requests this sender answered with a write or inline send",
     }
@@ -70,6 +72,7 @@ counters! {
         fallback_tensors: "tensors that went over stock gRPC",
         fallback_bytes: "payload bytes of those tensors",
         peers_lost: "connections lost (peer exit, transport error)",
+        steps_ended: "steps TensorFlow ended on this task (its cleanup of the step: rdev_step_done)",
         steps_reopened: "steps whose rendezvous TensorFlow made again after the last one had gone (an eager function's later component on this task): what peers pushed for them meanwhile was kept",
         worker_rpcs_over_transport: "per-step worker RPCs (RunGraph, CleanupGraph) this task made over the transport's message channel",
         worker_rpcs_over_grpc: "per-step worker RPCs this task made over gRPC (peer off the transport, not connected yet, or RDMA_DEVICE_WORKER_RPCS=0)",

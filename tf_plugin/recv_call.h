@@ -1,7 +1,6 @@
-// The rendezvous' small parts (rendezvous.cc): what a step's end looks
-// like, task names, where a tensor lives, the copy of a received tensor to
-// its device, and a receive in flight as TF's base rendezvous tracks it for
-// aborts and cancellation.
+// The rendezvous' small parts (rendezvous.cc): task names, where a tensor
+// lives, the copy of a received tensor to its device, and a receive in
+// flight as TF's base rendezvous tracks it for aborts and cancellation.
 #ifndef RDMA_DEVICE_TF_PLUGIN_RECV_CALL_H_
 #define RDMA_DEVICE_TF_PLUGIN_RECV_CALL_H_
 
@@ -24,14 +23,6 @@
 namespace rdma_device {
 
 namespace tf = ::tensorflow;
-
-// TF ends every step with StartAbort(Aborted("Cleanup <step>")), and server
-// teardown with Aborted("Shutdown") (common_runtime/eager/rendezvous_cache.h):
-// normal ends, not failures to tell the peers about.
-inline bool IsCleanup(const absl::Status& status, int64_t step_id) {
-  return absl::IsAborted(status) &&
-         (status.message() == absl::StrCat("Cleanup ", step_id) || status.message() == "Shutdown");
-}
 
 inline std::string TaskOf(const tsl::DeviceNameUtils::ParsedName& device) {
   return TaskName(device.job, device.replica, device.task);

@@ -22,6 +22,29 @@ namespace tf = ::tensorflow;
 
 namespace {
 
+// TF's Cleanup(step) aborts the step's rendezvous, if one is alive, on the
+// thread that calls it (RendezvousCache::RemoveAndAbort), with a status
+// told from a failure by its text only. The manager marks the step on that
+// thread for the time of the call, and StartAbort knows a cleanup by that.
+struct CleanupMark {
+  bool active = false;
+  int64_t step_id = 0;
+};
+
+class CleanupScope {
+ public:
+  explicit CleanupScope(int64_t step_id) : saved_(current_) { current_ = {true, step_id}; }
+  ~CleanupScope() { current_ = saved_; }
+  CleanupScope(const CleanupScope&) = delete;
+  CleanupScope& operator=(const CleanupScope&) = delete;
+
+  static bool Covers(int64_t step_id) { return current_.active && current_.step_id == step_id; }
+
+ private:
+  static inline thread_local CleanupMark current_;
+  const CleanupMark saved_;
+};
+
 // One per step on this task. Tensors whose peer our transport serves are
 // pushed by the sender (Send override) and claimed by the receiver
 // (RecvFromRemoteAsync); all others go through `stock_`, the gRPC
@@ -34,10 +57,12 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
  public:
   RdmaRemoteRendezvous(const tf::WorkerEnv* env, int64_t step_id,
                        tsl::core::RefCountPtr<tf::BaseRemoteRendezvous> stock,
-                       std::shared_ptr<Transport> transport)
+                       std::shared_ptr<Transport> transport,
+                       std::shared_ptr<const std::atomic<bool>> closing)
       : BaseRemoteRendezvous(env, step_id),
         stock_(std::move(stock)),
-        transport_(std::move(transport)) {}
+        transport_(std::move(transport)),
+        closing_(std::move(closing)) {}
 
   absl::Status Initialize(tf::WorkerSession* session) override {
     TF_RETURN_IF_ERROR(BaseRemoteRendezvous::Initialize(session));
@@ -93,26 +118,32 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     // TF only aborts with an error; the base CHECKs it, and the shim must
     // never take the process down.
     if (status.ok()) return;
-    const bool cleanup = IsCleanup(status, step_id_);
+    // TF's normal end of the step, known by where the call comes from, not
+    // by its message: its Cleanup of the step, or the manager's teardown.
+    const bool cleanup =
+        CleanupScope::Covers(step_id_) || closing_->load(std::memory_order_acquire);
     // The eager context's default rendezvous lives as long as the context:
     // TF itself never aborts it for one failed op (base_rendezvous_mgr.h),
     // so neither do we; the error reaches the op that failed.
-    if (EagerContextStep() && !cleanup && status.message() != "Shutdown") {
+    if (EagerContextStep() && !cleanup) {
       VLOG(1) << "rdma_device: not aborting the eager context's rendezvous: " << status;
       return;
     }
     VLOG(2) << (cleanup ? "cleanup" : "abort") << " step " << step_id_ << ": " << status;
+    bool first = false;
     {
       tf::mutex_lock l(mu_);
-      if (abort_status_.ok()) abort_status_ = status;
+      first = abort_status_.ok();
+      if (first) abort_status_ = status;
     }
     BaseRemoteRendezvous::StartAbort(status);
     stock_->StartAbort(status);
     // Not under any TF lock here: completions may run on this thread. A
     // failed step is failed on the peers too: their receives from us would
     // otherwise wait for pushes that never come (TF's own cancellation does
-    // not reach remote RunGraph calls).
-    if (transport_ != nullptr) transport_->AbortStep(step_id_, status, /*propagate=*/!cleanup);
+    // not reach remote RunGraph calls). Only the first abort counts, as in
+    // TF: a later one (an op failed by the cleanup) ends nothing new.
+    if (transport_ != nullptr) transport_->AbortStep(step_id_, status, /*propagate=*/first && !cleanup);
   }
 
  protected:
@@ -161,18 +192,23 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     std::shared_ptr<Transport> transport = transport_;
     const int64_t step_id = step_id_;
     const bool eager_default = EagerContextStep();
-    auto* call = new RecvCall([transport, step_id, eager_default,
+    auto* call = new RecvCall([this, transport, step_id, eager_default,
                                key = std::string(parsed.FullKey())](const absl::Status& s) {
       // A cancelled receive fails the whole step in the transport: TF
       // cancels per step (or per function call), so nothing of it survives.
       // The eager context's default step lives as long as the context and
       // TF never aborts it for one op: there only this receive is cancelled.
+      // TF calls this from its abort of this rendezvous, from a receive
+      // registered after it, or from the step's cancellation, so `this` is
+      // alive here: aborted with the rendezvous, the receive fails here
+      // only (the rendezvous' abort tells the peers if the step failed).
+      const bool propagate = abort_status().ok();
       // On the plugin's pool, never a TF pool (pool.h).
-      Schedule([transport, step_id, eager_default, key, s] {
+      Schedule([transport, step_id, eager_default, propagate, key, s] {
         if (eager_default) {
           transport->CancelRecv(key, step_id, s);
         } else {
-          transport->AbortStep(step_id, s, /*propagate=*/!IsCleanup(s, step_id));
+          transport->AbortStep(step_id, s, propagate);
         }
       });
     });
@@ -457,6 +493,8 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
 
   const tsl::core::RefCountPtr<tf::BaseRemoteRendezvous> stock_;
   const std::shared_ptr<Transport> transport_;
+  // Set once the manager goes (its cache then aborts us with "Shutdown").
+  const std::shared_ptr<const std::atomic<bool>> closing_;
   tf::mutex mu_;
   absl::Status abort_status_ TF_GUARDED_BY(mu_);
   std::atomic<bool> client_eager_context_{false};
@@ -466,13 +504,19 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
 
 RdmaRendezvousMgr::RdmaRendezvousMgr(const tf::WorkerEnv* env,
                                      std::shared_ptr<Transport> transport)
-    : RpcRendezvousMgr(env), transport_(std::move(transport)) {}
+    : RpcRendezvousMgr(env),
+      transport_(std::move(transport)),
+      closing_(std::make_shared<std::atomic<bool>>(false)) {}
+
+RdmaRendezvousMgr::~RdmaRendezvousMgr() { closing_->store(true, std::memory_order_release); }
 
 void RdmaRendezvousMgr::Cleanup(int64_t step_id) {
-  // Aborts the step's live rendezvous with TF's cleanup status, which ends
-  // the step in the transport (StartAbort); with none alive, nothing here
-  // would: end it directly.
-  RpcRendezvousMgr::Cleanup(step_id);
+  {
+    // Aborts the step's live rendezvous, on this thread: as a cleanup.
+    CleanupScope cleanup(step_id);
+    RpcRendezvousMgr::Cleanup(step_id);
+  }
+  // With no rendezvous alive, nothing above ended the step: end it here.
   if (transport_ != nullptr) {
     VLOG(2) << "end of step " << step_id;
     transport_->StepDone(step_id);
@@ -483,7 +527,8 @@ tsl::core::RefCountPtr<tf::BaseRemoteRendezvous> RdmaRendezvousMgr::Create(
     int64_t step_id, const tf::WorkerEnv* worker_env) {
   return tsl::core::RefCountPtr<tf::BaseRemoteRendezvous>(
       new RdmaRemoteRendezvous(worker_env, step_id,
-                               RpcRendezvousMgr::Create(step_id, worker_env), transport_));
+                               RpcRendezvousMgr::Create(step_id, worker_env), transport_,
+                               closing_));
 }
 
 }  // namespace rdma_device

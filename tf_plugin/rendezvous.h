@@ -8,6 +8,7 @@
 #ifndef RDMA_DEVICE_TF_PLUGIN_RENDEZVOUS_H_
 #define RDMA_DEVICE_TF_PLUGIN_RENDEZVOUS_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 
@@ -23,9 +24,14 @@ class RdmaRendezvousMgr : public tensorflow::RpcRendezvousMgr {
   RdmaRendezvousMgr(const tensorflow::WorkerEnv* env,
                     std::shared_ptr<Transport> transport);
 
+  // TF's cache, destroyed after this, aborts the rendezvous left with
+  // "Shutdown": they know it is no failure by `closing_`.
+  ~RdmaRendezvousMgr() override;
+
   // TF's end of a step on this task (CleanupGraph, an eager function's
-  // cleanup): the step ends in the transport too, whether or not one of
-  // its rendezvous is still alive.
+  // cleanup, an eager context's update or end): the step's rendezvous, if
+  // one is alive, is aborted as a cleanup, never told to peers; the step
+  // ends in the transport either way.
   void Cleanup(int64_t step_id) override;
 
  protected:
@@ -34,6 +40,7 @@ class RdmaRendezvousMgr : public tensorflow::RpcRendezvousMgr {
 
  private:
   std::shared_ptr<Transport> transport_;
+  const std::shared_ptr<std::atomic<bool>> closing_;
 };
 
 }  // namespace rdma_device

@@ -296,6 +296,7 @@ impl Node {
     /// The step is over here: unclaimed arrivals are released, late pushes
     /// dropped, queued sends fail.
     pub fn step_done(&self, step: u64) {
+        Stats::add(&Stats::global().c.steps_ended, 1);
         self.inner.idle.lock().active(step);
         self.inner.step_done(step);
     }

@@ -192,6 +192,9 @@ pub struct Rendezvous {
     /// Steps a peer told us it aborted: receives of them from it fail.
     peer_aborts: HashMap<(Arc<str>, u64), String>,
     peer_abort_order: VecDeque<(Arc<str>, u64)>,
+    /// Steps whose abort we told our peers of (counted once each).
+    propagated: HashSet<u64>,
+    propagated_order: VecDeque<u64>,
     /// Slots of dead links still lent to the application: (offset, bytes).
     orphans: HashMap<(LinkId, u32, u32), (u64, u64)>,
     /// Slots the sender of a dead link held, (offset, bytes): its writes
@@ -289,6 +292,8 @@ impl Rendezvous {
             quarantine: HashMap::new(),
             peer_aborts: HashMap::new(),
             peer_abort_order: VecDeque::new(),
+            propagated: HashSet::new(),
+            propagated_order: VecDeque::new(),
             next_gen: 1,
             unsent_requests: HashMap::new(),
             ready_links: HashSet::new(),
@@ -535,10 +540,20 @@ impl Rendezvous {
     /// `propagate`, every connected peer is told, so that what it waits on
     /// from us for this step fails too (a push never comes once we abort;
     /// with pulls, the peer's pull would have failed). TensorFlow's normal
-    /// end-of-step cleanup must not propagate.
+    /// end-of-step cleanup must not propagate. Counted once per step
+    /// (`aborts_propagated`), however often it is told.
     pub fn abort_step(&mut self, step: u64, why: Error, propagate: bool) -> Actions {
         let mut acts = Actions::new();
         if propagate {
+            if self.propagated.insert(step) {
+                self.tally.aborts_propagated += 1;
+                self.propagated_order.push_back(step);
+                while self.propagated_order.len() > FINISHED_STEPS_REMEMBERED {
+                    if let Some(old) = self.propagated_order.pop_front() {
+                        self.propagated.remove(&old);
+                    }
+                }
+            }
             let reason = why.to_string();
             for link in self.tx.keys().chain(self.rx.keys()) {
                 acts.push(Action::Send { link: *link, msg: Msg::Abort { step, reason: reason.clone() } });
@@ -561,6 +576,7 @@ impl Rendezvous {
         }
         let k = (self.names.intern(&peer), step);
         if self.peer_aborts.insert(k.clone(), why.message().to_string()).is_none() {
+            self.tally.aborts_received += 1;
             self.peer_abort_order.push_back(k);
             while self.peer_abort_order.len() > FINISHED_STEPS_REMEMBERED {
                 if let Some(old) = self.peer_abort_order.pop_front() {

@@ -440,6 +440,33 @@ fn propagated_abort_fails_the_peers_waiters() {
     assert!(s.got.lock().unwrap()[2].1.is_ok());
 }
 
+#[test]
+fn aborts_are_counted_once_per_step_and_never_for_a_local_end() {
+    let mut s = Sim::new(1 << 20, 2, 5);
+    s.recv("k", 7);
+    // The step fails here twice (TF's abort, then a failed receive's):
+    // the peers hear of it twice, it is one propagated abort.
+    let acts = s.tx.abort_step(7, Error::Aborted("worker failed".into()), true);
+    s.run_tx(acts);
+    let acts = s.tx.abort_step(7, Error::Aborted("worker failed again".into()), true);
+    s.run_tx(acts);
+    s.settle();
+    assert_eq!((s.tx.tally.aborts_propagated, s.rx.tally.aborts_received), (1, 1));
+    // A local end (TF's cleanup, a cancelled receive's) tells nobody.
+    let acts = s.tx.abort_step(8, Error::Aborted("Cleanup 8".into()), false);
+    s.run_tx(acts);
+    let acts = s.rx.abort_step(8, Error::Aborted("Cleanup 8".into()), false);
+    s.run_rx(acts);
+    s.settle();
+    assert_eq!((s.tx.tally.aborts_propagated, s.rx.tally.aborts_received), (1, 1));
+    assert_eq!((s.rx.tally.aborts_propagated, s.tx.tally.aborts_received), (0, 0));
+    // Another failed step is another abort.
+    let acts = s.tx.abort_step(9, Error::Aborted("worker failed".into()), true);
+    s.run_tx(acts);
+    s.settle();
+    assert_eq!((s.tx.tally.aborts_propagated, s.rx.tally.aborts_received), (2, 2));
+}
+
 /// Found by the `rx` fuzz target: an Announce whose `need` is near
 /// `u64::MAX` overflowed the slot size arithmetic (a panic in debug builds,
 /// a wrapped tiny slot in release). It must take the chunked path instead,
