@@ -86,6 +86,41 @@ def commit(root):
     return (head or "unknown") + (" with uncommitted changes" if dirty else "")
 
 
+# What the measured libraries and binaries are built from.
+_SOURCES = ("src", "tf_plugin", "include", "Cargo.toml", "Cargo.lock", "CMakeLists.txt", "build.rs", "cmake")
+
+
+def stale_build(root):
+    """Why the libraries (and the fabric benchmark's binary) this report
+    would measure are older than the checkout's sources, or None: a report
+    must measure the tree it stamps. Compares modification times: the
+    newest tracked source file against the oldest built artefact."""
+    if not root:
+        return None
+    import rdma_device
+
+    built = [os.path.join(rdma_device.lib_dir(), n) for n in ("librdma_device.so", "librdma_device_tf.so")]
+    bench = fabric_binary(root)
+    if bench:
+        built.append(bench)
+    have = [(os.path.getmtime(b), b) for b in built if os.path.exists(b)]
+    if not have:
+        return "no built library found"
+    try:
+        files = subprocess.run(["git", "-C", root, "ls-files", "--", *_SOURCES], capture_output=True, text=True,
+                               timeout=60, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    newest = max(((os.path.getmtime(os.path.join(root, f)), f) for f in files
+                  if os.path.exists(os.path.join(root, f))), default=None)
+    oldest = min(have)
+    if newest and newest[0] > oldest[0]:
+        return (f"{newest[1]} changed after {oldest[1]} was built "
+                f"({time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(newest[0]))} against "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(oldest[0]))} UTC)")
+    return None
+
+
 def machine():
     from rdma_device._report import machine as cpus
 
@@ -278,6 +313,12 @@ def report(args):
         meta, records = saved["meta"], saved["records"]
         names = [n for n in ORDER if any(r["bench"] == n for r in records)]
         return _render(meta, records, names, args.render, root, args)
+    stale = None if args.allow_stale_build else stale_build(root)
+    if stale:
+        raise SystemExit(
+            f"bench report: the build is older than the tree: {stale}. Rebuild what it measures first "
+            f"(pip install --no-build-isolation ./python; cargo build --release --bin rdma-device-bench), "
+            f"or pass --allow-stale-build to measure it anyway (the report then says so)")
     names = [n.strip() for n in args.only.split(",")] if args.only else list(ORDER)
     for n in names:
         if n not in ORDER:
@@ -289,7 +330,9 @@ def report(args):
     jobs = [(n, i) for n in names for i in range(runs)]
     random.Random(seed).shuffle(jobs)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
-            "commit": commit(root), "runs": runs, "seed": seed, "quick": bool(args.quick),
+            "commit": commit(root) + (" (build older than the tree: measured anyway)"
+                                       if args.allow_stale_build and stale_build(root) else ""),
+            "runs": runs, "seed": seed, "quick": bool(args.quick),
             "order": [f"{n}#{i}" for n, i in jobs]}
     print(f"bench report: {len(jobs)} runs in this order: {', '.join(meta['order'])}", flush=True)
     t0 = time.monotonic()
@@ -391,6 +434,8 @@ def add_parser(sub):
     r.add_argument("--seed", type=int, default=None, help="seed of the run order (default: random, recorded)")
     r.add_argument("--timeout", type=int, default=7200, help="seconds one benchmark run may take")
     r.add_argument("--no-readme", action="store_true", help="leave README.md and docs/ alone")
+    r.add_argument("--allow-stale-build", action="store_true",
+                   help="measure even when the libraries or the benchmark binary are older than the sources")
     r.add_argument("--check", action="store_true",
                    help="measure nothing: list every generated block of README.md and docs/ made before a code "
                         "change or from fewer than 3 runs (exit 1 if any)")

@@ -2,6 +2,8 @@
 ceiling column is stock gRPC's step over the compute-only step of the same
 run: the ratio a transport that moved every tensor for free would reach."""
 
+import os
+
 from rdma_device import _bench_tables
 
 
@@ -86,3 +88,33 @@ def test_the_soak_table_shows_the_steps_it_retried():
     head = [c.strip() for c in table[0].strip("|").split("|")]
     cells = [c.strip() for c in table[2].strip("|").split("|")]
     assert cells[head.index("failed attempts, retried (all runs)")] == "3"
+
+
+def test_a_build_older_than_its_sources_is_refused(tmp_path, monkeypatch):
+    # `bench report` measures the installed libraries and the fabric
+    # benchmark's binary but stamps the checkout's commit: it refuses when
+    # a tracked source file changed after any of them was built.
+    import subprocess
+
+    import rdma_device
+    from rdma_device import _bench_report
+
+    root = tmp_path / "repo"
+    (root / "src").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    (root / "src" / "lib.rs").write_text("// source\n")
+    (root / "notes.md").write_text("not a source\n")
+    subprocess.run(["git", "-C", str(root), "add", "."], check=True)
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for n in ("librdma_device.so", "librdma_device_tf.so"):
+        (lib / n).write_text("")
+        os.utime(lib / n, (2000, 2000))
+    monkeypatch.setattr(rdma_device, "lib_dir", lambda: str(lib))
+    monkeypatch.setattr(_bench_report, "fabric_binary", lambda root: None)
+    os.utime(root / "src" / "lib.rs", (3000, 3000))
+    why = _bench_report.stale_build(str(root))
+    assert why is not None and why.startswith("src/lib.rs changed after"), why
+    os.utime(root / "src" / "lib.rs", (1000, 1000))
+    os.utime(root / "notes.md", (3000, 3000))  # not what the libraries are built from
+    assert _bench_report.stale_build(str(root)) is None
