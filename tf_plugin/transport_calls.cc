@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "tensorflow/core/platform/logging.h"
+#include "tensorflow/core/platform/status.h"
 #include "transport.h"
 #include "transport_status.h"
 
@@ -27,6 +28,9 @@ void OnCallDone(void* userdata, uint32_t code, const uint8_t* body, size_t len) 
     return;
   }
   absl::Status s(static_cast<absl::StatusCode>(code), bytes);
+  // A cancelled call is derived, as TF's gRPC client marks it
+  // (grpc_state.h): TF's master prefers the failure that caused it.
+  if (s.code() == absl::StatusCode::kCancelled) s = tensorflow::StatusGroup::MakeDerived(s);
   state->done(WithPeer(s, state->peer), std::string());
 }
 

@@ -2,6 +2,7 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "tensorflow/core/platform/status.h"
 #include "transport.h"
 
 namespace rdma_device {
@@ -21,7 +22,11 @@ absl::Status FromRdev(rdev_status status, absl::string_view msg) {
     case RDEV_IO:
       return absl::UnavailableError(text);
     case RDEV_ABORTED:
-      return absl::AbortedError(text);
+      // The step was aborted (here or by a peer, which sends its reason):
+      // a consequence of some other failure. Derived, as TF's rendezvous
+      // marks its own aborts, so TF's master reports that failure, not
+      // this one, and cancels nothing because of it.
+      return tensorflow::StatusGroup::MakeDerived(absl::AbortedError(text));
     case RDEV_RESOURCE_EXHAUSTED:
       return absl::ResourceExhaustedError(text);
     case RDEV_CONFIG:

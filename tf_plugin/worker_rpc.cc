@@ -12,6 +12,7 @@
 #include "tensorflow/core/distributed_runtime/worker.h"
 #include "tensorflow/core/platform/logging.h"
 #include "tensorflow/core/platform/mutex.h"
+#include "tensorflow/core/platform/status.h"
 #include "tensorflow/core/protobuf/worker.pb.h"
 #include "pool.h"
 #include "trace.h"
@@ -103,7 +104,8 @@ class TransportWorker : public tf::WorkerInterface {
         // came (to our callback), so a call over gRPC now would never see
         // it and could hold the step. It ends here, as gRPC ends a
         // cancelled call.
-        done(absl::CancelledError("rdma_device: RunGraph cancelled before it started"));
+        done(tf::StatusGroup::MakeDerived(
+            absl::CancelledError("rdma_device: RunGraph cancelled before it started")));
         return;
       }
       VLOG(1) << "rdma_device: RunGraph on " << target_ << " over gRPC: " << started;

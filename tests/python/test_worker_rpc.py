@@ -420,14 +420,12 @@ def test_a_run_graph_cancelled_while_it_starts_ends_instead_of_going_to_grpc(plu
             s.run(flags[int(first[-1])].assign(1.0))
             write_ctl(f"race {first} {second}")
             t0 = time.time()
-            # The other partition's error, whichever class TF's master
-            # reports first (stock gRPC: InvalidArgument; over the
-            # transport the peers' aborts can make it Cancelled or Aborted,
-            # the same message: docs/worker-rpcs.md). Never the timeout.
-            with pytest.raises(tf.errors.OpError, match=f"the partition on ps {first[-1]} fails") as failed:
+            # The other partition's error, as under stock gRPC (the held
+            # call's cancellation is derived, as gRPC's is); never the
+            # timeout.
+            with pytest.raises(tf.errors.InvalidArgumentError, match=f"the partition on ps {first[-1]} fails"):
                 s.run(out)
             took = time.time() - t0
-            assert not isinstance(failed.value, tf.errors.DeadlineExceededError), failed.value
             os.remove(ctl)
             assert log_lines()[-1] == f"held {second} after_reply=1", log_lines()
             # Under 744741f the held call went to gRPC after its cancel and
@@ -438,3 +436,39 @@ def test_a_run_graph_cancelled_while_it_starts_ends_instead_of_going_to_grpc(plu
             assert s.run(out) == 1.0
     finally:
         c.close()
+
+
+def test_a_step_failing_on_the_ps_reports_the_ps_error_as_stock_does(clusters):
+    # The ps's partition fails (an assertion) while worker 0's partition
+    # waits for a tensor from it. Under stock gRPC the client always gets
+    # the ps's InvalidArgument. Over the transport the ps's abort reaches
+    # worker 0 first and fails its receive; that failure, and the call
+    # TF's master cancels because of it, are consequences, not the cause:
+    # marked derived (as TF's rendezvous and gRPC mark theirs), so the
+    # master reports the ps's error, every time.
+    tf = _tf()
+    got = {}
+    for p in ("grpc", "grpc+rdma_device"):
+        c = clusters[p]
+        g = tf.Graph()
+        with g.as_default():
+            with tf.device(c.device("ps", 0)):
+                v = tf.Variable(1.0, name="v")
+                check = tf.debugging.Assert(v.value() < 0.0, ["the ps partition fails"])
+                with tf.control_dependencies([check]):
+                    x = v.value() * 2.0
+            with tf.device(c.device("worker", 0)):
+                y = x + 1.0
+        with tf.compat.v1.Session(c.target(), graph=g) as s:
+            s.run(v.initializer)
+            kinds = []
+            for _ in range(10):
+                try:
+                    s.run(y)
+                    kinds.append("ok")
+                except tf.errors.OpError as e:
+                    assert "the ps partition fails" in str(e), e
+                    kinds.append(type(e).__name__)
+            got[p] = kinds
+    assert got["grpc"] == ["InvalidArgumentError"] * 10, got
+    assert got["grpc+rdma_device"] == got["grpc"], got
