@@ -252,8 +252,10 @@ fn a_call_and_a_reply_over_1_gib_arrive_whole_and_the_link_stays_up() {
     // The caller's thread (TF's master, in the shim) only starts the call:
     // it copies the body once and sends its first parts, leaving the rest
     // to the pacing thread; it never waits for the link to take 1.2 GB.
-    // Bounded by what one copy of the body costs here (emulated machines
-    // copy slowly), measured first.
+    // Bounded by what one copy of the body costs here, measured first,
+    // with room for a busy machine (emulated verbs in a VM under load:
+    // one copy 23 s, the call's start 158 s; the call's whole transfer,
+    // which the start waited for before the pacing thread, 287 s).
     let t0 = Instant::now();
     let copy = std::hint::black_box(body.clone());
     let one_copy = t0.elapsed();
@@ -261,7 +263,7 @@ fn a_call_and_a_reply_over_1_gib_arrive_whole_and_the_link_stays_up() {
     let t0 = Instant::now();
     let (_, rx) = call(&a, &tb, 1, &body, None);
     let started = t0.elapsed();
-    assert!(started < 4 * one_copy + Duration::from_secs(2), "starting the call held its thread {started:?} (one copy of the body: {one_copy:?})");
+    assert!(started < 8 * one_copy + Duration::from_secs(10), "starting the call held its thread {started:?} (one copy of the body: {one_copy:?})");
     // Soft-RoCE under emulation moves a few MB/s: its run sets a longer wait.
     let wait = std::env::var("NODE_RPC_BIG_WAIT_S").ok().and_then(|s| s.parse().ok()).unwrap_or(300);
     let (code, reply) = rx.recv_timeout(Duration::from_secs(wait)).unwrap_or_else(|e| panic!("no reply within {wait} s: {e}"));
