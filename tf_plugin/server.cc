@@ -9,6 +9,7 @@
 #include <dlfcn.h>
 #include <link.h>
 
+#include <atomic>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -195,6 +196,27 @@ class RdmaServer : public tf::GrpcServer {
     return absl::OkStatus();
   }
 
+  // Per-step worker RPCs are served over the transport from Start(), as
+  // TF's own services are (c_api.h: a server "will not serve any requests
+  // until TF_ServerStart"), never from Init. A server never started is the
+  // one TF destroys: TF_DeleteServer, and the eager context on an error
+  // between creating its server and starting it
+  // (context_distributed_manager.cc); ~GrpcServer then frees the session
+  // manager and the worker that serving calls into (a raw pointer). A
+  // started server is never destroyed (~GrpcServer CHECK-fails on Stop()
+  // first; EagerContext and tf.distribute.Server release it instead), so
+  // once serving, `worker_impl()` lives as long as the process. Served
+  // from Init, a stale master's RunGraph and CleanupGraph ran on a server
+  // being deleted: SIGSEGV in Worker::CleanupGraphAsync
+  // (tests/python/test_teardown.py).
+  absl::Status Start() override {
+    TF_RETURN_IF_ERROR(GrpcServer::Start());
+    if (transport_started_ && !serving_.exchange(true)) {
+      ServeWorkerRpcs(transport_, worker_impl(), worker_env()->compute_pool);
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status WorkerCacheFactory(const tf::WorkerCacheFactoryOptions& options,
                                   tf::WorkerCacheInterface** worker_cache) override {
     transport_->AddPeers(options.cluster_def);
@@ -255,7 +277,7 @@ class RdmaServer : public tf::GrpcServer {
                  << "this server goes over stock gRPC: " << started;
       return absl::OkStatus();
     }
-    ServeWorkerRpcs(transport_, worker_impl(), worker_env()->compute_pool);
+    transport_started_ = true;
     return absl::OkStatus();
   }
 
@@ -274,6 +296,10 @@ class RdmaServer : public tf::GrpcServer {
   }
 
   const std::shared_ptr<Transport> transport_;
+  // Init started the transport (set before any Start); the first Start
+  // serves worker RPCs over it.
+  bool transport_started_ = false;
+  std::atomic<bool> serving_{false};
   // Set in Init (collective_mgr_func), kept across UpdateServerDef.
   std::shared_ptr<Collectives> collectives_;
 };
