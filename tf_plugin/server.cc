@@ -183,14 +183,16 @@ class RdmaServer : public tf::GrpcServer {
   // eager context's) sees the cluster of that session: the peers' addresses
   // come from here, so clients that join later (eager) are known too.
   // TF installs its stock collective manager here, on this task only: put
-  // a handle on ours back (collectives.h), reaching the new cluster.
+  // a handle on ours back (collectives.h), reaching the new cluster and
+  // resolving groups under the new definition (its leader), as TF's would.
   absl::Status UpdateServerDef(const tf::ServerDef& server_def) override {
     TF_RETURN_IF_ERROR(GrpcServer::UpdateServerDef(server_def));
     transport_->AddPeers(server_def.cluster());
     if (collectives_ == nullptr) return absl::OkStatus();
     tf::WorkerCacheInterface* cache = nullptr;
     TF_RETURN_IF_ERROR(WorkerCacheFactory(tf::WorkerCacheFactoryOptions(server_def), &cache));
-    collectives_->UseWorkerCache(std::unique_ptr<tf::WorkerCacheInterface>(cache));
+    collectives_->Update(server_def.default_session_config(),
+                         std::unique_ptr<tf::WorkerCacheInterface>(cache));
     worker_env()->collective_executor_mgr = collectives_->NewHandle();
     master_env()->collective_executor_mgr = worker_env()->collective_executor_mgr.get();
     return absl::OkStatus();
