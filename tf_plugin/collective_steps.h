@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "tensorflow/core/framework/collective.h"
 #include "tensorflow/core/platform/mutex.h"
 
@@ -89,11 +90,21 @@ class Counts {
 // sends in flight, the abort. O(1) per transfer under its lock; no
 // callbacks run under it.
 //
-// Transport steps: the n-th use of a key is step mix(seed, instance) + n;
-// the seed mixes the executor's step id and how often it was aborted
-// here (Generations). Aborting the executor fails its own transfers in
-// flight here (the latest use of each key, without propagation) and
-// aborts, with propagation, one step: the sentinel. Every executor waits,
+// Transport steps: the n-th transfer of a key between this task and one
+// peer (in one direction) is step mix(seed, instance) + n; the seed mixes
+// the executor's step id and how often it was aborted here (Generations).
+// Counted per peer, not per key: a group that changes under a kept
+// executor (a task joins, MultiWorkerMirroredStrategy created again,
+// whose instance keys start over) sends a key to another peer than
+// before, and the two ends of each transfer count only what passed
+// between them, so they agree (counted per key, a worker that sent a key
+// to its old neighbour gave it step n + 1 where the new neighbour, which
+// never saw it, expected n: the all-reduce hung). In a fixed group a key
+// and direction always mean the same peer: the same counts as per key.
+//
+// Aborting the executor fails its own transfers in flight here (the
+// latest use of each key, without propagation) and aborts, with
+// propagation, one step: the sentinel. Every executor waits,
 // per peer it exchanges chunks with, on a receive of `sentinel_step()`
 // that no peer ever sends, posted before its first transfer with that
 // peer. It fails when that peer aborts its executor or when the transport
@@ -120,7 +131,7 @@ class Steps {
                     const std::string& peer, uint64_t* step, bool* new_peer) {
     tf::mutex_lock l(mu_);
     if (!aborted_.ok()) return aborted_;
-    const uint64_t n = uses_[recv ? 1 : 0].Next(key);
+    const uint64_t n = uses_[recv ? 1 : 0].Next(absl::StrCat(key, "|", peer));
     *step = Mix(seed_ ^ Fnv1a(instance)) + n;
     // u64::MAX is reserved by the transport (placement ahead of a step).
     if (*step == ~uint64_t{0}) *step = 0;
@@ -200,7 +211,7 @@ class Steps {
   tf::mutex mu_;
   absl::Status aborted_ TF_GUARDED_BY(mu_);
   bool closed_ TF_GUARDED_BY(mu_) = false;
-  Counts uses_[2] TF_GUARDED_BY(mu_);  // [sent, received]
+  Counts uses_[2] TF_GUARDED_BY(mu_);  // [sent, received], by "key|peer"
   std::set<std::string> peers_ TF_GUARDED_BY(mu_);
   // Steps of receives in flight (one entry per receive).
   std::unordered_multiset<uint64_t> recvs_ TF_GUARDED_BY(mu_);

@@ -38,20 +38,74 @@ class RdmaCollectiveExecutorMgr : public tf::RpcCollectiveExecutorMgr {
                                  std::move(param_resolver), std::move(nccl_communicator),
                                  worker_cache, task_name),
         transport_(std::move(transport)),
-        generations_(std::make_shared<Generations>()) {}
+        generations_(std::make_shared<Generations>()),
+        devices_(this) {}
+
+  // The cluster changed (UpdateServerDef): groups and instances are
+  // resolved afresh from now on, under the new definition's config (its
+  // group leader), as by the manager TF builds there; the executors stay.
+  // The resolvers replaced stay alive (a call may still be in one): one
+  // pair per UpdateServerDef.
+  void RenewResolvers(const tf::ConfigProto& config) {
+    auto dev = std::make_unique<tf::DeviceResolverDistributed>(dev_mgr_);
+    auto param = std::make_unique<tf::CollectiveParamResolverDistributed>(
+        config, dev_mgr_, dev.get(), nccl_communicator_.get(), worker_cache_, task_name_);
+    tf::mutex_lock l(mu_);
+    dev_now_ = dev.get();
+    param_now_ = param.get();
+    devs_.push_back(std::move(dev));
+    params_.push_back(std::move(param));
+  }
+
+  tf::ParamResolverInterface* GetParamResolver() const override {
+    tf::tf_shared_lock l(mu_);
+    return param_now_ != nullptr ? param_now_ : param_resolver_.get();
+  }
+  tf::DeviceResolverInterface* GetDeviceResolver() const override {
+    tf::tf_shared_lock l(mu_);
+    return dev_now_ != nullptr ? dev_now_ : dev_resolver_.get();
+  }
 
  protected:
-  // As RpcCollectiveExecutorMgr::Create, with our remote access.
+  // As RpcCollectiveExecutorMgr::Create, with our remote access (which
+  // reaches the current device resolver through `devices_`).
   tf::CollectiveExecutor* Create(int64_t step_id) override {
-    auto* rma = NewRdmaCollectiveRemoteAccess(dev_mgr_, dev_resolver_.get(), work_queue_,
-                                              worker_cache_, step_id, task_name_, transport_,
-                                              generations_);
+    auto* rma = NewRdmaCollectiveRemoteAccess(dev_mgr_, &devices_, work_queue_, worker_cache_,
+                                              step_id, task_name_, transport_, generations_);
     return new tf::BaseCollectiveExecutor(this, rma, step_id, dev_mgr_, work_queue_);
   }
 
  private:
+  // The manager's current device resolver, for executors that outlive a
+  // RenewResolvers.
+  class Devices : public tf::DeviceResolverInterface {
+   public:
+    explicit Devices(RdmaCollectiveExecutorMgr* mgr) : mgr_(mgr) {}
+    absl::Status GetDeviceAttributes(const std::string& device,
+                                     tf::DeviceAttributes* attributes) override {
+      return mgr_->GetDeviceResolver()->GetDeviceAttributes(device, attributes);
+    }
+    absl::Status GetAllDeviceAttributes(const std::string& task,
+                                        std::vector<tf::DeviceAttributes>* attributes) override {
+      return mgr_->GetDeviceResolver()->GetAllDeviceAttributes(task, attributes);
+    }
+    absl::Status UpdateDeviceAttributes(
+        const std::vector<tf::DeviceAttributes>& attributes) override {
+      return mgr_->GetDeviceResolver()->UpdateDeviceAttributes(attributes);
+    }
+
+   private:
+    RdmaCollectiveExecutorMgr* const mgr_;
+  };
+
   const std::shared_ptr<Transport> transport_;
   const std::shared_ptr<Generations> generations_;
+  Devices devices_;
+  mutable tf::mutex mu_;
+  tf::DeviceResolverDistributed* dev_now_ TF_GUARDED_BY(mu_) = nullptr;
+  tf::CollectiveParamResolverDistributed* param_now_ TF_GUARDED_BY(mu_) = nullptr;
+  std::vector<std::unique_ptr<tf::DeviceResolverDistributed>> devs_ TF_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<tf::CollectiveParamResolverDistributed>> params_ TF_GUARDED_BY(mu_);
 };
 }  // namespace
 
@@ -205,8 +259,10 @@ std::unique_ptr<tf::CollectiveExecutorMgrInterface> Collectives::NewHandle() {
   return std::make_unique<Handle>(self_.lock());
 }
 
-void Collectives::UseWorkerCache(std::unique_ptr<tf::WorkerCacheInterface> worker_cache) {
+void Collectives::Update(const tf::ConfigProto& config,
+                         std::unique_ptr<tf::WorkerCacheInterface> worker_cache) {
   cache_->Use(std::move(worker_cache));
+  static_cast<RdmaCollectiveExecutorMgr*>(mgr_.get())->RenewResolvers(config);
 }
 
 Collectives::~Collectives() = default;

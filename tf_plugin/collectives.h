@@ -22,12 +22,16 @@
 // is the same edge every step, so it is placed on the first step and every
 // later chunk is one write with no negotiation; collectives of different
 // sizes never share (and re-place) an edge. The instance goes into the
-// transport step: the n-th use of a buffer key on this executor is step
+// transport step: the n-th transfer of a buffer key from a sender to a
+// receiver on this executor is step
 //   mix(executor step id, executor generation, "group:instance:frame:iter") + n
 // on sender and receiver alike (both run the same collectives in the same
 // order, as TF requires). n matters where instance keys repeat (V1
-// collective ops): the transport refuses a second arrival for an
-// unclaimed (key, step), and a broadcast root may run ahead of its leaves.
+// collective ops, and MWMS created again, whose instance keys start
+// over): the transport refuses a second arrival for an unclaimed (key,
+// step), and a broadcast root may run ahead of its leaves. It counts per
+// peer (collective_steps.h): when the group changes, a key goes to a new
+// neighbour, which has seen it as often as the sender has sent it there.
 // Use counts of keys unused for 65536 other keys are forgotten (they would
 // restart at 0 on one side only if such a key came back: not seen in TF's
 // algorithms, whose keys either repeat every step or never).
@@ -78,11 +82,19 @@
 // hang. So the manager is kept instead: the server holds it (Collectives),
 // worker_env's collective_executor_mgr is only a handle on it, and after
 // UpdateServerDef the server puts a new handle where TF put its stock
-// manager (destroying that one). The kept manager, its executors (their
-// use counts and generations, which peers agree on) and its resolvers stay;
-// it reaches peers through a worker cache the server switches to the new
-// cluster's. Caches switched away from live as long as the manager (a
-// worker one handed out goes back to it): one per UpdateServerDef. For the
+// manager (destroying that one). The kept manager and its executors
+// (their use counts and generations, which peers agree on) stay; it
+// reaches peers through a worker cache the server switches to the new
+// cluster's. Its param and device resolvers are built anew, from the new
+// definition's config, as in the manager TF builds there: the group
+// leader may have changed (a chief joined), and a group key may come back
+// with other members (MWMS created again over more workers starts its
+// keys over). Kept, the resolvers answered with the old group ("is
+// joining a group with size3, but that group has size 2") or asked the
+// old leader (a hang). Caches and resolvers switched away from live as
+// long as the manager (a call may still be in one): one of each per
+// UpdateServerDef. The step-id sequences of graph-mode collectives
+// (RpcCollectiveExecutorMgr's group leader) keep Init's leader. For the
 // moment between TF's install and ours (inside UpdateServerDef, before it
 // returns) a peer's RPC could still reach TF's manager, as with TF's own
 // replacement of its manager there.
@@ -121,8 +133,11 @@ class Collectives {
   std::unique_ptr<tensorflow::CollectiveExecutorMgrInterface> NewHandle();
 
   // The cluster changed: peers are reached through `worker_cache` from now
-  // on. The manager, its executors and its resolvers stay.
-  void UseWorkerCache(std::unique_ptr<tensorflow::WorkerCacheInterface> worker_cache);
+  // on, and groups and instances are resolved afresh under `config` (the
+  // new server definition's: its group leader). The manager and its
+  // executors stay.
+  void Update(const tensorflow::ConfigProto& config,
+              std::unique_ptr<tensorflow::WorkerCacheInterface> worker_cache);
 
   ~Collectives();
 

@@ -9,6 +9,7 @@
 #include <dlfcn.h>
 #include <link.h>
 
+#include <atomic>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -182,16 +183,39 @@ class RdmaServer : public tf::GrpcServer {
   // eager context's) sees the cluster of that session: the peers' addresses
   // come from here, so clients that join later (eager) are known too.
   // TF installs its stock collective manager here, on this task only: put
-  // a handle on ours back (collectives.h), reaching the new cluster.
+  // a handle on ours back (collectives.h), reaching the new cluster and
+  // resolving groups under the new definition (its leader), as TF's would.
   absl::Status UpdateServerDef(const tf::ServerDef& server_def) override {
     TF_RETURN_IF_ERROR(GrpcServer::UpdateServerDef(server_def));
     transport_->AddPeers(server_def.cluster());
     if (collectives_ == nullptr) return absl::OkStatus();
     tf::WorkerCacheInterface* cache = nullptr;
     TF_RETURN_IF_ERROR(WorkerCacheFactory(tf::WorkerCacheFactoryOptions(server_def), &cache));
-    collectives_->UseWorkerCache(std::unique_ptr<tf::WorkerCacheInterface>(cache));
+    collectives_->Update(server_def.default_session_config(),
+                         std::unique_ptr<tf::WorkerCacheInterface>(cache));
     worker_env()->collective_executor_mgr = collectives_->NewHandle();
     master_env()->collective_executor_mgr = worker_env()->collective_executor_mgr.get();
+    return absl::OkStatus();
+  }
+
+  // Per-step worker RPCs are served over the transport from Start(), as
+  // TF's own services are (c_api.h: a server "will not serve any requests
+  // until TF_ServerStart"), never from Init. A server never started is the
+  // one TF destroys: TF_DeleteServer, and the eager context on an error
+  // between creating its server and starting it
+  // (context_distributed_manager.cc); ~GrpcServer then frees the session
+  // manager and the worker that serving calls into (a raw pointer). A
+  // started server is never destroyed (~GrpcServer CHECK-fails on Stop()
+  // first; EagerContext and tf.distribute.Server release it instead), so
+  // once serving, `worker_impl()` lives as long as the process. Served
+  // from Init, a stale master's RunGraph and CleanupGraph ran on a server
+  // being deleted: SIGSEGV in Worker::CleanupGraphAsync
+  // (tests/python/test_teardown.py).
+  absl::Status Start() override {
+    TF_RETURN_IF_ERROR(GrpcServer::Start());
+    if (transport_started_ && !serving_.exchange(true)) {
+      ServeWorkerRpcs(transport_, worker_impl(), worker_env()->compute_pool);
+    }
     return absl::OkStatus();
   }
 
@@ -255,7 +279,7 @@ class RdmaServer : public tf::GrpcServer {
                  << "this server goes over stock gRPC: " << started;
       return absl::OkStatus();
     }
-    ServeWorkerRpcs(transport_, worker_impl(), worker_env()->compute_pool);
+    transport_started_ = true;
     return absl::OkStatus();
   }
 
@@ -274,6 +298,10 @@ class RdmaServer : public tf::GrpcServer {
   }
 
   const std::shared_ptr<Transport> transport_;
+  // Init started the transport (set before any Start); the first Start
+  // serves worker RPCs over it.
+  bool transport_started_ = false;
+  std::atomic<bool> serving_{false};
   // Set in Init (collective_mgr_func), kept across UpdateServerDef.
   std::shared_ptr<Collectives> collectives_;
 };

@@ -78,8 +78,8 @@ void Transport::Serve(ServeCall call, ServeCancel cancel) {
   rdev_context* ctx = ctx_.load();
   if (ctx == nullptr || serving_.exchange(true)) return;
   // Never freed: a callback queued on the transport's callback thread may
-  // still run after the context is freed (servers live as long as the
-  // process anyway).
+  // still run after the context is freed (only a started server serves,
+  // and TF never frees one: server.cc).
   auto* served = new Served{std::move(call), std::move(cancel)};
   rdev_serve(ctx, &OnServeCall, &OnServeCancel, served);
 }

@@ -51,7 +51,9 @@ tensorflow::WorkerCacheInterface* NewTransportWorkerCache(
     tensorflow::WorkerCacheInterface* stock, std::shared_ptr<Transport> transport);
 
 // Serves peers' worker RPCs over the transport with `worker` (the server's
-// own, which outlives the transport).
+// own, by raw pointer): call it from the server's Start() only. TF never
+// frees a started server, but frees one never started (server.cc), and
+// the transport can outlive the server's session manager there.
 // Calls larger than `kServeInlineMax` bytes, and every CleanupGraph, are
 // handed to `compute_pool` (the worker env's, as stock's service does).
 void ServeWorkerRpcs(const std::shared_ptr<Transport>& transport,

@@ -171,6 +171,95 @@ def reconnect(spec, ready):
             "seconds": time.monotonic() - t0, "stats": _stats(spec)}
 
 
+
+def regroup(spec, ready):
+    """The group changes under a kept server. spec["before"]: the workers
+    of a first MWMS (None: this task joins later), spec["after"]: those of
+    the MWMS every task creates on the "regroup" command (this task keeps
+    its index). One all-reduce before (then RECONNECT; the counters are
+    reset), `reps` after. The coordination service is off (its task list
+    is fixed when it starts, stock TF alike: a task that joins later is
+    refused by it)."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    n = spec.get("n", 4096)
+    task = spec["task"]
+    context.context().configure_coordination_service(service_type="")
+    before = None
+    if spec["before"] is not None:
+        strategy = make_strategy_for({"worker": spec["before"]}, task, spec["protocol"])
+        ready()
+        before = _allreduce_fn(strategy, tf, n)()
+        _reset(spec)
+        sys.stdout.write("RECONNECT\n")
+        sys.stdout.flush()
+    else:
+        ready()
+    for line in sys.stdin:
+        if "regroup" in line:
+            break
+    t0 = time.monotonic()
+    strategy = make_strategy_for({"worker": spec["after"]}, task, spec["protocol"])
+    after = [_allreduce_fn(strategy, tf, n)() for _ in range(spec.get("reps", 3))]
+    return {"before": None if before is None else before.tobytes().hex(),
+            "after": [a.tobytes().hex() for a in after],
+            "seconds": time.monotonic() - t0, "stats": _stats(spec)}
+
+
+
+def new_leader(spec, ready):
+    """The group leader changes under a kept server. Workers of
+    spec["before"] all-reduce once in an MWMS (leader: worker 0), then
+    RECONNECT (the counters are reset). On "regroup" every task (a chief
+    joins: spec["job"] "chief") enables collective ops for the cluster
+    spec["after"], whose group leader is the chief, and runs `reps`
+    all-reduces of a new group of all of them: the collective op MWMS runs
+    (all_reduce_v2, ring). MWMS itself cannot be created again with
+    another leader in a process (configure_collective_ops: "Collective ops
+    are already configured", stock TF alike). The coordination service is
+    off, as in `regroup`."""
+    import tensorflow as tf
+    from tensorflow.core.protobuf import tensorflow_server_pb2
+    from tensorflow.python.eager import context
+    from tensorflow.python.ops import collective_ops
+
+    n = spec.get("n", 4096)
+    job, task, rank = spec["job"], spec["task"], spec["rank"]
+    context.context().configure_coordination_service(service_type="")
+    before = None
+    if spec["before"] is not None:
+        strategy = make_strategy_for({"worker": spec["before"]}, task, spec["protocol"])
+        ready()
+        before = _allreduce_fn(strategy, tf, n)()
+        _reset(spec)
+        sys.stdout.write("RECONNECT\n")
+        sys.stdout.flush()
+    else:
+        ready()
+    for line in sys.stdin:
+        if "regroup" in line:
+            break
+    t0 = time.monotonic()
+    config = context.context().config
+    config.experimental.collective_group_leader = "/job:chief/replica:0/task:0"
+    context.context().enable_collective_ops(tensorflow_server_pb2.ServerDef(
+        cluster=tf.train.ClusterSpec(spec["after"]).as_cluster_def(),
+        default_session_config=config, job_name=job, task_index=task,
+        protocol=spec["protocol"]))
+    size = sum(len(tasks) for tasks in spec["after"].values())
+    values = np.arange(n, dtype=np.float32) * (rank + 1) + rank
+    after = []
+    with tf.device(f"/job:{job}/replica:0/task:{task}/device:CPU:0"):
+        for i in range(spec.get("reps", 3)):
+            after.append(collective_ops.all_reduce_v2(
+                tf.constant(values), group_size=size, group_key=1000, instance_key=1000 + i,
+                communication_hint="ring").numpy())
+    return {"before": None if before is None else before.tobytes().hex(),
+            "after": [a.tobytes().hex() for a in after],
+            "seconds": time.monotonic() - t0, "stats": _stats(spec)}
+
+
 def make_strategy_for(cluster, index, protocol):
     """An MWMS over `cluster` (jobs -> addresses, "worker" among them)."""
     import os

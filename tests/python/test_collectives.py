@@ -228,3 +228,78 @@ def test_collective_abort_sends_one_message_per_link(log_dir, plugin_built):
     for r in results:
         assert r["error"] is not None and r["seconds"] < 10.0, results
         assert 0 < r["aborts_sent"] <= 2 * 2 * (n - 1), results
+
+
+def run_regroup(scenario, protocol, log_dir, size=4096, reps=3):
+    """Workers 0 and 1 all-reduce in an MWMS, then a third task starts
+    (worker 2 for "regroup", the chief for "new_leader") and all three
+    all-reduce `reps` times in a group of three. Results by rank (workers,
+    then the newcomer)."""
+    jobs = harness.make_cluster({"worker": 3})
+    old, new = jobs["worker"][:2], jobs["worker"][2]
+    if scenario == "regroup":
+        after = {"worker": old + [new]}
+        roles = [("worker", 0), ("worker", 1), ("worker", 2)]
+    else:
+        after = {"chief": [new], "worker": old}
+        roles = [("worker", 0), ("worker", 1), ("chief", 0)]
+    env = STRICT if protocol == harness.PROTOCOL_RDMA else None
+    tasks = [harness.Task(dict(role=f"mwms_scenarios.{scenario}", job=job, task=task, rank=rank,
+                               cluster=after, before=old if rank < 2 else None,
+                               after=after["worker"] if scenario == "regroup" else after,
+                               n=size, reps=reps, protocol=protocol), log_dir, env)
+             for rank, (job, task) in enumerate(roles)]
+    try:
+        for t in tasks:
+            t.wait_ready()
+        for t in tasks[:2]:
+            t.expect("RECONNECT", DEADLINE)
+        for t in tasks:
+            t.send("regroup")
+        deadline = time.monotonic() + RECONNECT_DEADLINE
+        try:
+            return [t.result(max(0.1, deadline - time.monotonic())) for t in tasks]
+        except (TimeoutError, RuntimeError) as e:
+            pytest.fail(f"{scenario}, {protocol}: the all-reduce of the new group failed or hung: "
+                        f"{e}\n" + "\n".join(t.dump_stacks() for t in tasks))
+    finally:
+        for t in tasks:
+            t.close()
+
+
+@pytest.mark.parametrize("protocol", [harness.PROTOCOL_GRPC, harness.PROTOCOL_RDMA])
+@pytest.mark.parametrize("scenario", ["regroup", "new_leader"])
+def test_a_new_group_after_the_server_definition_changed(scenario, protocol, log_dir,
+                                                         plugin_built):
+    """Workers 0 and 1 all-reduce in an MWMS (group leader: worker 0).
+    Then a third task joins, and the kept servers of workers 0 and 1 get
+    the new cluster (UpdateServerDef): "regroup", a third worker, and every
+    task creates its MWMS again over the three (its group key and instance
+    keys start over: group 1, now of size 3); "new_leader", a chief, which
+    becomes the group leader (enable_collective_ops with the new cluster;
+    all_reduce_v2 as MWMS runs it, in a new group of three). Then 3
+    all-reduces: within 30 s, bit-exact (the sum of every task's values,
+    the same under stock gRPC and over the transport), and over the
+    transport every chunk went through it (strict mode), exactly the
+    bytes a ring of 3 moves. Before the server renewed its collective
+    resolvers, "regroup" failed at once ("Device /job:worker/replica:0/
+    task:0/device:CPU:0 is joining a group with size3, but that group has
+    size 2 (group_key=1)": the kept resolver's group) and "new_leader"
+    hung; with the resolvers renewed but the transport's use counts per
+    key, "regroup" hung (worker 1 sent a key to worker 2 at the step after
+    the one it had sent it to worker 0 at)."""
+    import numpy as np
+
+    size, reps = 4096, 3
+    results = run_regroup(scenario, protocol, log_dir, size=size, reps=reps)
+
+    def total(k):
+        return sum(np.arange(size, dtype=np.float32) * (i + 1) + i for i in range(k)).tobytes().hex()
+
+    for rank, r in enumerate(results):
+        assert r["before"] == (total(2) if rank < 2 else None), rank
+        assert r["after"] == [total(3)] * reps, rank
+    print(f"{scenario}, {protocol}: new group of 3 and {reps} all-reduces in "
+          f"{max(r['seconds'] for r in results):.2f} s")
+    if protocol == harness.PROTOCOL_RDMA:
+        check_counters(results, exact_total=reps * 2 * (3 - 1) * size * 4)
