@@ -172,19 +172,11 @@ def reconnect(spec, ready):
 
 
 
-def regroup(spec, ready):
-    """The group changes under a kept server. spec["before"]: the workers
-    of a first MWMS (None: this task joins later), spec["after"]: those of
-    the MWMS every task creates on the "regroup" command (this task keeps
-    its index). One all-reduce before (then RECONNECT; the counters are
-    reset), `reps` after. The coordination service is off (its task list
-    is fixed when it starts, stock TF alike: a task that joins later is
-    refused by it)."""
-    import tensorflow as tf
-    from tensorflow.python.eager import context
-
-    n = spec.get("n", 4096)
-    task = spec["task"]
+def _before_regroup(spec, ready, tf, context, task, n):
+    """What `regroup` and `new_leader` share: the coordination service off;
+    the workers of spec["before"] (if any) all-reduce once in an MWMS and
+    say RECONNECT (counters reset); then wait for "regroup". Returns that
+    first result (None for a task that joins later)."""
     context.context().configure_coordination_service(service_type="")
     before = None
     if spec["before"] is not None:
@@ -199,6 +191,23 @@ def regroup(spec, ready):
     for line in sys.stdin:
         if "regroup" in line:
             break
+    return before
+
+
+def regroup(spec, ready):
+    """The group changes under a kept server. spec["before"]: the workers
+    of a first MWMS (None: this task joins later), spec["after"]: those of
+    the MWMS every task creates on the "regroup" command (this task keeps
+    its index). One all-reduce before (then RECONNECT; the counters are
+    reset), `reps` after. The coordination service is off (its task list
+    is fixed when it starts, stock TF alike: a task that joins later is
+    refused by it)."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    n = spec.get("n", 4096)
+    task = spec["task"]
+    before = _before_regroup(spec, ready, tf, context, task, n)
     t0 = time.monotonic()
     strategy = make_strategy_for({"worker": spec["after"]}, task, spec["protocol"])
     after = [_allreduce_fn(strategy, tf, n)() for _ in range(spec.get("reps", 3))]
@@ -226,20 +235,7 @@ def new_leader(spec, ready):
 
     n = spec.get("n", 4096)
     job, task, rank = spec["job"], spec["task"], spec["rank"]
-    context.context().configure_coordination_service(service_type="")
-    before = None
-    if spec["before"] is not None:
-        strategy = make_strategy_for({"worker": spec["before"]}, task, spec["protocol"])
-        ready()
-        before = _allreduce_fn(strategy, tf, n)()
-        _reset(spec)
-        sys.stdout.write("RECONNECT\n")
-        sys.stdout.flush()
-    else:
-        ready()
-    for line in sys.stdin:
-        if "regroup" in line:
-            break
+    before = _before_regroup(spec, ready, tf, context, task, n)
     t0 = time.monotonic()
     config = context.context().config
     config.experimental.collective_group_leader = "/job:chief/replica:0/task:0"

@@ -135,6 +135,27 @@ def eager_server_resets(spec, ready):
     return {"probe": probe, "outcomes": outcomes, "stats": _stats(spec)}
 
 
+def _master(spec, ready, tf, timeout_ms):
+    """Worker 1 as the master both scenarios step from: its started server
+    (graph mode), the graph, per-step RunOptions with spec["timeout_ms"]
+    (else `timeout_ms`) and an event set when "stop" arrives."""
+    tf.compat.v1.disable_eager_execution()
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec({"worker": spec["cluster"]["worker"]}), job_name="worker",
+        task_index=1, protocol=spec["protocol"], start=True)
+    ready()
+    graph, x, out = _graph(tf)
+    options = tf.compat.v1.RunOptions(timeout_in_ms=spec.get("timeout_ms", timeout_ms))
+    stop = threading.Event()
+
+    def watch():
+        _wait_line("stop")
+        stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return server, graph, x, out, options, stop
+
+
 def tf1_steps_on_eager_task(spec, ready):
     """A TF1 master (worker 1) whose graph has a partition on the eager
     task (worker 0): x goes there, y = 2 x + 1 comes back, checked exactly
@@ -143,20 +164,7 @@ def tf1_steps_on_eager_task(spec, ready):
     runs with a `timeout_ms` deadline; a failed one is recorded."""
     import tensorflow as tf
 
-    tf.compat.v1.disable_eager_execution()
-    server = tf.distribute.Server(
-        tf.train.ClusterSpec({"worker": spec["cluster"]["worker"]}), job_name="worker",
-        task_index=1, protocol=spec["protocol"], start=True)
-    ready()
-    graph, x, out = _graph(tf)
-    options = tf.compat.v1.RunOptions(timeout_in_ms=spec.get("timeout_ms", 10000))
-    stop = threading.Event()
-
-    def watch():
-        _wait_line("stop")
-        stop.set()
-
-    threading.Thread(target=watch, daemon=True).start()
+    server, graph, x, out, options, stop = _master(spec, ready, tf, 10000)
     base = np.arange(N, dtype=np.float32)
     record = {"ok": 0, "wrong": 0, "failed": 0, "errors": [], "slowest": 0.0}
 
@@ -203,20 +211,7 @@ def tf1_stale_master(spec, ready):
     started server again) a new session runs `after` steps."""
     import tensorflow as tf
 
-    tf.compat.v1.disable_eager_execution()
-    server = tf.distribute.Server(
-        tf.train.ClusterSpec({"worker": spec["cluster"]["worker"]}), job_name="worker",
-        task_index=1, protocol=spec["protocol"], start=True)
-    ready()
-    graph, x, out = _graph(tf)
-    options = tf.compat.v1.RunOptions(timeout_in_ms=spec.get("timeout_ms", 2000))
-    stop = threading.Event()
-
-    def watch():
-        _wait_line("stop")
-        stop.set()
-
-    threading.Thread(target=watch, daemon=True).start()
+    server, graph, x, out, options, stop = _master(spec, ready, tf, 2000)
     base = np.arange(N, dtype=np.float32)
     errors, slowest, good = [], 0.0, 0
     # Never closed: closing waits for every step's CleanupGraph, which a

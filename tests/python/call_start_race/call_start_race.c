@@ -59,20 +59,25 @@ static void on_done(void *userdata, uint32_t code, const uint8_t *body, size_t l
   pthread_mutex_unlock(&mu);
 }
 
-static call_fn real(void) {
-  static call_fn fn;
-  if (fn == NULL) {
-    const char *lib = getenv("CALL_RACE_LIB");
-    void *h = lib != NULL ? dlopen(lib, RTLD_NOW | RTLD_NOLOAD) : NULL;
-    if (h == NULL && lib != NULL) h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
-    if (h == NULL) {
-      fprintf(stderr, "call_start_race: cannot open $CALL_RACE_LIB (%s)\n", lib ? lib : "unset");
-      abort();
-    }
-    fn = (call_fn)dlsym(h, "rdev_call_inline");
-    if (fn == NULL) abort();
+static call_fn real_fn;
+static pthread_once_t real_once = PTHREAD_ONCE_INIT;
+
+static void find_real(void) {
+  const char *lib = getenv("CALL_RACE_LIB");
+  void *h = lib != NULL ? dlopen(lib, RTLD_NOW | RTLD_NOLOAD) : NULL;
+  if (h == NULL && lib != NULL) h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+  if (h == NULL) {
+    fprintf(stderr, "call_start_race: cannot open $CALL_RACE_LIB (%s)\n", lib ? lib : "unset");
+    abort();
   }
-  return fn;
+  real_fn = (call_fn)dlsym(h, "rdev_call_inline");
+  if (real_fn == NULL) abort();
+}
+
+/* The transport's own rdev_call_inline (looked up once, by any thread). */
+static call_fn real(void) {
+  pthread_once(&real_once, find_real);
+  return real_fn;
 }
 
 static void log_line(const char *fmt, const char *peer, size_t peer_len, int n) {
