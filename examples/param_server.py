@@ -147,7 +147,7 @@ def _expect(conn, timeout=WAIT):
 
 def main(argv=None):
     from rdma_device._cluster import free_ports
-    from rdma_device._pybench import _parse_size
+    from rdma_device._units import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,7 +158,7 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-7)
     args = ap.parse_args(argv)
     ports = free_ports(2)
-    cfg = {"params": _parse_size(args.params), "batch": args.batch, "steps": args.steps,
+    cfg = {"params": parse_size(args.params), "batch": args.batch, "steps": args.steps,
            "block": args.block, "lr": args.lr,
            "addr": {"ps": f"127.0.0.1:{ports[0]}", "worker": f"127.0.0.1:{ports[1]}"}}
     ctx = mp.get_context("spawn")
@@ -184,10 +184,10 @@ def main(argv=None):
             p.join(10)
             if p.is_alive():
                 p.kill()
-    from rdma_device._pyplot import _human
+    from rdma_device._units import human_bytes
 
     print(f"parameter server, 2 processes: {cfg['params']} float32 weights "
-          f"({_human(cfg['params'] * 4)}) out, "
+          f"({human_bytes(cfg['params'] * 4)}) out, "
           f"the same-sized gradient back, batch {cfg['batch']}; {cfg['steps']} counted steps per "
           f"transport in blocks of {cfg['block']}, interleaved")
     med = {t: statistics.median(ps["times"][t]) for t in TRANSPORTS}

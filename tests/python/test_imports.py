@@ -88,3 +88,68 @@ def test_the_graph_sees_module_and_function_level_imports():
 def test_no_import_circles_in_the_package():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def _top_level_names(path):
+    """Names a module defines at its top level: functions, classes,
+    assignments and imports (including those under a top-level if/try)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    names = set()
+
+    def collect(body):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.If):
+                collect(node.body)
+                collect(node.orelse)
+            elif isinstance(node, ast.Try):
+                collect(node.body)
+                for h in node.handlers:
+                    collect(h.body)
+                collect(node.orelse)
+                collect(node.finalbody)
+
+    collect(tree.body)
+    return names
+
+
+def _repo_python_files():
+    repo = os.path.dirname(os.path.dirname(PKG_DIR))
+    for top in ("python", "examples", "tests", "bench", ".ci"):
+        for root, dirs, files in os.walk(os.path.join(repo, top)):
+            dirs[:] = [d for d in dirs if d not in ("__pycache__", "lib", "build")]
+            for name in files:
+                if name.endswith(".py"):
+                    yield os.path.join(root, name)
+
+
+def test_every_name_imported_from_the_package_exists():
+    """`from rdma_device.x import y` anywhere in the tree (the package, the
+    examples, the tests) names something x defines: a helper moved to
+    another module breaks its callers here, not in a user's run."""
+    mods = _modules()
+    defined = {}
+    missing = []
+    for path in _repo_python_files():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or node.level or node.module not in mods:
+                continue
+            if node.module not in defined:
+                defined[node.module] = _top_level_names(mods[node.module])
+            for a in node.names:
+                if a.name == "*" or f"{node.module}.{a.name}" in mods:
+                    continue
+                if a.name not in defined[node.module]:
+                    missing.append(f"{os.path.relpath(path, os.path.dirname(os.path.dirname(PKG_DIR)))}:"
+                                   f"{node.lineno}: {node.module} has no {a.name}")
+    assert not missing, "\n".join(missing)
