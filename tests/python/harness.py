@@ -183,6 +183,30 @@ def build_preload(tmp_path_factory, name, what, libs=()):
     return out
 
 
+def build_preload_cxx(tmp_path_factory, name, what):
+    """As build_preload, for C++ against TensorFlow's headers: compiles
+    <name>/<name>.cc beside this file into lib<name>.so with the compile
+    flags the plugin's shim was built with (its build_info.json: the C++
+    ABI, the standard, Eigen's alignment), TensorFlow's headers found
+    without importing it. Links nothing of TensorFlow's: the library may
+    call only what TensorFlow's headers define inline."""
+    import importlib.util
+
+    import rdma_device
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.fail(f"no C++ compiler (c++) to build {what}")
+    with open(os.path.join(rdma_device.lib_dir(), "build_info.json")) as f:
+        flags = [f for f in json.load(f)["compile_flags"].split("|") if f and not f.startswith("-I")]
+    tf_dir = importlib.util.find_spec("tensorflow").submodule_search_locations[0]
+    out = str(tmp_path_factory.mktemp(name) / f"lib{name}.so")
+    subprocess.run([cxx, "-O1", "-Wall", "-Werror", "-shared", "-fPIC", *flags, "-DNDEBUG",
+                    "-isystem", os.path.join(tf_dir, "include"), "-o", out,
+                    os.path.join(HERE, name, f"{name}.cc")], check=True, timeout=300)
+    return out
+
+
 def start_tasks(specs, log_dir, env=None, timeout=START_TIMEOUT):
     """Starts every spec, then waits until all are READY (each within
     `timeout` seconds of the wait for it)."""

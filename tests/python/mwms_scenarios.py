@@ -303,3 +303,30 @@ def abort_messages(spec, ready):
     events = rdma_device.trace_take()
     aborts = sum(1 for e in events if e.get("ph") == "X" and e.get("name") == "Abort")
     return {"aborts_sent": aborts, "error": error, "seconds": took}
+
+
+def nccl_abort(spec, ready):
+    """One all-reduce in an MWMS (then REDUCED); on the "abort" command,
+    this task aborts its collectives (abort_collective_ops, UNAVAILABLE,
+    spec["message"]) and runs one more all-reduce, which must fail. Run
+    under the fake NCCL communicator (fake_nccl/, LD_PRELOAD), whose log
+    tells the test which communicator TF's abort reached."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    strategy = _strategy(spec)
+    ready()
+    n = spec.get("n", 256)
+    first = _allreduce_fn(strategy, tf, n)()
+    sys.stdout.write("REDUCED\n")
+    sys.stdout.flush()
+    for line in sys.stdin:  # the test waits for every task's REDUCED first
+        if "abort" in line:
+            break
+    context.context().abort_collective_ops(14, spec["message"])  # UNAVAILABLE
+    try:
+        _allreduce_fn(strategy, tf, n)()
+        after = None
+    except Exception as e:  # what the training loop sees
+        after = f"{type(e).__name__}: {e}"
+    return {"sum": first.tobytes().hex(), "after_abort": after}
