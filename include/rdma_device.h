@@ -506,6 +506,11 @@ void rdev_record_worker_rpc_served_inline(void);
 // (`worker_rpcs_served_on_pool`).
 void rdev_record_worker_rpc_served_on_pool(void);
 
+// Count a RunGraph reply of more than 64 KiB received over the transport,
+// whose parse the shim hands to the data-path pool
+// (`worker_rpc_large_replies`, `worker_rpc_large_reply_bytes`).
+void rdev_record_worker_rpc_large_reply(uint64_t bytes);
+
 // true when RDMA_DEVICE_WORKER_RPCS is on: per-step worker RPCs to peers
 // on the transport go over it (`rdev_call`).
 bool rdev_context_worker_rpcs(const struct rdev_context *ctx);

@@ -78,6 +78,8 @@ counters! {
         worker_rpcs_over_grpc: "per-step worker RPCs this task made over gRPC (peer off the transport, not connected yet, or RDMA_DEVICE_WORKER_RPCS=0)",
         worker_rpcs_served_inline: "per-step worker RPCs this task served from a peer on the transport's thread that read them (a RunGraph of at most 16 KiB)",
         worker_rpcs_served_on_pool: "per-step worker RPCs this task served from a peer on TensorFlow's compute pool, where stock's gRPC worker service serves them (a larger RunGraph, every CleanupGraph)",
+        worker_rpc_large_replies: "RunGraph replies of more than 64 KiB this task received over the transport (step stats, cost graphs, partition graphs), each parsed on the plugin's data-path pool rather than on `rdev-callbacks`",
+        worker_rpc_large_reply_bytes: "bytes of those replies",
         collective_tensors: "collective chunks (all-reduce, broadcast, gather) received over this transport; also in tensors_received",
         collective_bytes: "payload bytes of those chunks",
         collective_sent_tensors: "collective chunks this task wrote to a peer over this transport",

@@ -176,3 +176,96 @@ fn a_listener_that_hangs_up_before_answering_counts_as_nobody_listening() {
     assert_eq!(ep.peer_hello(), b"r");
     drop(listener);
 }
+
+/// A listener that is closing refuses a connection whose hello arrives
+/// after it began to close, and says so as a lost peer (code 3 of
+/// `encode_refusal`), not as a task that does not run this transport
+/// (NotViable, code 2): a server being deleted and made again keeps its
+/// peers on the transport.
+#[test]
+fn a_closing_listener_refuses_as_a_lost_peer_not_as_a_stranger() {
+    use rdma_device::fabric::conformance::Recorder;
+    use rdma_device::fabric::shm::socket::{self, KIND_CHALLENGE, KIND_HELLO, KIND_REFUSE};
+    use rdma_device::fabric::{Arena, Fabric};
+
+    let fabric = ShmFabric::new(Duration::from_micros(50));
+    let addr = harness_addr();
+    let arena = Arc::new(Arena::new("closing", 1 << 16).unwrap());
+    let listener = fabric.listen(&addr, arena, Recorder::new(b"r", None)).unwrap();
+    let stream = socket::connect(&socket::socket_name(&addr).unwrap()).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let (kind, _nonce, _) = socket::recv_frame(&stream).unwrap();
+    assert_eq!(kind, KIND_CHALLENGE);
+    // The listener begins to close while our hello is still to come.
+    listener.shutdown();
+    socket::send_frame(&stream, KIND_HELLO, b"h", &[]).unwrap();
+    let (kind, body, _) = socket::recv_frame(&stream).unwrap();
+    assert_eq!(kind, KIND_REFUSE);
+    let msg = String::from_utf8_lossy(&body[1..]).into_owned();
+    assert_eq!(body[0], 3, "refused as code {} ({msg}), not as a lost peer (3)", body[0]);
+    assert!(msg.contains("shutting down"), "{msg}");
+}
+
+/// The connecting side of the same: a closing listener's refusal is a
+/// lost peer on first contact (never NotViable, which would route the peer
+/// over gRPC for good), and a connect that waits for the listener retries
+/// it until a listener takes the connection.
+#[test]
+fn a_closing_listeners_refusal_is_retried_and_never_demotes() {
+    use rdma_device::fabric::conformance::Recorder;
+    use rdma_device::fabric::shm::socket::{self, KIND_CHALLENGE, KIND_REFUSE};
+    use rdma_device::fabric::{Arena, Fabric, NONCE_LEN};
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixListener};
+    use std::time::Instant;
+
+    let fabric = ShmFabric::new(Duration::from_micros(50));
+    let addr = harness_addr();
+    let name = socket::socket_name(&addr).unwrap();
+    let closing = UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name).unwrap()).unwrap();
+    // Refuse the first 3 connections as a closing listener does, then go
+    // away (10 s at most).
+    let refusals = std::thread::spawn(move || {
+        closing.set_nonblocking(true).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut n = 0;
+        while n < 3 && Instant::now() < deadline {
+            match closing.accept() {
+                Ok((c, _)) => {
+                    c.set_nonblocking(false).unwrap();
+                    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                    socket::send_frame(&c, KIND_CHALLENGE, &[7u8; NONCE_LEN], &[]).unwrap();
+                    let _hello = socket::recv_frame(&c).unwrap();
+                    let mut refusal = vec![3u8];
+                    refusal.extend_from_slice(b"the listener is shutting down");
+                    socket::send_frame(&c, KIND_REFUSE, &refusal, &[]).unwrap();
+                    n += 1;
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
+    });
+
+    let e = fabric.connect(&addr, b"h", Recorder::new(b"", None), Duration::from_secs(10), false).err().expect("refused");
+    assert!(matches!(e, rdma_device::Error::PeerLost(_)), "first contact with a closing listener: {e}");
+
+    let real_addr = addr.clone();
+    let real = std::thread::spawn(move || {
+        refusals.join().unwrap();
+        let arena = Arc::new(Arena::new("reopened", 1 << 16).unwrap());
+        let f = ShmFabric::new(Duration::from_micros(50));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match f.listen(&real_addr, arena.clone(), Recorder::new(b"r", None)) {
+                Ok(l) => return l,
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                Err(e) => panic!("{e}"),
+            }
+        }
+    });
+    let ep = fabric.connect(&addr, b"h", Recorder::new(b"", None), Duration::from_secs(10), true);
+    let listener = real.join().unwrap();
+    let ep = ep.unwrap_or_else(|e| panic!("the waiting connect gave up on a closing listener: {e}"));
+    assert_eq!(ep.peer_hello(), b"r");
+    drop(listener);
+}

@@ -233,6 +233,9 @@ class Transport : public std::enable_shared_from_this<Transport> {
   // Counts a peer's worker RPC served where it ran (worker_rpc.cc).
   enum class ServedOn { kReaderThread, kComputePool };
   void RecordWorkerRpcServed(ServedOn where);
+  // Counts a RunGraph reply too large to parse on the completion thread
+  // (a process-wide counter: no transport needed).
+  static void RecordLargeReply(uint64_t bytes);
   // Counts a collective chunk (collectives.h): received or sent over the
   // transport, or received over stock gRPC because of `reason`.
   enum class CollectiveEvent { kReceived, kSent, kFallback };

@@ -113,6 +113,8 @@ void Transport::RecordWorkerRpcServed(ServedOn where) {
   }
 }
 
+void Transport::RecordLargeReply(uint64_t bytes) { rdev_record_worker_rpc_large_reply(bytes); }
+
 void Transport::RecordFallback(uint64_t bytes, const std::string& reason) {
   rdev_record_fallback(bytes, reason.data(), reason.size());
 }

@@ -80,6 +80,7 @@ class TransportWorker : public tf::WorkerInterface {
     };
     auto on_reply = [finish](const absl::Status& s, std::string reply) {
       if (reply.size() > kParseReplyInlineMax) {
+        Transport::RecordLargeReply(reply.size());
         // A large reply (step stats, cost graphs, partition graphs) is
         // parsed on the plugin's data-path pool, not on rdev-callbacks,
         // which runs every other completion of this transport.

@@ -172,6 +172,12 @@ pub fn new_nonce() -> Result<[u8; NONCE_LEN]> {
     Ok(n)
 }
 
+/// What a listener that is closing says to a connection it will not
+/// take: a lost peer (it may come back: a server being deleted and made
+/// again, a task restarting), not a task that does not run this transport.
+/// A connect that waits for the listener retries it; none demotes the peer.
+pub(crate) const LISTENER_CLOSING: &str = "the listener is shutting down";
+
 /// A refusal's kind and message, for a handshake's refuse frame (both
 /// backends): the sender gets the receiver's error as it was made.
 pub(crate) fn encode_refusal(e: &Error) -> Vec<u8> {

@@ -222,6 +222,16 @@ pub extern "C" fn rdev_record_worker_rpc_served_on_pool() {
     Stats::add(&Stats::global().c.worker_rpcs_served_on_pool, 1);
 }
 
+/// Count a RunGraph reply of more than 64 KiB received over the transport,
+/// whose parse the shim hands to the data-path pool
+/// (`worker_rpc_large_replies`, `worker_rpc_large_reply_bytes`).
+#[no_mangle]
+pub extern "C" fn rdev_record_worker_rpc_large_reply(bytes: u64) {
+    let c = &Stats::global().c;
+    Stats::add(&c.worker_rpc_large_replies, 1);
+    Stats::add(&c.worker_rpc_large_reply_bytes, bytes);
+}
+
 /// true when RDMA_DEVICE_WORKER_RPCS is on: per-step worker RPCs to peers
 /// on the transport go over it (`rdev_call`).
 #[no_mangle]

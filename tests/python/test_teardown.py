@@ -167,12 +167,13 @@ def test_a_server_never_started_is_deleted_while_a_stale_master_calls(protocol, 
     TF_DeleteServer (Worker::CleanupGraphAsync on the deleted session
     manager).
 
-    Not strict: a connection attempt that meets the listener of a server
-    being deleted is refused as "not viable" (the listener is shutting
-    down), and the master then routes worker 0 over stock gRPC for good;
-    strict mode would fail the new session's steps for it."""
+    Strict over the transport: a connection attempt that meets the
+    listener of a server being deleted is refused as a lost peer, to be
+    retried, not as a task that does not run the transport. Before, the
+    refusal said "not viable" and the master routed worker 0 over stock
+    gRPC for good: every step of the new session failed in strict mode."""
     jobs = harness.make_cluster({"worker": 2})
-    env = {"PYTHONFAULTHANDLER": "1"}
+    env = _task_env(protocol)
     first = harness.Task(dict(role="server", cluster=jobs, job="worker", task=0,
                               protocol=protocol), log_dir, env)
     master = harness.Task(dict(role="teardown_scenarios.tf1_stale_master", cluster=jobs,

@@ -236,8 +236,9 @@ fn handshake(inner: &Arc<Inner>, id: ConnId, stream: UnixStream) -> Result<Arc<R
     let (kind, hello, _) = socket::recv_frame(&stream)?;
     if inner.stop.load(Ordering::SeqCst) {
         // Said, not just dropped: the connector then treats this address
-        // as having no listener (it may come back), not as a broken peer.
-        let _ = socket::send_frame(&stream, KIND_REFUSE, &crate::fabric::encode_refusal(&Error::NotViable("the listener is shutting down".into())), &[]);
+        // as a lost peer (its listener may come back), never as a task
+        // that does not run this transport.
+        let _ = socket::send_frame(&stream, KIND_REFUSE, &crate::fabric::encode_refusal(&Error::PeerLost(crate::fabric::LISTENER_CLOSING.into())), &[]);
         return Err(Error::Aborted("listener is shutting down".into()));
     }
     if kind != KIND_HELLO {

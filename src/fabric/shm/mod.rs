@@ -84,10 +84,15 @@ impl Fabric for ShmFabric {
         // the deadline; every other error is final. A listener that closes
         // the connection before answering (a task dying or shutting down
         // between our connect and its accept) counts as nobody listening.
+        // One that says it is closing runs this transport: a lost peer,
+        // never NotViable.
         loop {
             let nobody = match socket::connect(&name) {
                 Ok(stream) => match self.handshake(stream, remote, hello, events.clone(), deadline) {
                     Ok(ep) => return Ok(ep),
+                    Err(Error::PeerLost(m)) if m.contains(crate::fabric::LISTENER_CLOSING) && !wait_for_listener => {
+                        return Err(Error::PeerLost(m));
+                    }
                     Err(Error::PeerLost(m)) => m,
                     Err(e) => return Err(e),
                 },

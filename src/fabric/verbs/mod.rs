@@ -511,7 +511,11 @@ impl Fabric for VerbsFabric {
                     ep.keep_alive(rt);
                     return Ok(Arc::new(ep));
                 }
-                Err(Error::NotViable(m)) if m.contains(NO_LISTENER) && wait_for_listener => {
+                // A listener that is closing (see `fabric::LISTENER_CLOSING`)
+                // is waited for as one not yet there.
+                Err(Error::NotViable(m) | Error::PeerLost(m))
+                    if (m.contains(NO_LISTENER) || m.contains(crate::fabric::LISTENER_CLOSING)) && wait_for_listener =>
+                {
                     if std::time::Instant::now() + Duration::from_millis(20) >= deadline {
                         return Err(Error::Timeout(format!("connecting to {remote} over verbs for {timeout:?}: {m}")));
                     }

@@ -216,7 +216,7 @@ fn on_connect_request(sh: &Arc<Shared>, ev: cm::Event) {
     let cmid = unsafe { CmId::adopt(&sh.channel, ev.id, id) };
     let lst = sh.listeners.lock().get(&ev.token).cloned();
     let Some(lst) = lst else {
-        reject(cmid.raw, &Error::NotViable("listener is closed".into()));
+        reject(cmid.raw, &Error::PeerLost(crate::fabric::LISTENER_CLOSING.into()));
         return;
     };
     let deadline = std::time::Instant::now() + sh.opts.hello_timeout;
@@ -229,7 +229,7 @@ fn on_connect_request(sh: &Arc<Shared>, ev: cm::Event) {
 pub(super) fn bring_up(sh: &Arc<Shared>, w: handshakes::Waiting) {
     let handshakes::Waiting { id, cm: cmid, listener: lst, private, rr, .. } = w;
     if sh.listeners.lock().get(&lst.token).is_none() {
-        reject(cmid.raw, &Error::NotViable("listener is closed".into()));
+        reject(cmid.raw, &Error::PeerLost(crate::fabric::LISTENER_CLOSING.into()));
         handshakes::done(sh, id);
         return;
     }

@@ -165,6 +165,6 @@ pub(super) fn drop_waiting(sh: &Shared, token: Option<u64>) {
         gone
     };
     for w in gone {
-        refuse(&w, &Error::NotViable("listener is closed".into()));
+        refuse(&w, &Error::PeerLost(crate::fabric::LISTENER_CLOSING.into()));
     }
 }
