@@ -139,6 +139,13 @@ typedef void (*rdev_serve_cancel_cb)(void *userdata, uint64_t handle);
 extern "C" {
 #endif // __cplusplus
 
+// Called from inside a receive's callback that got RDEV_ABORTED: the
+// TensorFlow error code of the failure the sending peer aborted the step
+// for (what it passed to `rdev_abort_step`), or 0 when the step was
+// aborted here, or by a peer that gave no code. 0 outside such a
+// callback. The code comes from the peer as is: check its range.
+uint32_t rdev_abort_cause(void);
+
 // Create the transport for task `task` (e.g. "/job:worker/replica:0/task:0")
 // serving at `addr` ("host:port", the task's address in the cluster spec).
 // Reads `RDMA_DEVICE_*` settings from the environment; a bad value fails
@@ -289,10 +296,13 @@ enum rdev_status rdev_step_active(const struct rdev_context *ctx, uint64_t step_
 // Abort a step: its pending receives and queued sends fail with
 // RDEV_ABORTED carrying `msg`. With `propagate`, every connected peer is
 // told, and fails its pending and later receives of this step from this
-// task (a pushed tensor never comes once its sender aborted). Pass false
-// for TensorFlow's normal end-of-step cleanup.
+// task (a pushed tensor never comes once its sender aborted): with
+// RDEV_ABORTED, and `code` (the TensorFlow error code of the failure that
+// made this task abort; 0: none) from `rdev_abort_cause` in their
+// callbacks. Pass false for TensorFlow's normal end-of-step cleanup.
 enum rdev_status rdev_abort_step(const struct rdev_context *ctx,
                                  uint64_t step_id,
+                                 uint32_t code,
                                  const char *msg,
                                  size_t msg_len,
                                  bool propagate);

@@ -15,6 +15,12 @@ pub enum Error {
     PeerLost(String),
     /// The step (or the whole context) was aborted by the caller.
     Aborted(String),
+    /// A peer told us it aborted the step because it failed there, with
+    /// this TensorFlow error code (never 0): what waited on that peer for
+    /// the step fails with the cause's code, as a pull from it would have.
+    /// Reported as `Aborted` at the C ABI, with the code beside it
+    /// (`rdev_abort_cause`).
+    PeerFailed(u32, String),
     /// The peer sent something malformed or out of protocol.
     Protocol(String),
     /// Out of arena, memlock, outstanding-write budget, ...
@@ -38,6 +44,7 @@ impl Error {
             | Error::NotViable(m)
             | Error::PeerLost(m)
             | Error::Aborted(m)
+            | Error::PeerFailed(_, m)
             | Error::Protocol(m)
             | Error::ResourceExhausted(m)
             | Error::Io(m)
@@ -53,6 +60,7 @@ impl Error {
             Error::NotViable(_) => "transport not viable",
             Error::PeerLost(_) => "peer lost",
             Error::Aborted(_) => "aborted",
+            Error::PeerFailed(..) => "failed at a peer",
             Error::Protocol(_) => "protocol error",
             Error::ResourceExhausted(_) => "resource exhausted",
             Error::Io(_) => "i/o error",
@@ -70,6 +78,7 @@ impl Error {
             Error::NotViable(m) => Error::NotViable(wrap(m)),
             Error::PeerLost(m) => Error::PeerLost(wrap(m)),
             Error::Aborted(m) => Error::Aborted(wrap(m)),
+            Error::PeerFailed(c, m) => Error::PeerFailed(c, wrap(m)),
             Error::Protocol(m) => Error::Protocol(wrap(m)),
             Error::ResourceExhausted(m) => Error::ResourceExhausted(wrap(m)),
             Error::Io(m) => Error::Io(wrap(m)),

@@ -244,7 +244,7 @@ fn an_inline_receive_completes_on_the_event_thread_a_failed_one_does_not_and_fre
     recv_inline(b, &ta, "y", 4, &out, None);
     let why = "the sender gave up";
     // SAFETY: valid context and strings.
-    assert_eq!(unsafe { rdev_abort_step(a, 4, why.as_ptr().cast(), why.len(), true) }, rdev_status::RDEV_OK);
+    assert_eq!(unsafe { rdev_abort_step(a, 4, 3, why.as_ptr().cast(), why.len(), true) }, rdev_status::RDEV_OK);
     let (name, st, event, thread, _) = next_where();
     assert_eq!((name.as_str(), st), ("y@4", rdev_status::RDEV_ABORTED));
     assert!(!event && thread == "rdev-callbacks", "a failed inline receive ran on {thread}");
@@ -281,5 +281,60 @@ fn an_inline_receive_completes_on_the_event_thread_a_failed_one_does_not_and_fre
     unsafe {
         rdev_context_free(a);
         rdev_context_free(b2);
+    }
+}
+
+unsafe extern "C" fn received_cause(ud: *mut c_void, st: rdev_status, _: *const c_char, _: usize, buf: *mut rdev_buffer) {
+    // SAFETY: `ud` is the Box leaked by the test, handed back once.
+    let out = unsafe { Box::from_raw(ud as *mut mpsc::Sender<(rdev_status, u32)>) };
+    // SAFETY: a live buffer or NULL.
+    unsafe { rdev_buffer_release(buf) };
+    let _ = out.send((st, rdev_abort_cause()));
+}
+
+/// A step aborted with the TensorFlow code of its failure (`rdev_abort_step`'s
+/// `code`) fails the peer's receives of that step from it with RDEV_ABORTED
+/// and that code from `rdev_abort_cause` inside the callback: a receive
+/// already waiting and one made after the abort arrived alike. An abort
+/// with no code (0), and any receive outside such a callback, read 0.
+#[test]
+fn a_peers_abort_carries_the_code_of_its_failure_to_the_receives_it_fails() {
+    let (pa, pb) = (free_port(), free_port());
+    let (ta, tb) = (task(0), task(1));
+    let (a, b) = (new_ctx(&ta, &addr(pa)), new_ctx(&tb, &addr(pb)));
+    add_peer(a, &tb, &addr(pb));
+    add_peer(b, &ta, &addr(pa));
+    let (out, got) = mpsc::channel::<(rdev_status, u32)>();
+    let (done, sends) = mpsc::channel();
+    let recv_cause = |key: &str, step: u64| {
+        let ud = Box::into_raw(Box::new(out.clone()));
+        // SAFETY: valid context and strings; `ud` lives until the callback.
+        let st = unsafe { rdev_recv(b, ta.as_ptr().cast(), ta.len(), key.as_ptr().cast(), key.len(), step, Some(received_cause), ud.cast()) };
+        assert_eq!(st, rdev_status::RDEV_OK);
+    };
+    let next = || got.recv_timeout(Duration::from_secs(10)).expect("a receive completes within 10 s");
+    // A tensor first: the link is up.
+    recv_cause("up", 1);
+    send(a, &tb, "up", 1, &pattern(1, 4096), &done);
+    assert_eq!(sends.recv_timeout(Duration::from_secs(10)).unwrap(), rdev_status::RDEV_OK);
+    assert_eq!(next(), (rdev_status::RDEV_OK, 0));
+    // INVALID_ARGUMENT (3) on the sender: the waiting receive, then a new one.
+    recv_cause("x", 2);
+    let why = "INVALID_ARGUMENT: s must be positive";
+    // SAFETY: valid context and strings.
+    assert_eq!(unsafe { rdev_abort_step(a, 2, 3, why.as_ptr().cast(), why.len(), true) }, rdev_status::RDEV_OK);
+    assert_eq!(next(), (rdev_status::RDEV_ABORTED, 3));
+    recv_cause("y", 2);
+    assert_eq!(next(), (rdev_status::RDEV_ABORTED, 3));
+    // No code: aborted, cause 0.
+    recv_cause("x", 3);
+    // SAFETY: valid context and strings.
+    assert_eq!(unsafe { rdev_abort_step(a, 3, 0, why.as_ptr().cast(), why.len(), true) }, rdev_status::RDEV_OK);
+    assert_eq!(next(), (rdev_status::RDEV_ABORTED, 0));
+    assert_eq!(rdev_abort_cause(), 0, "outside a callback");
+    // SAFETY: contexts made here, freed once.
+    unsafe {
+        rdev_context_free(a);
+        rdev_context_free(b);
     }
 }

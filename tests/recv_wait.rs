@@ -83,7 +83,7 @@ fn a_waited_receive_times_out_then_gets_its_tensor_once() {
     let w = waitable(b, &ta, "w", 2);
     let msg = "the step is over";
     // SAFETY: valid context and message.
-    assert_eq!(unsafe { rdev_abort_step(b, 2, msg.as_ptr().cast(), msg.len(), false) }, rdev_status::RDEV_OK);
+    assert_eq!(unsafe { rdev_abort_step(b, 2, 0, msg.as_ptr().cast(), msg.len(), false) }, rdev_status::RDEV_OK);
     let (st, buf) = wait(w, 10_000);
     assert_eq!(st, rdev_status::RDEV_ABORTED);
     assert!(buf.is_null());

@@ -173,7 +173,9 @@ void OnRecvDone(void* userdata, rdev_status status, const char* msg, size_t msg_
   Transport::RecvDone done = std::move(state->done);
   if (status != RDEV_OK) {
     rdev_buffer_release(buf);
-    absl::Status s = WithPeer(FromRdev(status, absl::string_view(msg, msg ? msg_len : 0)), state->peer);
+    absl::Status s = WithPeer(
+        FromRdevReceive(status, absl::string_view(msg, msg ? msg_len : 0), rdev_abort_cause()),
+        state->peer);
     RecycleRecv(std::move(state));
     done(s, tf::Tensor(), false);
     return;
@@ -388,7 +390,8 @@ void Transport::AbortStep(int64_t step_id, const absl::Status& status, bool prop
   if (ctx == nullptr) return;
   std::string msg = status.ToString();
   rdev_status st =
-      rdev_abort_step(ctx, static_cast<uint64_t>(step_id), msg.data(), msg.size(), propagate);
+      rdev_abort_step(ctx, static_cast<uint64_t>(step_id), static_cast<uint32_t>(status.code()),
+                      msg.data(), msg.size(), propagate);
   if (st != RDEV_OK) LOG(WARNING) << "rdma_device: abort of step " << step_id << ": " << LastError();
 }
 

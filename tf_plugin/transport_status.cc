@@ -42,6 +42,16 @@ absl::Status FromRdev(rdev_status status, absl::string_view msg) {
   }
 }
 
+absl::Status FromRdevReceive(rdev_status status, absl::string_view msg, uint32_t cause) {
+  // The code comes from the peer: only a real TF error code that is not
+  // itself an abort or a cancellation.
+  const bool failure = status == RDEV_ABORTED && cause != 0 && cause <= 16 &&
+                       cause != static_cast<uint32_t>(absl::StatusCode::kAborted) &&
+                       cause != static_cast<uint32_t>(absl::StatusCode::kCancelled);
+  if (!failure) return FromRdev(status, msg);
+  return absl::Status(static_cast<absl::StatusCode>(cause), absl::StrCat("rdma_device: ", msg));
+}
+
 absl::Status WithPeer(absl::Status status, const std::string& peer) {
   if (status.ok() || Transport::IsNotViable(status)) return status;
   absl::Status out(status.code(),

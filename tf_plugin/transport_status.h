@@ -18,6 +18,15 @@ inline constexpr char kNotViablePayload[] = "type.googleapis.com/rdma_device.Not
 // The one mapping from the transport's status codes to TensorFlow's.
 absl::Status FromRdev(rdev_status status, absl::string_view msg);
 
+// A failed receive's status, inside its callback: as FromRdev, except that
+// a step a peer aborted because it failed there with `cause` (from
+// rdev_abort_cause) fails with the cause's code, not derived, as a
+// RecvTensor pull from that peer fails under stock gRPC (its rendezvous
+// holds the cause's status; TF marks only cancelled and aborted ones
+// derived). Then TF's master reports the cause's class whichever task's
+// failure reaches it first.
+absl::Status FromRdevReceive(rdev_status status, absl::string_view msg, uint32_t cause);
+
 // A failed transfer with `peer`, worded as TF's gRPC errors are: its
 // fault handling (ClusterCoordinator) tells a ps failure from a worker
 // failure by "GRPC error information from remote target /job:ps/...", and

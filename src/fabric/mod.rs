@@ -185,7 +185,7 @@ pub(crate) fn encode_refusal(e: &Error) -> Vec<u8> {
         Error::InvalidArgument(_) => 1,
         Error::NotViable(_) => 2,
         Error::PeerLost(_) => 3,
-        Error::Aborted(_) => 4,
+        Error::Aborted(_) | Error::PeerFailed(..) => 4,
         Error::Protocol(_) => 5,
         Error::ResourceExhausted(_) => 6,
         Error::Io(_) => 7,

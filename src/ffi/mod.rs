@@ -43,6 +43,8 @@ pub use wait::{rdev_recv_waitable, rdev_wait, rdev_waiter, rdev_waiter_free};
 
 thread_local! {
     static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+    /// While a receive's callback runs with a peer's failure: its code.
+    static ABORT_CAUSE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
 
 fn set_last_error(msg: String) {
@@ -166,11 +168,24 @@ impl Complete<Result<Lease, Error>> for RecvCb {
             }
             Err(e) => {
                 let msg = e.to_string();
+                let cause = if let Error::PeerFailed(code, _) = e { code } else { 0 };
+                ABORT_CAUSE.with(|c| c.set(cause));
                 // SAFETY: caller-provided callback; msg lives for the call.
                 unsafe { cb(ud, status::from_error(&e), msg.as_ptr().cast(), msg.len(), std::ptr::null_mut()) };
+                ABORT_CAUSE.with(|c| c.set(0));
             }
         }
     }
+}
+
+/// Called from inside a receive's callback that got RDEV_ABORTED: the
+/// TensorFlow error code of the failure the sending peer aborted the step
+/// for (what it passed to `rdev_abort_step`), or 0 when the step was
+/// aborted here, or by a peer that gave no code. 0 outside such a
+/// callback. The code comes from the peer as is: check its range.
+#[no_mangle]
+pub extern "C" fn rdev_abort_cause() -> u32 {
+    ABORT_CAUSE.with(|c| c.get())
 }
 
 /// Completion of `rdev_send`: `status` RDEV_OK once the data may be reused,
@@ -589,12 +604,15 @@ pub unsafe extern "C" fn rdev_step_active(ctx: *const rdev_context, step_id: u64
 /// Abort a step: its pending receives and queued sends fail with
 /// RDEV_ABORTED carrying `msg`. With `propagate`, every connected peer is
 /// told, and fails its pending and later receives of this step from this
-/// task (a pushed tensor never comes once its sender aborted). Pass false
-/// for TensorFlow's normal end-of-step cleanup.
+/// task (a pushed tensor never comes once its sender aborted): with
+/// RDEV_ABORTED, and `code` (the TensorFlow error code of the failure that
+/// made this task abort; 0: none) from `rdev_abort_cause` in their
+/// callbacks. Pass false for TensorFlow's normal end-of-step cleanup.
 #[no_mangle]
 pub unsafe extern "C" fn rdev_abort_step(
     ctx: *const rdev_context,
     step_id: u64,
+    code: u32,
     msg: *const c_char,
     msg_len: usize,
     propagate: bool,
@@ -603,7 +621,7 @@ pub unsafe extern "C" fn rdev_abort_step(
         // SAFETY: arguments per contract.
         let c = unsafe { ctx_arg(ctx) }?;
         let m = unsafe { str_arg(msg, msg_len, "msg") }?;
-        c.node.abort_step(step_id, Error::Aborted(m.to_string()), propagate);
+        c.node.abort_step_caused(step_id, code, Error::Aborted(m.to_string()), propagate);
         Ok(())
     })
 }

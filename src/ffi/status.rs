@@ -28,7 +28,7 @@ pub fn from_error(e: &Error) -> rdev_status {
         Error::InvalidArgument(_) => rdev_status::RDEV_INVALID_ARGUMENT,
         Error::NotViable(_) => rdev_status::RDEV_NOT_VIABLE,
         Error::PeerLost(_) => rdev_status::RDEV_PEER_LOST,
-        Error::Aborted(_) => rdev_status::RDEV_ABORTED,
+        Error::Aborted(_) | Error::PeerFailed(..) => rdev_status::RDEV_ABORTED,
         Error::Protocol(_) => rdev_status::RDEV_PROTOCOL,
         Error::ResourceExhausted(_) => rdev_status::RDEV_RESOURCE_EXHAUSTED,
         Error::Io(_) => rdev_status::RDEV_IO,

@@ -327,9 +327,15 @@ impl Node {
     /// Abort `step`: its waiters and queued sends fail with `why`; with
     /// `propagate`, peers fail what they wait on from us for it.
     pub fn abort_step(&self, step: u64, why: Error, propagate: bool) {
+        self.abort_step_caused(step, 0, why, propagate);
+    }
+
+    /// `abort_step`, telling peers the TensorFlow error code of the failure
+    /// that caused it (0: none; see `Rendezvous::abort_step_caused`).
+    pub fn abort_step_caused(&self, step: u64, cause: u32, why: Error, propagate: bool) {
         self.inner.idle.lock().active(step);
         self.inner.fail_queued(|s| s == step, &|| why.clone());
-        let acts = self.inner.locked(|r| r.abort_step(step, why, propagate));
+        let acts = self.inner.locked(|r| r.abort_step_caused(step, cause, why, propagate));
         self.inner.exec(acts);
     }
 

@@ -190,7 +190,7 @@ pub struct Rendezvous {
     /// Peers whose connection broke, until they connect again.
     lost: HashMap<String, Error>,
     /// Steps a peer told us it aborted: receives of them from it fail.
-    peer_aborts: HashMap<(Arc<str>, u64), String>,
+    peer_aborts: HashMap<(Arc<str>, u64), Error>,
     peer_abort_order: VecDeque<(Arc<str>, u64)>,
     /// Steps whose abort we told our peers of (counted once each).
     propagated: HashSet<u64>,
@@ -415,7 +415,7 @@ impl Rendezvous {
             // Calls are the node's (`node::rpc`), never the protocol's.
             (m @ (Msg::Call { .. } | Msg::Reply { .. } | Msg::CallCancel { .. }), _, _) => Err(Error::Protocol(format!("{} reached the rendezvous", m.name()))),
             (Msg::More { edge_id, need }, _, true) => self.rx_more(link, edge_id, need),
-            (Msg::Abort { step, reason }, _, _) => Ok(self.peer_aborted(link, step, reason)),
+            (Msg::Abort { step, code, reason }, _, _) => Ok(self.peer_aborted(link, step, code, reason)),
             (Msg::PlaceFor { req, receiver, key, bytes }, _, _) => Ok(smallvec![Action::PlaceFor { link, req, receiver, key, bytes }]),
             (Msg::PlaceDone { req, outcome, error }, _, _) => Ok(smallvec![Action::PlaceDone { req, outcome, error }]),
             (Msg::Announce { key, step, need, returned }, _, true) => self.rx_announce(link, key, step, need, returned),
@@ -543,6 +543,13 @@ impl Rendezvous {
     /// end-of-step cleanup must not propagate. Counted once per step
     /// (`aborts_propagated`), however often it is told.
     pub fn abort_step(&mut self, step: u64, why: Error, propagate: bool) -> Actions {
+        self.abort_step_caused(step, 0, why, propagate)
+    }
+
+    /// `abort_step`, telling peers the TensorFlow error code of the failure
+    /// that caused it (`cause`, 0: none): what they wait on from us for the
+    /// step then fails with `Error::PeerFailed` of that code.
+    pub fn abort_step_caused(&mut self, step: u64, cause: u32, why: Error, propagate: bool) -> Actions {
         let mut acts = Actions::new();
         if propagate {
             if self.propagated.insert(step) {
@@ -556,7 +563,7 @@ impl Rendezvous {
             }
             let reason = why.to_string();
             for link in self.tx.keys().chain(self.rx.keys()) {
-                acts.push(Action::Send { link: *link, msg: Msg::Abort { step, reason: reason.clone() } });
+                acts.push(Action::Send { link: *link, msg: Msg::Abort { step, code: cause, reason: reason.clone() } });
             }
         }
         acts.extend(self.end_step(step, &|| why.clone()));
@@ -565,17 +572,18 @@ impl Rendezvous {
 
     /// The peer on `link` aborted `step`: fail our receives of that step
     /// from it (now and later) and our queued sends of it to it.
-    fn peer_aborted(&mut self, link: LinkId, step: u64, reason: String) -> Actions {
+    fn peer_aborted(&mut self, link: LinkId, step: u64, code: u32, reason: String) -> Actions {
         let Some(peer) = self.tx.get(&link).map(|t| t.peer.clone()).or_else(|| self.rx.get(&link).map(|r| r.peer.clone())) else {
             return Actions::new();
         };
-        let why = Error::Aborted(format!("{peer} aborted step {step}: {reason}"));
+        let text = format!("{peer} aborted step {step}: {reason}");
+        let why = if code == 0 { Error::Aborted(text) } else { Error::PeerFailed(code, text) };
         let mut acts = self.fail_waiters(Some(step), |p, _| p == peer, &why);
         if let Some(t) = self.tx.get_mut(&link) {
             acts.extend(t.fail_step(link, step, &why, &mut self.tx_ending));
         }
         let k = (self.names.intern(&peer), step);
-        if self.peer_aborts.insert(k.clone(), why.message().to_string()).is_none() {
+        if self.peer_aborts.insert(k.clone(), why).is_none() {
             self.tally.aborts_received += 1;
             self.peer_abort_order.push_back(k);
             while self.peer_abort_order.len() > FINISHED_STEPS_REMEMBERED {

@@ -206,7 +206,7 @@ impl Rendezvous {
         }
         if let Some(why) = self.names.get(peer).and_then(|p| self.peer_aborts.get(&(p, step))) {
             self.tally.waiters_failed += 1;
-            return smallvec![Action::Deliver { done, result: Err(Error::Aborted(why.clone())) }];
+            return smallvec![Action::Deliver { done, result: Err(why.clone()) }];
         }
         // A lost peer does not fail new receives here: it may have
         // restarted; the caller reconnects (and fails them if it cannot).

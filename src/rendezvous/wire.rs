@@ -63,7 +63,9 @@ pub enum Msg {
     /// Receiver → sender: give back the slots of an idle edge (arena full).
     Revoke { edge_id: u32 },
     /// Either way: this task aborted `step`; fail what waits on us for it.
-    Abort { step: u64, reason: String },
+    /// `code`: the TensorFlow error code of the failure that made it abort
+    /// (0: none given; the peer's receives then fail as aborted).
+    Abort { step: u64, code: u32, reason: String },
     /// Either way: please place, as the sender, edge `key` towards
     /// `receiver` for `bytes` (static placement requested by the task that
     /// partitioned the graph); answer with `PlaceDone { req }`.
@@ -309,7 +311,7 @@ impl Msg {
             Msg::PlaceDone { req, outcome, error } => { w.u8(T_PLACE_DONE); w.u64(*req); w.u32(*outcome); w.text(error) }
             Msg::Request { key, step } => { w.u8(T_REQUEST); w.bytes(key.as_bytes()); w.u64(*step) }
             Msg::Ready => w.u8(T_READY),
-            Msg::Abort { step, reason } => { w.u8(T_ABORT); w.u64(*step); w.text(reason) }
+            Msg::Abort { step, code, reason } => { w.u8(T_ABORT); w.u64(*step); w.u32(*code); w.text(reason) }
             Msg::StreamBegin { stream, key, step, meta, total } => {
                 w.u8(T_STREAM_BEGIN); w.u32(*stream); w.bytes(key.as_bytes()); w.u64(*step); w.meta(meta); w.u64(*total)
             }
@@ -356,7 +358,7 @@ impl Msg {
             T_PLACE_DONE => Msg::PlaceDone { req: r.u64()?, outcome: r.u32()?, error: String::from_utf8_lossy(r.bytes(MAX_KEY)?).into_owned() },
             T_REQUEST => Msg::Request { key: r.string()?, step: r.u64()? },
             T_READY => Msg::Ready,
-            T_ABORT => Msg::Abort { step: r.u64()?, reason: String::from_utf8_lossy(r.bytes(MAX_KEY)?).into_owned() },
+            T_ABORT => Msg::Abort { step: r.u64()?, code: r.u32()?, reason: String::from_utf8_lossy(r.bytes(MAX_KEY)?).into_owned() },
             T_STREAM_BEGIN => {
                 let stream = r.u32()?; let key = r.string()?; let step = r.u64()?; let meta = r.meta()?;
                 Msg::StreamBegin { stream, key, step, meta, total: r.u64()? }
@@ -526,7 +528,7 @@ mod tests {
             Msg::Revoke { edge_id: 3 },
             Msg::More { edge_id: 3, need: 4 },
             Msg::NoMore { edge_id: 5 },
-            Msg::Abort { step: 9, reason: "why".into() },
+            Msg::Abort { step: 9, code: 3, reason: "why".into() },
             Msg::Request { key: "k".into(), step: 12 },
             Msg::Ready,
             Msg::Ping,

@@ -124,7 +124,7 @@ int main(int argc, char **argv) {
   /* An aborted step's receive fails promptly with RDEV_ABORTED. */
   struct waiter aw = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, RDEV_OK, NULL};
   CHECK(rdev_recv(c1, S(t0), S(key), 43, on_recv, &aw) == RDEV_OK, "recv 43");
-  CHECK(rdev_abort_step(c1, 43, S("cancelled"), false) == RDEV_OK, "abort");
+  CHECK(rdev_abort_step(c1, 43, 0, S("cancelled"), false) == RDEV_OK, "abort");
   wait_done(&aw);
   CHECK(aw.status == RDEV_ABORTED && aw.buf == NULL, "aborted recv status %s", rdev_status_str(aw.status));
 

@@ -195,3 +195,40 @@ def eager_calls_then_a_failure(spec, ready):
     after = good(calls, 10.0)
     _pause({"phase": "after", "counters": _counters(), "values": after, "value": value})
     return {"values": values, "after": after, "stats": _stats(spec)}
+
+
+def tf1_failing_steps(spec, ready):
+    """TF1 over three tasks: the chief feeds s to the ps, which checks it
+    (s > 0) and sends w * s to the worker, whose sum comes back. After one
+    good step, spec["failures"] steps with s = -1: each step's error class
+    as the client sees it (the ps's assertion fails while the worker
+    waits on the ps's tensor), then one good step again."""
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+    server = _start_chief_server(spec, tf)
+    ready()
+    g = tf.Graph()
+    with g.as_default():
+        with tf.device(CHIEF):
+            s = tf.compat.v1.placeholder(tf.float32, [], name="s")
+        with tf.device(PS):
+            w = tf.Variable(tf.random.stateless_uniform([4096], seed=[1, 2]), name="w")
+            check = tf.debugging.assert_positive(s, message="s must be positive")
+            with tf.control_dependencies([check]):
+                x = w.value() * s                                  # chief -> ps -> worker
+        with tf.device(WORKER):
+            y = tf.reduce_sum(tf.tanh(x))                          # worker -> chief
+        init = tf.compat.v1.global_variables_initializer()
+    errors = []
+    with tf.compat.v1.Session(server.target, graph=g) as sess:
+        sess.run(init)
+        first = float(sess.run(y, {s: 1.0}))
+        for _ in range(spec["failures"]):
+            try:
+                sess.run(y, {s: -1.0})
+                errors.append(None)
+            except tf.errors.OpError as e:
+                errors.append([type(e).__name__, "s must be positive" in e.message])
+        last = float(sess.run(y, {s: 1.0}))
+    return {"errors": errors, "values": [first, last], "stats": _stats(spec)}

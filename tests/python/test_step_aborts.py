@@ -109,18 +109,12 @@ def test_tf1_cleanups_are_not_aborts_and_a_failed_step_is_told_once(log_dir, plu
         assert _delta(warm, normal, "tensors_received")[t] >= STEPS, (t, warm[t], normal[t])
     for name in NAMES:
         assert {t: normal[t][name] for t in TASKS} == _each(0), (name, normal)
-    # The failed step: a TF error naming the failed assertion, promptly;
-    # the ps, whose assertion failed, told its peers once, and so did the
-    # worker and the chief, whose parts waited on it. Stock gRPC's error
-    # is always the ps's InvalidArgumentError: the worker's RecvTensor
-    # from the ps fails with the ps's own code. Here the ps's abort fails
-    # the worker's receive with ABORTED (derived, but the worker's RunGraph
-    # reports it in its response body, where that mark does not travel),
-    # and TF's master may report the worker's error first: AbortedError,
-    # its message holding the ps's. Carrying the abort's code to the peers
-    # would close this (docs/worker-rpcs.md).
+    # The failed step: the ps's TF error, naming the failed assertion,
+    # promptly (test_a_failure_on_the_ps_keeps_its_class_across_three_tasks
+    # repeats it); the ps, whose assertion failed, told its peers once, and
+    # so did the worker and the chief, whose parts waited on it.
     error = got["failed"][0]["error"]
-    assert error is not None and error["type"] in ("InvalidArgumentError", "AbortedError"), error
+    assert error is not None and error["type"] == "InvalidArgumentError", error
     assert "s must be positive" in error["message"], error
     assert got["failed"][0]["took"] < FAIL_WITHIN_S, got["failed"][0]
     assert _delta(normal, failed, "aborts_propagated") == _each(1), failed
@@ -176,3 +170,36 @@ def test_eager_cleanups_are_not_aborts_and_a_failed_call_is_told_once(log_dir, p
         assert _delta(cancelled, after, name) == _each(0), (name, cancelled, after)
     for t in TASKS:
         assert after[t]["fallback_tensors"] == 0, (t, after[t])
+
+
+FAILURES = 40
+
+
+def test_a_failure_on_the_ps_keeps_its_class_across_three_tasks(log_dir, plugin_built):
+    """The ps's assertion fails while the worker waits on the ps's tensor,
+    FAILURES times in a row, under stock gRPC and over the transport
+    (strict). Stock's client always gets the ps's InvalidArgumentError: the
+    worker's RecvTensor from the ps fails with the ps's own code. Over the
+    transport the ps's abort carries its code to the worker, whose receive
+    fails with it. Before it did, the worker's receive failed ABORTED (the
+    derived mark lost in its RunGraph reply's body), and the client got
+    AbortedError in 18 of 40 steps. A good step after the failures matches
+    stock's."""
+    got = {}
+    for protocol, env in ((harness.PROTOCOL_GRPC, None), (harness.PROTOCOL_RDMA, STRICT)):
+        servers = ServerSet(protocol, log_dir, env=env)
+        try:
+            got[protocol] = servers.run_client("abort_scenarios.tf1_failing_steps", timeout=300,
+                                               failures=FAILURES)
+        finally:
+            servers.close()
+    stock, ours = got[harness.PROTOCOL_GRPC], got[harness.PROTOCOL_RDMA]
+    want = [["InvalidArgumentError", True]] * FAILURES
+    assert stock["errors"] == want, "stock gRPC itself reported another class"
+    classes = {}
+    for e in ours["errors"]:
+        classes[str(e)] = classes.get(str(e), 0) + 1
+    assert ours["errors"] == want, classes
+    assert ours["values"] == stock["values"]
+    c = ours["stats"]["counters"]
+    assert c["aborts_received"] >= FAILURES and c["fallback_tensors"] == 0, c
