@@ -92,8 +92,9 @@ pub const MAGIC: u32 = 0x5244_4556;
 /// published slot carries the key its sender writes it with. 5: `Ping`.
 /// 6: `Call`, `Reply`, `CallCancel` (worker RPCs over the transport).
 /// 8: `Call` and `Reply` parts carry their index. 9: the receiver opens
-/// each connection with a nonce that the token proof covers.
-pub const PROTOCOL_VERSION: u32 = 9;
+/// each connection with a nonce that the token proof covers. 10: `Abort`
+/// carries the TensorFlow code of the failure that caused it.
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// Upper bound of the adaptive spin window of a progress thread. While
 /// small writes keep arriving, the thread polls for twice the recent gap
