@@ -7,6 +7,7 @@
 //! `rendezvous` (the protocol, no unsafe, no transport types) and
 //! `fabric` (the remote-memory device: shm, verbs).
 
+pub mod codec;
 pub mod completion;
 pub mod config;
 pub mod constants;

@@ -3,6 +3,7 @@
 //! input becomes `Error::Protocol`, never a panic or a huge allocation.
 
 use crate::constants::{HEADER_BYTES, MAGIC, MAX_DIMS, MAX_MSG_BYTES, PROTOCOL_VERSION};
+use crate::codec::{Fixed, Reader, Writer};
 use crate::error::{Error, Result};
 
 /// dtype, flags and shape of a tensor as the protocol carries them. `dtype`
@@ -161,12 +162,18 @@ pub const STEP_AHEAD: u64 = u64::MAX;
 /// Longest rendezvous key accepted (TF keys are a few hundred bytes).
 pub const MAX_KEY: usize = 4096;
 
-struct W(MsgBytes);
+/// `codec::Writer` with the wire's own fields.
+struct W(Writer<MsgBytes>);
+impl std::ops::Deref for W {
+    type Target = Writer<MsgBytes>;
+    fn deref(&self) -> &Self::Target { &self.0 }
+}
+impl std::ops::DerefMut for W {
+    fn deref_mut(&mut self) -> &mut Self::Target { &mut self.0 }
+}
 impl W {
-    fn u8(&mut self, v: u8) { self.0.push(v) }
-    fn u32(&mut self, v: u32) { self.0.extend_from_slice(&v.to_le_bytes()) }
-    fn u64(&mut self, v: u64) { self.0.extend_from_slice(&v.to_le_bytes()) }
-    fn bytes(&mut self, b: &[u8]) { self.u32(b.len() as u32); self.0.extend_from_slice(b) }
+    fn new() -> W { W(Writer(MsgBytes::new())) }
+    fn done(self) -> MsgBytes { self.0 .0 }
     /// Free text (a reason): cut to what the peer accepts, on a char boundary.
     fn text(&mut self, s: &str) { self.bytes(truncate(s, MAX_KEY).as_bytes()) }
     fn meta(&mut self, m: &TensorMeta) {
@@ -177,16 +184,17 @@ impl W {
     }
 }
 
-struct R<'a> { b: &'a [u8], at: usize }
+/// `codec::Reader` with the wire's own fields.
+struct R<'a>(Reader<'a>);
+impl<'a> std::ops::Deref for R<'a> {
+    type Target = Reader<'a>;
+    fn deref(&self) -> &Self::Target { &self.0 }
+}
+impl std::ops::DerefMut for R<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target { &mut self.0 }
+}
 impl<'a> R<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
-        let end = self.at.checked_add(n).filter(|e| *e <= self.b.len())
-            .ok_or_else(|| Error::Protocol(format!("truncated message ({} bytes, needed {} more at {})", self.b.len(), n, self.at)))?;
-        let s = &self.b[self.at..end];
-        self.at = end;
-        Ok(s)
-    }
-    fn u8(&mut self) -> Result<u8> { Ok(self.take(1)?[0]) }
+    fn new(b: &'a [u8]) -> R<'a> { R(Reader::new(b)) }
     fn flag(&mut self) -> Result<bool> {
         match self.u8()? {
             0 => Ok(false),
@@ -194,20 +202,13 @@ impl<'a> R<'a> {
             v => Err(Error::Protocol(format!("flag byte {v}"))),
         }
     }
-    fn u32(&mut self) -> Result<u32> { Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4"))) }
-    fn u64(&mut self) -> Result<u64> { Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8"))) }
-    fn bytes(&mut self, max: usize) -> Result<&'a [u8]> {
-        let n = self.u32()? as usize;
-        if n > max { return Err(Error::Protocol(format!("field of {n} bytes exceeds {max}"))) }
-        self.take(n)
-    }
     fn string(&mut self) -> Result<String> {
         String::from_utf8(self.bytes(MAX_KEY)?.to_vec()).map_err(|_| Error::Protocol("key is not UTF-8".into()))
     }
     fn count(&mut self, elem: usize) -> Result<usize> {
         let n = self.u32()? as usize;
         // Each element needs `elem` bytes: reject counts the message can't hold.
-        if n.saturating_mul(elem) > self.b.len() - self.at {
+        if n.saturating_mul(elem) > self.remaining() {
             return Err(Error::Protocol(format!("count {n} exceeds the message")));
         }
         Ok(n)
@@ -220,12 +221,6 @@ impl<'a> R<'a> {
         let mut dims = Dims::with_capacity(n);
         for _ in 0..n { dims.push(self.u64()? as i64) }
         Ok(TensorMeta { dtype, flags, dims })
-    }
-    fn end(&self) -> Result<()> {
-        if self.at != self.b.len() {
-            return Err(Error::Protocol(format!("{} trailing bytes in message", self.b.len() - self.at)));
-        }
-        Ok(())
     }
 }
 
@@ -288,7 +283,7 @@ impl Msg {
     }
 
     pub fn encode(&self) -> MsgBytes {
-        let mut w = W(MsgBytes::new());
+        let mut w = W::new();
         match self {
             Msg::Announce { key, step, need, returned } => {
                 w.u8(T_ANNOUNCE); w.bytes(key.as_bytes()); w.u64(*step); w.u64(*need);
@@ -324,14 +319,14 @@ impl Msg {
             Msg::Reply { id, code, part, more, body } => { w.u8(T_REPLY); w.u64(*id); w.u32(*code); w.u32(*part); w.u8(*more as u8); w.bytes(body) }
             Msg::CallCancel { id } => { w.u8(T_CALL_CANCEL); w.u64(*id) }
         }
-        w.0
+        w.done()
     }
 
     pub fn decode(b: &[u8]) -> Result<Msg> {
         if b.len() > MAX_MSG_BYTES {
             return Err(Error::Protocol(format!("message of {} bytes exceeds {MAX_MSG_BYTES}", b.len())));
         }
-        let mut r = R { b, at: 0 };
+        let mut r = R::new(b);
         let m = match r.u8()? {
             T_ANNOUNCE => {
                 let key = r.string()?; let step = r.u64()?; let need = r.u64()?;
@@ -395,16 +390,16 @@ pub struct Hello {
 
 impl Hello {
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = W(MsgBytes::new());
+        let mut w = W::new();
         w.u32(MAGIC); w.u32(PROTOCOL_VERSION);
         w.bytes(self.task.as_bytes()); w.u64(self.incarnation); w.bytes(self.target.as_bytes());
         w.u8(self.rpc as u8);
         w.bytes(&self.proof);
-        w.0.into_vec()
+        w.done().into_vec()
     }
 
     pub fn decode(b: &[u8]) -> Result<Hello> {
-        let mut r = R { b, at: 0 };
+        let mut r = R::new(b);
         if r.u32()? != MAGIC {
             return Err(Error::Protocol("handshake is not from rdma_device (bad magic)".into()));
         }
@@ -460,40 +455,36 @@ impl SlotHeader {
     /// Encode into exactly `HEADER_BYTES`. Callers ensure
     /// `meta.dims.len() <= MAX_DIMS` (higher ranks go inline).
     pub fn encode(&self) -> [u8; HEADER_BYTES] {
-        let mut b = [0u8; HEADER_BYTES];
-        let put32 = |b: &mut [u8; HEADER_BYTES], at: usize, v: u32| b[at..at + 4].copy_from_slice(&v.to_le_bytes());
-        let put64 = |b: &mut [u8; HEADER_BYTES], at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_le_bytes());
-        put32(&mut b, 0, MAGIC);
-        let chunk = if self.chunk.is_some() { HDR_CHUNK } else { 0 };
-        put32(&mut b, 4, (PROTOCOL_VERSION & 0xffff) | ((self.meta.dims.len() as u32) << 16) | chunk);
-        if let Some(c) = self.chunk {
-            put32(&mut b, 28, c.stream);
-            put64(&mut b, 56, c.offset);
+        let mut w = Writer::<Fixed<HEADER_BYTES>>::fixed();
+        let chunk = self.chunk.unwrap_or(ChunkAt { stream: 0, offset: 0 });
+        let is_chunk = if self.chunk.is_some() { HDR_CHUNK } else { 0 };
+        w.u32(MAGIC);
+        w.u32((PROTOCOL_VERSION & 0xffff) | ((self.meta.dims.len() as u32) << 16) | is_chunk);
+        w.u32(self.edge_id);
+        w.u32(self.slot);
+        w.u32(self.gen);
+        w.u32(self.meta.flags);
+        w.u32(self.meta.dtype);
+        w.u32(chunk.stream);
+        w.u64(self.incarnation);
+        w.u64(self.step);
+        w.u64(self.len);
+        w.u64(chunk.offset);
+        for d in self.meta.dims.iter().take(MAX_DIMS) {
+            w.u64(*d as u64);
         }
-        put32(&mut b, 8, self.edge_id);
-        put32(&mut b, 12, self.slot);
-        put32(&mut b, 16, self.gen);
-        put32(&mut b, 20, self.meta.flags);
-        put32(&mut b, 24, self.meta.dtype);
-        put64(&mut b, 32, self.incarnation);
-        put64(&mut b, 40, self.step);
-        put64(&mut b, 48, self.len);
-        for (i, d) in self.meta.dims.iter().take(MAX_DIMS).enumerate() {
-            put64(&mut b, 64 + 8 * i, *d as u64);
-        }
-        b
+        w.into_array()
     }
 
     pub fn decode(b: &[u8]) -> Result<SlotHeader> {
         if b.len() < HEADER_BYTES {
             return Err(Error::Protocol("slot header truncated".into()));
         }
-        let g32 = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4"));
-        let g64 = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8"));
-        if g32(0) != MAGIC {
+        let mut r = Reader::new(&b[..HEADER_BYTES]);
+        if r.u32()? != MAGIC {
             return Err(Error::Protocol("slot header has a bad magic (torn or foreign write)".into()));
         }
-        let vn = g32(4);
+        let vn = r.u32()?;
         if vn & 0xffff != PROTOCOL_VERSION {
             return Err(Error::Protocol(format!("slot header version {} unsupported", vn & 0xffff)));
         }
@@ -501,15 +492,21 @@ impl SlotHeader {
         if ndims > MAX_DIMS {
             return Err(Error::Protocol(format!("slot header claims {ndims} dims (max {MAX_DIMS})")));
         }
+        let (edge_id, slot, gen, flags, dtype, stream) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?, r.u32()?, r.u32()?);
+        let (incarnation, step, len, offset) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+        let mut dims = Dims::with_capacity(ndims);
+        for _ in 0..ndims {
+            dims.push(r.u64()? as i64);
+        }
         Ok(SlotHeader {
-            edge_id: g32(8),
-            slot: g32(12),
-            gen: g32(16),
-            incarnation: g64(32),
-            step: g64(40),
-            len: g64(48),
-            meta: TensorMeta { dtype: g32(24), flags: g32(20), dims: (0..ndims).map(|i| g64(64 + 8 * i) as i64).collect() },
-            chunk: (vn & HDR_CHUNK != 0).then(|| ChunkAt { stream: g32(28), offset: g64(56) }),
+            edge_id,
+            slot,
+            gen,
+            incarnation,
+            step,
+            len,
+            meta: TensorMeta { dtype, flags, dims },
+            chunk: (vn & HDR_CHUNK != 0).then_some(ChunkAt { stream, offset }),
         })
     }
 }

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use rdma_sys::*;
 
+use crate::codec::{Fixed, Reader, Writer};
 use crate::error::{Error, Result};
 
 /// The event channel all of a fabric's ids report on.
@@ -333,36 +334,25 @@ pub struct AcceptData {
     pub nonce: [u8; crate::fabric::NONCE_LEN],
 }
 
-fn u32_at(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
-}
-
-fn u64_at(b: &[u8], at: usize) -> Option<u64> {
-    Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
-}
-
 impl ConnectData {
     pub const LEN: usize = 16;
 
     pub fn encode(&self) -> [u8; Self::LEN] {
-        let mut b = [0u8; Self::LEN];
-        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-        b[4..8].copy_from_slice(&self.mtu.to_le_bytes());
-        b[8..12].copy_from_slice(&self.recv_depth.to_le_bytes());
-        b[12..16].copy_from_slice(&self.slot.to_le_bytes());
-        b
+        let mut w = Writer::<Fixed<{ Self::LEN }>>::fixed();
+        w.u32(MAGIC);
+        w.u32(self.mtu);
+        w.u32(self.recv_depth);
+        w.u32(self.slot);
+        w.into_array()
     }
 
     pub fn decode(b: &[u8]) -> Result<ConnectData> {
         let bad = || Error::Protocol("connect request is not from an rdma_device verbs peer (bad private data)".into());
-        if u32_at(b, 0) != Some(MAGIC) {
+        let mut r = Reader::new(b);
+        if r.u32().map_err(|_| bad())? != MAGIC {
             return Err(bad());
         }
-        Ok(ConnectData {
-            mtu: u32_at(b, 4).ok_or_else(bad)?,
-            recv_depth: u32_at(b, 8).ok_or_else(bad)?,
-            slot: u32_at(b, 12).ok_or_else(bad)?,
-        })
+        Ok(ConnectData { mtu: r.u32().map_err(|_| bad())?, recv_depth: r.u32().map_err(|_| bad())?, slot: r.u32().map_err(|_| bad())? })
     }
 }
 
@@ -370,31 +360,32 @@ impl AcceptData {
     pub const LEN: usize = 36 + crate::fabric::NONCE_LEN;
 
     pub fn encode(&self) -> [u8; Self::LEN] {
-        let mut b = [0u8; Self::LEN];
-        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-        b[4..12].copy_from_slice(&self.arena_addr.to_le_bytes());
-        b[12..16].copy_from_slice(&self.arena_rkey.to_le_bytes());
-        b[16..24].copy_from_slice(&self.arena_len.to_le_bytes());
-        b[24..28].copy_from_slice(&self.mtu.to_le_bytes());
-        b[28..32].copy_from_slice(&self.recv_depth.to_le_bytes());
-        b[32..36].copy_from_slice(&self.slot.to_le_bytes());
-        b[36..].copy_from_slice(&self.nonce);
-        b
+        let mut w = Writer::<Fixed<{ Self::LEN }>>::fixed();
+        w.u32(MAGIC);
+        w.u64(self.arena_addr);
+        w.u32(self.arena_rkey);
+        w.u64(self.arena_len);
+        w.u32(self.mtu);
+        w.u32(self.recv_depth);
+        w.u32(self.slot);
+        w.raw(&self.nonce);
+        w.into_array()
     }
 
     pub fn decode(b: &[u8]) -> Result<AcceptData> {
         let bad = || Error::Protocol("accept reply is not from an rdma_device verbs peer (bad private data)".into());
-        if u32_at(b, 0) != Some(MAGIC) {
+        let mut r = Reader::new(b);
+        if r.u32().map_err(|_| bad())? != MAGIC {
             return Err(bad());
         }
         Ok(AcceptData {
-            arena_addr: u64_at(b, 4).ok_or_else(bad)?,
-            arena_rkey: u32_at(b, 12).ok_or_else(bad)?,
-            arena_len: u64_at(b, 16).ok_or_else(bad)?,
-            mtu: u32_at(b, 24).ok_or_else(bad)?,
-            recv_depth: u32_at(b, 28).ok_or_else(bad)?,
-            slot: u32_at(b, 32).ok_or_else(bad)?,
-            nonce: b.get(36..Self::LEN).and_then(|n| n.try_into().ok()).ok_or_else(bad)?,
+            arena_addr: r.u64().map_err(|_| bad())?,
+            arena_rkey: r.u32().map_err(|_| bad())?,
+            arena_len: r.u64().map_err(|_| bad())?,
+            mtu: r.u32().map_err(|_| bad())?,
+            recv_depth: r.u32().map_err(|_| bad())?,
+            slot: r.u32().map_err(|_| bad())?,
+            nonce: r.array().map_err(|_| bad())?,
         })
     }
 }
