@@ -17,6 +17,7 @@
 
 pub mod alloc;
 pub mod proof;
+mod records;
 mod rpc;
 mod rx;
 pub mod stream;

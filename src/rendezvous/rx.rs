@@ -5,6 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use super::records::{RxEdge, RxSlot, Token};
 use super::stream::{RxStreams, STREAM_KEY};
 use super::{smallvec, Actions, Action, Data, Entry, LinkId, Received, RecvDone, Rendezvous};
 use crate::constants::{
@@ -18,38 +19,6 @@ pub trait SlotMemory {
     /// The `HEADER_BYTES` at `offset` (zeros, which fail to decode, when
     /// the range is outside the memory).
     fn header(&self, offset: u64) -> [u8; HEADER_BYTES];
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Token {
-    AtSender,
-    AtReceiver,
-}
-
-pub(super) struct RxSlot {
-    pub(super) edge_id: u32,
-    pub(super) gen: u32,
-    pub(super) offset: u64,
-    /// Bytes reserved in the arena (header + payload capacity).
-    pub(super) reserved: u64,
-    pub(super) capacity: u64,
-    pub(super) token: Token,
-    /// No longer in the edge's current set: free it when we get the token.
-    pub(super) retired: bool,
-    /// With us and handed to the application (not merely arrived).
-    pub(super) lent: bool,
-}
-
-pub(super) struct RxEdge {
-    pub(super) key: Arc<str>,
-    pub(super) set: Vec<u32>,
-    /// Logical time of the last arrival (for choosing cold edges).
-    pub(super) last_used: u64,
-    /// A Revoke is out for this edge's slots.
-    pub(super) revoking: bool,
-    /// The sender asked for one more slot of this size while we were
-    /// merely behind (arrivals not yet taken); granted once all are lent.
-    pub(super) more_wanted: Option<u64>,
 }
 
 pub(super) struct RxLink {

@@ -66,7 +66,7 @@ use std::sync::Arc;
 
 use crate::sync::Mutex;
 
-use super::rx::{RxEdge, Token};
+use super::records::{Pending, RxEdge, Token};
 use super::wire::{ChunkAt, Msg, SlotHeader, TensorMeta, STREAM_MESSAGES, STREAM_REFUSED, STREAM_SLOTS};
 use super::{smallvec, Actions, Action, Data, LinkId, Payload, Received, Rendezvous, SendDone, Tally};
 use crate::constants::{
@@ -315,7 +315,7 @@ impl Default for TxStreams {
 
 impl TxStreams {
     /// Open a stream for `p` (a tensor that cannot go through a slot).
-    pub(super) fn begin(&mut self, link: LinkId, key: &str, p: super::tx::Pending, tally: &mut Tally) -> Actions {
+    pub(super) fn begin(&mut self, link: LinkId, key: &str, p: Pending, tally: &mut Tally) -> Actions {
         let total = p.payload.bytes().len() as u64;
         tally.inline_tensors += 1;
         tally.inline_bytes += total;

@@ -5,6 +5,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
+use super::records::Pending;
 use super::stream::{TxStreams, STREAM_KEY};
 use super::stream::Ending;
 use super::{smallvec, Actions, Action, LinkId, Payload, Rendezvous, SendDone};
@@ -22,13 +23,6 @@ pub enum Placement {
     /// The receiver had no room: the edge's tensors are streamed.
     NoSpace,
     LinkLost,
-}
-
-pub(super) struct Pending {
-    pub(super) step: u64,
-    pub(super) meta: TensorMeta,
-    pub(super) payload: Box<dyn Payload>,
-    pub(super) done: SendDone,
 }
 
 #[derive(Default)]
