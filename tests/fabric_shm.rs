@@ -122,7 +122,7 @@ fn harness_addr() -> String {
 fn a_listener_that_hangs_up_before_answering_counts_as_nobody_listening() {
     use rdma_device::fabric::conformance::Recorder;
     use rdma_device::fabric::shm::socket;
-    use rdma_device::fabric::{Arena, Fabric};
+    use rdma_device::fabric::Fabric;
     use std::os::linux::net::SocketAddrExt;
     use std::os::unix::net::{SocketAddr, UnixListener};
     use std::time::Instant;
@@ -156,10 +156,21 @@ fn a_listener_that_hangs_up_before_answering_counts_as_nobody_listening() {
 
     // Waiting for the listener: the remaining hang-ups are retried until
     // the real listener (bound once the dying one is gone) answers.
-    let real_addr = addr.clone();
+    connect_waiting_for(&fabric, &addr, hangups, "the waiting connect gave up");
+}
+
+/// A connect that waits for the listener at `addr`, while a thread binds
+/// a real listener there once `before` (a fake one's thread) ended: the
+/// connect must reach the real one.
+fn connect_waiting_for(fabric: &ShmFabric, addr: &str, before: std::thread::JoinHandle<()>, what: &str) {
+    use rdma_device::fabric::conformance::Recorder;
+    use rdma_device::fabric::{Arena, Fabric};
+    use std::time::Instant;
+
+    let real_addr = addr.to_string();
     let real = std::thread::spawn(move || {
-        hangups.join().unwrap();
-        let arena = Arc::new(Arena::new("hangup", 1 << 16).unwrap());
+        before.join().unwrap();
+        let arena = Arc::new(Arena::new("reopened", 1 << 16).unwrap());
         let f = ShmFabric::new(Duration::from_micros(50));
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -170,9 +181,9 @@ fn a_listener_that_hangs_up_before_answering_counts_as_nobody_listening() {
             }
         }
     });
-    let ep = fabric.connect(&addr, b"h", Recorder::new(b"", None), Duration::from_secs(10), true);
+    let ep = fabric.connect(addr, b"h", Recorder::new(b"", None), Duration::from_secs(10), true);
     let listener = real.join().unwrap();
-    let ep = ep.unwrap_or_else(|e| panic!("the waiting connect gave up: {e}"));
+    let ep = ep.unwrap_or_else(|e| panic!("{what}: {e}"));
     assert_eq!(ep.peer_hello(), b"r");
     drop(listener);
 }
@@ -214,7 +225,7 @@ fn a_closing_listener_refuses_as_a_lost_peer_not_as_a_stranger() {
 fn a_closing_listeners_refusal_is_retried_and_never_demotes() {
     use rdma_device::fabric::conformance::Recorder;
     use rdma_device::fabric::shm::socket::{self, KIND_CHALLENGE, KIND_REFUSE};
-    use rdma_device::fabric::{Arena, Fabric, NONCE_LEN};
+    use rdma_device::fabric::{Fabric, NONCE_LEN};
     use std::os::linux::net::SocketAddrExt;
     use std::os::unix::net::{SocketAddr, UnixListener};
     use std::time::Instant;
@@ -249,23 +260,5 @@ fn a_closing_listeners_refusal_is_retried_and_never_demotes() {
     let e = fabric.connect(&addr, b"h", Recorder::new(b"", None), Duration::from_secs(10), false).err().expect("refused");
     assert!(matches!(e, rdma_device::Error::PeerLost(_)), "first contact with a closing listener: {e}");
 
-    let real_addr = addr.clone();
-    let real = std::thread::spawn(move || {
-        refusals.join().unwrap();
-        let arena = Arc::new(Arena::new("reopened", 1 << 16).unwrap());
-        let f = ShmFabric::new(Duration::from_micros(50));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            match f.listen(&real_addr, arena.clone(), Recorder::new(b"r", None)) {
-                Ok(l) => return l,
-                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
-                Err(e) => panic!("{e}"),
-            }
-        }
-    });
-    let ep = fabric.connect(&addr, b"h", Recorder::new(b"", None), Duration::from_secs(10), true);
-    let listener = real.join().unwrap();
-    let ep = ep.unwrap_or_else(|e| panic!("the waiting connect gave up on a closing listener: {e}"));
-    assert_eq!(ep.peer_hello(), b"r");
-    drop(listener);
+    connect_waiting_for(&fabric, &addr, refusals, "the waiting connect gave up on a closing listener");
 }

@@ -53,16 +53,9 @@ def _wait_ended(at_least):
         time.sleep(0.02)
 
 
-def tf1_steps_then_a_failure(spec, ready):
-    """TF1: the chief feeds s to the ps, which checks it (s > 0) and sends
-    w * s to the worker, which sends a sum back. Phases: `steps` normal
-    steps; one step with s = -1 (the ps's assertion fails); `steps` more."""
-    import tensorflow as tf
-
-    tf.compat.v1.disable_eager_execution()
-    server = _start_chief_server(spec, tf)
-    ready()
-    steps = spec["steps"]
+def _checked_on_the_ps(tf):
+    """The chief feeds s to the ps, which checks it (s > 0) and sends w * s
+    to the worker, whose sum comes back: (graph, s, the sum, init)."""
     g = tf.Graph()
     with g.as_default():
         with tf.device(CHIEF):
@@ -75,6 +68,20 @@ def tf1_steps_then_a_failure(spec, ready):
         with tf.device(WORKER):
             y = tf.reduce_sum(tf.tanh(x))                          # worker -> chief
         init = tf.compat.v1.global_variables_initializer()
+    return g, s, y, init
+
+
+def tf1_steps_then_a_failure(spec, ready):
+    """TF1: the chief feeds s to the ps, which checks it (s > 0) and sends
+    w * s to the worker, which sends a sum back. Phases: `steps` normal
+    steps; one step with s = -1 (the ps's assertion fails); `steps` more."""
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+    server = _start_chief_server(spec, tf)
+    ready()
+    steps = spec["steps"]
+    g, s, y, init = _checked_on_the_ps(tf)
 
     with tf.compat.v1.Session(server.target, graph=g) as sess:
         sess.run(init)
@@ -208,18 +215,7 @@ def tf1_failing_steps(spec, ready):
     tf.compat.v1.disable_eager_execution()
     server = _start_chief_server(spec, tf)
     ready()
-    g = tf.Graph()
-    with g.as_default():
-        with tf.device(CHIEF):
-            s = tf.compat.v1.placeholder(tf.float32, [], name="s")
-        with tf.device(PS):
-            w = tf.Variable(tf.random.stateless_uniform([4096], seed=[1, 2]), name="w")
-            check = tf.debugging.assert_positive(s, message="s must be positive")
-            with tf.control_dependencies([check]):
-                x = w.value() * s                                  # chief -> ps -> worker
-        with tf.device(WORKER):
-            y = tf.reduce_sum(tf.tanh(x))                          # worker -> chief
-        init = tf.compat.v1.global_variables_initializer()
+    g, s, y, init = _checked_on_the_ps(tf)
     errors = []
     with tf.compat.v1.Session(server.target, graph=g) as sess:
         sess.run(init)
