@@ -98,12 +98,29 @@ impl WriteOp for TensorWrite {
     }
 
     fn complete(mut self: Box<Self>, r: Result<()>) {
-        self.finish(r);
+        // The box goes back before what the write leads to runs: that may
+        // wake the sender, whose next write then finds it free. Recycled
+        // after, a thread preempted in between (a busy machine) made the
+        // next write allocate a box (tests/alloc.rs saw it under load).
+        let mut rest = self.take_rest();
         WRITES.recycle(self);
+        rest.finish(r);
     }
 }
 
 impl TensorWrite {
+    /// What the write leads to, moved out into a write of its own (on the
+    /// stack): `self` is left holding nothing.
+    fn take_rest(&mut self) -> TensorWrite {
+        TensorWrite {
+            header: [0; HEADER_BYTES],
+            payload: self.payload.take(),
+            then: std::mem::replace(&mut self.then, Then::Nothing),
+            node: std::mem::replace(&mut self.node, no_host()),
+            link: self.link,
+        }
+    }
+
     /// The write is over (completed, failed, or dropped unfinished): what
     /// it leads to runs once; afterwards `then` is `Nothing`.
     fn finish(&mut self, r: Result<()>) {
@@ -146,13 +163,7 @@ impl Drop for TensorWrite {
         let why = || crate::error::Error::Internal("a tensor write was dropped before it completed (a panic in the thread writing it)".into());
         if std::thread::panicking() {
             if let Some(n) = self.node.upgrade() {
-                let mut rest = TensorWrite {
-                    header: [0; HEADER_BYTES],
-                    payload: self.payload.take(),
-                    then: std::mem::replace(&mut self.then, Then::Nothing),
-                    node: std::mem::replace(&mut self.node, no_host()),
-                    link: self.link,
-                };
+                let mut rest = self.take_rest();
                 n.later(Box::new(move || rest.finish(Err(why()))));
                 return;
             }
