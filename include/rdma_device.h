@@ -40,6 +40,21 @@ typedef enum rdev_flag {
   RDEV_FLAG_SERIALIZED = 2,
 } rdev_flag;
 
+// How tensors with a peer travel now (`rdev_route`). Values never change.
+typedef enum rdev_route_kind {
+  // Being chosen (name resolution, probing): send and receive as over
+  // the transport; what waits for the choice waits in the transport,
+  // and fails with RDEV_NOT_VIABLE if the peer ends up on gRPC.
+  RDEV_ROUTE_PENDING = 0,
+  // Shared memory.
+  RDEV_ROUTE_SHM = 1,
+  // RDMA verbs.
+  RDEV_ROUTE_VERBS = 2,
+  // Stock gRPC; `rdev_last_error` holds the reason. Never in strict
+  // mode (that is RDEV_STRICT).
+  RDEV_ROUTE_GRPC = 3,
+} rdev_route_kind;
+
 // Result of every C ABI call. Values are stable and never renumbered.
 typedef enum rdev_status {
   RDEV_OK = 0,
@@ -54,6 +69,9 @@ typedef enum rdev_status {
   RDEV_TIMEOUT = 9,
   RDEV_INTERNAL = 10,
   RDEV_PANIC = 11,
+  // A tensor would go over stock gRPC while RDMA_DEVICE_STRICT is set:
+  // fail, do not fall back (the strict form of RDEV_NOT_VIABLE).
+  RDEV_STRICT = 12,
 } rdev_status;
 
 // Which transport serves a peer. Values never change.
@@ -135,6 +153,19 @@ typedef void (*rdev_serve_call_cb)(void *userdata,
 // `rdev-callbacks`.
 typedef void (*rdev_serve_cancel_cb)(void *userdata, uint64_t handle);
 
+// The settings a caller acts on, from one call (`rdev_settings_get`).
+typedef struct rdev_settings {
+  // RDMA_DEVICE_STRICT: any fallback to gRPC is an error. Applied by the
+  // library (RDEV_STRICT); for the caller's logs only.
+  bool strict;
+  // RDMA_DEVICE_STATIC_PLACEMENT: place edges with static shapes when a
+  // graph is registered (`rdev_place_edge`).
+  bool static_placement;
+  // RDMA_DEVICE_WORKER_RPCS: per-step worker RPCs to peers on the
+  // transport go over it (`rdev_call`).
+  bool worker_rpcs;
+} rdev_settings;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -163,23 +194,6 @@ enum rdev_status rdev_context_new(const char *task,
 // the caller's): keep what their user data points to alive until each
 // has run; every callback runs exactly once.
 void rdev_context_free(struct rdev_context *ctx);
-
-// Tell the context about peer `task` at `addr`; `*out` says which
-// transport will carry tensors to and from it. RDEV_TRANSPORT_NONE means
-// use stock gRPC; `rdev_last_error` then holds the reason.
-enum rdev_status rdev_context_add_peer(const struct rdev_context *ctx,
-                                       const char *task,
-                                       size_t task_len,
-                                       const char *addr,
-                                       size_t addr_len,
-                                       enum rdev_transport *out);
-
-// 1 when RDMA_DEVICE_STRICT is on (any fallback to gRPC must fail).
-bool rdev_context_strict(const struct rdev_context *ctx);
-
-// true when RDMA_DEVICE_STATIC_PLACEMENT is on: the shim should place
-// edges with static shapes at graph registration (`rdev_place_edge`).
-bool rdev_context_static_placement(const struct rdev_context *ctx);
 
 // Push the tensor `(key, step_id)` to `peer`. Never blocks: it does not
 // connect or wait for ring space on the caller's thread (a first send to a
@@ -382,12 +396,6 @@ void rdev_stats_reset(void);
 // RDEV_CONFIG with the reason in `rdev_last_error`.
 enum rdev_status rdev_config_json(char *buf, size_t cap, size_t *out_len);
 
-// Whether RDMA_DEVICE_STRICT is on in the settings (from the environment
-// now), into `out`: for a server whose transport did not start, so that
-// its fallbacks still fail in strict mode. A bad value yields RDEV_CONFIG
-// and leaves `out` alone.
-enum rdev_status rdev_config_strict(bool *out);
-
 // A static, NUL-terminated name for `status`.
 const char *rdev_status_str(enum rdev_status status);
 
@@ -521,9 +529,54 @@ void rdev_record_worker_rpc_served_on_pool(void);
 // (`worker_rpc_large_replies`, `worker_rpc_large_reply_bytes`).
 void rdev_record_worker_rpc_large_reply(uint64_t bytes);
 
-// true when RDMA_DEVICE_WORKER_RPCS is on: per-step worker RPCs to peers
-// on the transport go over it (`rdev_call`).
-bool rdev_context_worker_rpcs(const struct rdev_context *ctx);
+// The settings of `ctx`, or with `ctx` NULL those of the environment now
+// (a bad value: RDEV_CONFIG, the reason in `rdev_last_error`). `*out` is
+// written only on RDEV_OK.
+enum rdev_status rdev_settings_get(const struct rdev_context *ctx, struct rdev_settings *out);
+
+// Tell the context about peer `task` at `addr`, choosing its route on this
+// thread (a name lookup; with verbs, an rdma_cm probe of up to 500 ms);
+// `*out` says which transport will carry tensors to and from it.
+// RDEV_TRANSPORT_NONE means use stock gRPC; `rdev_last_error` then holds
+// the reason. `rdev_context_set_peer` does the same without waiting.
+enum rdev_status rdev_context_add_peer(const struct rdev_context *ctx,
+                                       const char *task,
+                                       size_t task_len,
+                                       const char *addr,
+                                       size_t addr_len,
+                                       enum rdev_transport *out);
+
+// Tell the context about peer `task` at `addr` without waiting. A new
+// peer, or one at a new address, gets a pending route, chosen on a
+// library thread (`rdev-route`), every peer at once; the same address
+// again changes nothing. Work for a peer whose route is pending waits in
+// the library, up to 20 s (`rdev_route`). Never blocks.
+enum rdev_status rdev_context_set_peer(const struct rdev_context *ctx,
+                                       const char *task,
+                                       size_t task_len,
+                                       const char *addr,
+                                       size_t addr_len);
+
+// How tensors with `peer` travel now, into `*out` (written only on
+// RDEV_OK). RDEV_ROUTE_GRPC puts its reason in `rdev_last_error`; a task
+// the context was never told of goes over gRPC. Errors: RDEV_STRICT when
+// the route is gRPC and RDMA_DEVICE_STRICT is set; RDEV_TIMEOUT when the
+// route has been pending for 20 s. Never blocks.
+enum rdev_status rdev_route(const struct rdev_context *ctx,
+                            const char *peer,
+                            size_t peer_len,
+                            enum rdev_route_kind *out);
+
+// May a tensor with `peer` go over stock gRPC because of `why` (a reason
+// the caller found, e.g. it is in device memory)? RDEV_OK, or RDEV_STRICT
+// (its message naming the peer and `why`) with RDMA_DEVICE_STRICT. `ctx`
+// NULL: a task whose transport did not start, with the environment's
+// settings (a bad value: RDEV_CONFIG). Never blocks.
+enum rdev_status rdev_grpc_fallback(const struct rdev_context *ctx,
+                                    const char *peer,
+                                    size_t peer_len,
+                                    const char *why,
+                                    size_t why_len);
 
 // Receive the tensor `(key, step_id)` from `peer`, as `rdev_recv` does,
 // but with no callback: `*out` is a handle to wait on with `rdev_wait`

@@ -31,6 +31,9 @@ pub enum Error {
     Config(String),
     /// A bounded wait ran out.
     Timeout(String),
+    /// A tensor would go over stock gRPC while RDMA_DEVICE_STRICT is set
+    /// (the strict-mode form of `NotViable` for tensors: node/routes.rs).
+    Strict(String),
     /// A bug: a broken internal invariant.
     Internal(String),
 }
@@ -50,6 +53,7 @@ impl Error {
             | Error::Io(m)
             | Error::Config(m)
             | Error::Timeout(m)
+            | Error::Strict(m)
             | Error::Internal(m) => m,
         }
     }
@@ -66,6 +70,7 @@ impl Error {
             Error::Io(_) => "i/o error",
             Error::Config(_) => "configuration error",
             Error::Timeout(_) => "timeout",
+            Error::Strict(_) => "refused in strict mode",
             Error::Internal(_) => "internal error",
         }
     }
@@ -84,6 +89,7 @@ impl Error {
             Error::Io(m) => Error::Io(wrap(m)),
             Error::Config(m) => Error::Config(wrap(m)),
             Error::Timeout(m) => Error::Timeout(wrap(m)),
+            Error::Strict(m) => Error::Strict(wrap(m)),
             Error::Internal(m) => Error::Internal(wrap(m)),
         }
     }

@@ -59,19 +59,13 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
       return;
     }
     if (!IsCpu(peer_device) || !IsCpu(to_device->name())) {
-      absl::Status strict = NotOnCpu(peer_task);
+      const std::string why = "a collective chunk in device memory";
+      absl::Status strict = transport_->GrpcFallback(peer_task, why);
       if (!strict.ok()) return done(strict);
-      return stock("collective chunk in device memory");
+      return stock(why);
     }
-    if (transport_->RoutePending(peer_task)) {
-      // The route is being chosen (transport.h): start from the queue once
-      // it is (the RMA and the arguments live until `done`).
-      return transport_->WhenRouted(peer_task, [=] {
-        RecvFromPeer(peer_device, peer_task, peer_is_local, key, to_device, to_device_ctx,
-                     to_alloc_attr, to_tensor, client_locality, dev_to_dev_stream_index,
-                     cancellation_manager, done);
-      });
-    }
+    // A route still being chosen: the receive waits in the transport (and
+    // fails NotViable, pulled below, if the peer ends up on gRPC).
     Route route;
     absl::Status s = transport_->RouteTo(peer_task, &route);
     if (!s.ok()) return done(s);
@@ -116,8 +110,6 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
           if (!status.ok() && Transport::IsNotViable(status)) {
             // The sender does not push to us: pull over gRPC (the RMA
             // lives until `done`, which has not run).
-            absl::Status strict = transport->Demote(peer_task, status);
-            if (!strict.ok()) return done(strict);
             return stock(std::string(status.message()));
           }
           auto finish = [transport, status, tensor, is_dead, to_tensor, done, wire_key] {
@@ -132,11 +124,7 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
     if (!s.ok()) {
       steps_->RecvDone(step);
       if (cancellation_manager != nullptr) cancellation_manager->TryDeregisterCallback(token);
-      if (Transport::IsNotViable(s)) {
-        absl::Status strict = transport_->Demote(peer_task, s);
-        if (!strict.ok()) return done(strict);
-        return stock(std::string(s.message()));
-      }
+      if (Transport::IsNotViable(s)) return stock(std::string(s.message()));
       done(s);
     }
   }
@@ -158,13 +146,7 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
         !IsCpu(from_device->name())) {
       return stock();
     }
-    if (transport_->RoutePending(peer_task)) {
-      // As RecvFromPeer: once the route is chosen.
-      return transport_->WhenRouted(peer_task, [=] {
-        PostToPeer(peer_device, peer_task, key, from_device, from_device_ctx, from_alloc_attr,
-                   from_tensor, client_locality, cancellation_manager, done);
-      });
-    }
+    // A route still being chosen: the push waits in the transport.
     Route route;
     absl::Status s = transport_->RouteTo(peer_task, &route);
     if (!s.ok()) return done(s);
@@ -186,7 +168,7 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
     bool refused = false;
     s = transport_->Send(
         peer_task, wire_key, step, *from_tensor, /*is_dead=*/false,
-        [transport, steps, id, peer_task, bytes, stock](const absl::Status& sent) {
+        [transport, steps, id, bytes, stock](const absl::Status& sent) {
           tf::StatusCallback done;
           if (!steps->TakeSend(id, &done)) return;  // an abort completed it
           if (sent.ok()) {
@@ -194,9 +176,8 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
             return done(sent);
           }
           if (Transport::IsNotViable(sent)) {
-            // Learnt while connecting: the receiver will pull it.
-            absl::Status strict = transport->Demote(peer_task, sent);
-            if (!strict.ok()) return done(strict);
+            // Learnt while connecting, or once the route was chosen: the
+            // receiver will pull it.
             return stock();
           }
           done(sent);
@@ -205,11 +186,7 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
     if (!s.ok()) {
       tf::StatusCallback mine;
       if (!steps->TakeSend(id, &mine)) return;  // an abort completed it
-      if (refused) {
-        absl::Status strict = transport_->Demote(peer_task, s);
-        if (!strict.ok()) return done(strict);
-        return stock();
-      }
+      if (refused) return stock();
       done(s);
     }
   }
@@ -276,14 +253,6 @@ class RdmaCollectiveRemoteAccess : public tf::CollectiveRemoteAccessDistributed 
     }
     transport->RecordCollective(Transport::CollectiveEvent::kReceived, n);
     return absl::OkStatus();
-  }
-
-  // In strict mode, the error for a chunk that cannot use the transport.
-  absl::Status NotOnCpu(const std::string& peer_task) {
-    if (!transport_->strict()) return absl::OkStatus();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rdma_device: RDMA_DEVICE_STRICT is set but a collective chunk with ", peer_task,
-        " is in device memory and would use stock gRPC"));
   }
 
   // Stock RecvBuf pull, counted as a collective fallback with its reason.

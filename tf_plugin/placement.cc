@@ -127,6 +127,14 @@ int64_t StaticBytes(const tf::ShapeRefiner& refiner, const tf::Node* send, tf::D
   return elements * size;
 }
 
+// Whether tensors with `peer` go over the transport, or will once its
+// route is chosen (not an error even in strict mode: placement only
+// optimises; the transfers themselves fail then).
+bool OverTransport(Transport* transport, const std::string& peer) {
+  Route route;
+  return transport->RouteTo(peer, &route).ok() && route.kind == Route::kDevice;
+}
+
 }  // namespace
 
 int AnnotateCrossTaskShapes(tf::Graph* graph, const tf::FunctionLibraryDefinition* flib) {
@@ -304,8 +312,7 @@ PlacementRun PlaceStaticEdges(std::shared_ptr<Transport> transport,
     if (e.bytes < 0) {
       ++st->traced;
       VLOG(2) << "rdma_device: " << what << ": " << e.key << " is traced: " << e.why;
-    } else if (!st->transport->Serves(st->Contact(e)) &&
-               !st->transport->RoutePending(st->Contact(e))) {
+    } else if (!OverTransport(st->transport.get(), st->Contact(e))) {
       ++st->other_route;
     } else {
       by_contact[st->Contact(e)].push_back(e);
@@ -318,35 +325,34 @@ PlacementRun PlaceStaticEdges(std::shared_ptr<Transport> transport,
   st->completion.Add(static_cast<int>(by_contact.size()) + 1);
   for (auto& [peer, list] : by_contact) {
     auto mine = std::make_shared<std::vector<SendEdge>>(std::move(list));
-    // A route still being chosen: the part starts once it is (transport.h).
-    st->transport->WhenRouted(peer, [st, peer = peer, mine] {
-      if (!st->transport->Serves(peer)) {
+    // A route still being chosen: the connect waits for it (within the
+    // connect timeout) in the transport.
+    ScheduleControl([st, peer = peer, mine] {
+      absl::Status s = st->transport->ConnectPeer(peer);
+      if (Transport::IsNotViable(s)) {  // the route turned out to be gRPC
         st->other_route += static_cast<int>(mine->size());
         st->PartDone();
         return;
       }
-      ScheduleControl([st, peer, mine] {
-        absl::Status s = st->transport->ConnectPeer(peer);
-        if (!s.ok()) {
-          LOG(WARNING) << "rdma_device: " << st->what << ": cannot reach " << peer
-                       << " to place edges ahead of time (they are placed on first use): " << s;
-          st->unreachable += mine->size();
-          st->PartDone();
-          return;
-        }
-        auto next = std::make_shared<std::atomic<size_t>>(0);
-        auto peer_failed = std::make_shared<std::atomic<bool>>(false);
-        const int parts = static_cast<int>(std::min(mine->size(), kPlaceConcurrency));
-        st->completion.Add(parts - 1);  // this part becomes one of them
-        for (int i = 1; i < parts; ++i) {
-          ScheduleControl([st, mine, next, peer_failed] {
-            st->PlaceSome(mine, next, peer_failed);
-            st->PartDone();
-          });
-        }
-        st->PlaceSome(mine, next, peer_failed);
+      if (!s.ok()) {
+        LOG(WARNING) << "rdma_device: " << st->what << ": cannot reach " << peer
+                     << " to place edges ahead of time (they are placed on first use): " << s;
+        st->unreachable += mine->size();
         st->PartDone();
-      });
+        return;
+      }
+      auto next = std::make_shared<std::atomic<size_t>>(0);
+      auto peer_failed = std::make_shared<std::atomic<bool>>(false);
+      const int parts = static_cast<int>(std::min(mine->size(), kPlaceConcurrency));
+      st->completion.Add(parts - 1);  // this part becomes one of them
+      for (int i = 1; i < parts; ++i) {
+        ScheduleControl([st, mine, next, peer_failed] {
+          st->PlaceSome(mine, next, peer_failed);
+          st->PartDone();
+        });
+      }
+      st->PlaceSome(mine, next, peer_failed);
+      st->PartDone();
     });
   }
   st->PartDone();  // the +1 above: no part could finish the run before now

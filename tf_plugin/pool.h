@@ -22,7 +22,6 @@
 // |---|---|---|
 // | Transport::PlaceEdge / RequestPlacement (rdev_place_edge, rdev_request_placement) | control pool | kPlaceTimeoutMs (placement.cc) |
 // | Transport::ConnectPeer (rdev_connect_peer) | control pool | RDMA_DEVICE_CONNECT_TIMEOUT_MS |
-// | choosing a peer's route (rdev_context_add_peer: name resolution, rdma_cm probe) | control pool | the resolver's timeouts + 500 ms; work that needs the route queues (Transport::WhenRouted) |
 // | PlacementRun::WaitUntil | RegisterGraph caller; the tf.function pass's caller unless it is a TF pool thread (passes.cc) | kRegisterPlacementWaitMs |
 // | shape inference of a registered partition (CPU only) | RegisterGraph caller | graph size |
 // | Transport::Call for RunGraph / CleanupGraph (worker_rpc.h: rdev_call_inline) | TF's master thread | writes the request to the connection's socket (never waits for the reply) |

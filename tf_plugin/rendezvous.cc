@@ -99,19 +99,7 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     // This thread's scratch name: the send path allocates nothing per tensor.
     thread_local std::string peer_scratch;
     TaskOfInto(parsed.dst, &peer_scratch);
-    const std::string& peer = peer_scratch;
-    if (!transport_->RoutePending(peer)) return SendRouted(parsed, args, peer, val, is_dead);
-    // The route is being chosen (transport.h): the send waits for it in a
-    // queue, not on this thread; a failure then fails the step.
-    this->Ref();
-    if (args.device_context != nullptr) args.device_context->Ref();
-    transport_->WhenRouted(peer, [this, parsed, args, peer, val, is_dead] {
-      absl::Status s = SendRouted(parsed, args, peer, val, is_dead);
-      if (!s.ok()) FailLate(s, parsed.FullKey(), peer);
-      if (args.device_context != nullptr) args.device_context->Unref();
-      Unref();  // may destroy the rendezvous
-    });
-    return absl::OkStatus();
+    return SendRouted(parsed, args, peer_scratch, val, is_dead);
   }
 
   void StartAbort(const absl::Status& status) override {
@@ -155,23 +143,13 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
       stock_->RecvAsync(parsed, recv_args, std::move(done));
       return;
     }
-    if (transport_ != nullptr && transport_->RoutePending(peer)) {
-      // The route is being chosen (transport.h): the receive starts from
-      // the queue once it is (a step abort meanwhile is seen then).
-      this->Ref();
-      if (recv_args.device_context != nullptr) recv_args.device_context->Ref();
-      transport_->WhenRouted(peer, [this, parsed, recv_args, peer, done = std::move(done)] {
-        RecvRouted(parsed, recv_args, peer, done);
-        if (recv_args.device_context != nullptr) recv_args.device_context->Unref();
-        Unref();  // may destroy the rendezvous
-      });
-      return;
-    }
     RecvRouted(parsed, recv_args, peer, std::move(done));
   }
 
  private:
-  // RecvFromRemoteAsync() once the route to `peer` is known.
+  // RecvFromRemoteAsync() by the route to `peer` (a route still being
+  // chosen waits in the transport, which fails the receive NotViable if
+  // the peer ends up on gRPC: it is then pulled over gRPC).
   void RecvRouted(const ParsedKey& parsed, const Args& recv_args, const std::string& peer,
                   DoneCallback done) {
     Route route;
@@ -247,12 +225,7 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
           if (!s.ok() && Transport::IsNotViable(s)) {
             // The sender does not push to us (plain gRPC, or it routes us
             // over gRPC): pull this tensor over gRPC instead, at once.
-            absl::Status strict = transport_->Demote(peer, s);
-            if (strict.ok()) {
-              RecvOverGrpc(parsed, recv_args, std::string(s.message()), done);
-            } else {
-              done(strict, Args(), recv_args, tf::Tensor(), false);
-            }
+            RecvOverGrpc(parsed, recv_args, std::string(s.message()), done);
           } else if (!s.ok()) {
             done(s, Args(), recv_args, tf::Tensor(), false);
           } else if (is_dead || OnHost(parsed.dst, recv_args)) {
@@ -276,12 +249,7 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
       DeregisterCall(call, recv_args);
       delete call;
       if (Transport::IsNotViable(s)) {
-        absl::Status strict = transport_->Demote(peer, s);
-        if (strict.ok()) {
-          RecvOverGrpc(parsed, recv_args, std::string(s.message()), std::move(done));
-        } else {
-          done(strict, Args(), recv_args, tf::Tensor(), false);
-        }
+        RecvOverGrpc(parsed, recv_args, std::string(s.message()), std::move(done));
       } else {
         done(s, Args(), recv_args, tf::Tensor(), false);
       }
@@ -309,7 +277,9 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     return abort_status_;
   }
 
-  // Send() once the route to `peer` is known.
+  // Send() by the route to `peer` (a route still being chosen: the push
+  // waits in the transport, and a peer that ends up on gRPC fails it
+  // NotViable in PushDone, which then leaves the tensor for its pull).
   absl::Status SendRouted(const ParsedKey& parsed, const Args& args, const std::string& peer,
                           const tf::Tensor& val, bool is_dead) {
     Route route;
@@ -328,10 +298,9 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
     if (refused) {
       // The receiver does not take pushes from us (plain gRPC, or it routes
       // us over gRPC): leave the tensor for its pull (it counts the
-      // fallback), or fail in strict mode.
+      // fallback). In strict mode the transport fails it instead.
       VLOG(1) << "rdma_device: " << peer << " refuses pushes, " << parsed.FullKey()
               << " goes over gRPC: " << s;
-      TF_RETURN_IF_ERROR(transport_->Demote(peer, s));
       return BaseRemoteRendezvous::Send(parsed, args, val, is_dead);
     }
     return s;
@@ -421,15 +390,13 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
   void PushDone(PushCtx* c, const absl::Status& sent) {
     absl::Status failed = sent;
     if (!sent.ok() && Transport::IsNotViable(sent) && c->has_args) {
-      // Learnt while connecting: the receiver will pull it over gRPC.
-      failed = transport_->Demote(c->peer, sent);
+      // Learnt while connecting, or once the route was chosen: the
+      // receiver will pull it over gRPC.
+      Rendezvous::ParsedKey parsed;
+      failed = Rendezvous::ParseKey(c->key, &parsed);
       if (failed.ok()) {
-        Rendezvous::ParsedKey parsed;
-        failed = Rendezvous::ParseKey(c->key, &parsed);
-        if (failed.ok()) {
-          failed = BaseRemoteRendezvous::Send(parsed, c->args, c->staged ? c->device_val : c->val,
-                                              c->is_dead);
-        }
+        failed = BaseRemoteRendezvous::Send(parsed, c->args, c->staged ? c->device_val : c->val,
+                                            c->is_dead);
       }
     }
     if (!failed.ok()) FailLate(failed, c->key, c->peer);
@@ -463,9 +430,8 @@ class RdmaRemoteRendezvous : public tf::BaseRemoteRendezvous {
           delete host;  // Push holds its own reference to the buffer
           if (refused) {
             // Refused at once: the receiver pulls the device tensor.
-            s = transport_->Demote(peer, s);
             Rendezvous::ParsedKey parsed;
-            if (s.ok()) s = Rendezvous::ParseKey(key, &parsed);
+            s = Rendezvous::ParseKey(key, &parsed);
             if (s.ok()) s = BaseRemoteRendezvous::Send(parsed, args, val, false);
           }
           if (!s.ok()) StartAbort(s);

@@ -225,40 +225,49 @@ Transport::~Transport() { rdev_context_free(ctx_.exchange(nullptr)); }
 
 absl::Status Transport::Start(const std::string& self_task, const std::string& addr) {
   {
-    // Strict mode holds even if the transport does not start (the server
-    // then routes every peer over gRPC, and each such step must fail).
-    bool strict = false;
-    if (rdev_config_strict(&strict) == RDEV_OK) {
-      tf::mutex_lock l(mu_);
-      strict_ = strict;
-      self_task_ = self_task;
-    }
+    tf::mutex_lock l(mu_);
+    self_task_ = self_task;
   }
+  // If this fails, the server routes every peer over gRPC, and in strict
+  // mode each such step fails (RouteTo: rdev_grpc_fallback reads the
+  // environment's settings).
   rdev_context* ctx = nullptr;
   TF_RETURN_IF_ERROR(CallStatus(
       rdev_context_new(self_task.data(), self_task.size(), addr.data(), addr.size(), &ctx)));
-  bool any = false;
+  rdev_settings settings = {};
+  absl::Status read = CallStatus(rdev_settings_get(ctx, &settings));
+  if (!read.ok()) {
+    rdev_context_free(ctx);
+    return read;
+  }
+  std::map<std::string, std::string> peers;
   {
     tf::mutex_lock l(mu_);
-    self_task_ = self_task;
-    strict_ = rdev_context_strict(ctx);
-    static_placement_ = rdev_context_static_placement(ctx);
-    worker_rpcs_ = rdev_context_worker_rpcs(ctx);
+    static_placement_ = settings.static_placement;
+    worker_rpcs_ = settings.worker_rpcs;
     ctx_.store(ctx);
-    addrs_.erase(self_task);
-    for (const auto& [task, peer_addr] : addrs_) ChooseRoute(task, peer_addr);
-    any = !addrs_.empty();
+    peers.swap(early_peers_);
+  }
+  // The peers seen before: their routes are chosen on the transport's
+  // threads, all at once; this does not wait.
+  for (const auto& [task, peer_addr] : peers) {
+    if (task == self_task) continue;
+    rdev_status st =
+        rdev_context_set_peer(ctx, task.data(), task.size(), peer_addr.data(), peer_addr.size());
+    if (st != RDEV_OK) {
+      LOG(WARNING) << "rdma_device: " << self_task << ": cannot add " << task << " ("
+                   << peer_addr << "): " << FromRdev(st, LastError()).message();
+    }
   }
   LOG(INFO) << "rdma_device: " << self_task << " transport at " << addr
-            << (rdev_context_strict(ctx) ? " (strict)" : "")
-            << (rdev_context_static_placement(ctx) ? "" : " (static placement off)");
+            << (settings.strict ? " (strict)" : "")
+            << (settings.static_placement ? "" : " (static placement off)");
   {
     // A server created later for the same task (eager clients re-connect)
     // replaces this one.
     tf::mutex_lock l(registry_mu);
     Registry()[self_task] = weak_from_this();
   }
-  if (any) ArmExpiry();
   return absl::OkStatus();
 }
 

@@ -5,14 +5,15 @@
 // transport_status.h include rdma_device.h (transport.cc: the context and
 // tensors; transport_routes.cc: peers and routes; transport_calls.cc: calls
 // and counters; transport_status.cc: statuses); protocol decisions (slots,
-// credits, routes) stay in Rust.
+// credits, routes, demotion, strict mode) stay in Rust: the shim keeps no
+// route table and no strict flag, asks the transport how a peer's tensors
+// travel (RouteTo), and takes the stock path on a NotViable status only.
 #ifndef RDMA_DEVICE_TF_PLUGIN_TRANSPORT_H_
 #define RDMA_DEVICE_TF_PLUGIN_TRANSPORT_H_
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -37,8 +38,11 @@ const std::string& TensorFlowVersionError();
 // the cluster spec use for a task.
 std::string TaskName(absl::string_view job, int replica, int task);
 
-// How tensors to or from one peer travel.
+// How tensors to or from one peer travel, as the transport answers now.
 struct Route {
+  // kDevice: over the transport, or its route is still being chosen (work
+  // for the peer then waits in the transport, and fails NotViable if the
+  // peer ends up on gRPC).
   enum Kind { kDevice, kGrpc };
   Kind kind = kGrpc;
   // Why kGrpc (for stats and logs); empty for kDevice.
@@ -67,34 +71,14 @@ class Transport : public std::enable_shared_from_this<Transport> {
   // gRPC.
   absl::Status Start(const std::string& self_task, const std::string& addr);
 
-  // Records every task of `cluster` (but this one) as a peer; idempotent.
-  // Called for each worker cache TF builds, so clusters that grow (eager
-  // clients joining) are seen too. Never waits: the route of each new (or
-  // moved) peer is *pending* while the control pool chooses it (name
-  // resolution, rdma_cm probing; all peers at once), and work that meets
-  // a pending route waits for the choice in a queue (WhenRouted), never
-  // on a thread.
+  // Tells the transport of every task of `cluster` (but this one);
+  // idempotent. Called for each worker cache TF builds, so clusters that
+  // grow (eager clients joining) are seen too. Never waits: the route of
+  // each new (or moved) peer is *pending* while the transport chooses it
+  // (name resolution, rdma_cm probing; all peers at once, on its own
+  // threads), and work that meets a pending route waits in the transport
+  // (rdev_context_set_peer). Before Start, the peers are kept for it.
   void AddPeers(const tensorflow::ClusterDef& cluster);
-
-  // Runs `fn` once the route to `peer_task` is chosen: at once, on this
-  // thread, unless the route is pending; then queued, and run on the
-  // data-path pool when the choice ends, or when kRouteWaitMs has passed
-  // without one (RouteTo then fails with DeadlineExceeded). Work queued
-  // for one peer runs in the order it was queued, before any later work
-  // for that peer.
-  void WhenRouted(const std::string& peer_task, std::function<void()> fn);
-  // Whether the route to `peer_task` is pending (work for it should go
-  // through WhenRouted).
-  bool RoutePending(const std::string& peer_task) {
-    tensorflow::tf_shared_lock l(mu_);
-    return pending_.count(peer_task) > 0;
-  }
-
-  // RDMA_DEVICE_STRICT: any fallback to gRPC is an error.
-  bool strict() {
-    tensorflow::tf_shared_lock l(mu_);
-    return strict_;
-  }
 
   // RDMA_DEVICE_STATIC_PLACEMENT: place edges with static shapes when a
   // graph is registered (false until Start).
@@ -115,11 +99,14 @@ class Transport : public std::enable_shared_from_this<Transport> {
   // A started transport of this process with static placement on, or null.
   static std::shared_ptr<Transport> AnyWithStaticPlacement();
 
-  // The route for tensors exchanged with `peer_task`. In strict mode a
-  // gRPC route is an error instead. A route still pending is an error
-  // (DeadlineExceeded once kRouteWaitMs has passed): call it from
-  // WhenRouted's `fn`.
+  // The route for tensors exchanged with `peer_task` (rdev_route). In
+  // strict mode a gRPC route is an error instead (FailedPrecondition); a
+  // route pending for 20 s is DeadlineExceeded. Never waits.
   absl::Status RouteTo(const std::string& peer_task, Route* route);
+  // Whether a tensor with `peer_task` may take the stock path for a reason
+  // the shim found (`why`, e.g. it is in device memory): OK, or the strict
+  // mode's error (rdev_grpc_fallback).
+  absl::Status GrpcFallback(const std::string& peer_task, const std::string& why);
 
   // Pushes `val` for (key, step) to `peer_task`; never blocks (it does not
   // connect or wait for room on this thread). On OK, `done` runs exactly
@@ -147,13 +134,11 @@ class Transport : public std::enable_shared_from_this<Transport> {
   // while the route is pending).
   bool Serves(const std::string& peer_task);
 
-  // True for the error of a peer that does not take this transport from
-  // this task: the tensor can still go over stock gRPC.
+  // True for the error of a peer whose tensors go over stock gRPC (it
+  // does not run this transport, or does not take it from this task): take
+  // the stock path. The transport has routed the peer over gRPC for good;
+  // in strict mode it answers with FailedPrecondition instead, never this.
   static bool IsNotViable(const absl::Status& status);
-
-  // Routes `peer_task` over stock gRPC from now on, because of `why`
-  // (a NotViable error). In strict mode returns the error to fail with.
-  absl::Status Demote(const std::string& peer_task, const absl::Status& why);
 
   // Connects to `peer_task` now rather than at its first tensor. Blocks up
   // to RDMA_DEVICE_CONNECT_TIMEOUT_MS: call it from the plugin's pool only.
@@ -242,51 +227,18 @@ class Transport : public std::enable_shared_from_this<Transport> {
   void RecordCollective(CollectiveEvent event, uint64_t bytes, const std::string& reason = "");
 
  private:
-  // Work waiting for a pending route (WhenRouted).
-  struct Pending {
-    std::chrono::steady_clock::time_point deadline;
-    // A pool task is running `queued` (the route was chosen, or its wait
-    // ran out): later work queues behind it, to keep the order.
-    bool draining = false;
-    std::deque<std::function<void()>> queued;
-  };
-
-  // Marks `task` pending and hands the choice of its route to the control
-  // pool (the caller arms the deadline: ArmExpiry).
-  void ChooseRoute(const std::string& task, const std::string& addr)
-      TF_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // On the control pool: asks the transport how to reach `task` and
-  // records the route, unless `addr` is no longer the peer's address.
-  void AddPeer(const std::string& task, const std::string& addr) TF_LOCKS_EXCLUDED(mu_);
-  // Fails (through RouteTo) the work of routes whose wait ran out.
-  void ExpirePending() TF_LOCKS_EXCLUDED(mu_);
-  // Arms ExpirePending for the earliest deadline of a route still being
-  // chosen (a timer, no pool thread), unless one is armed: one timer at a
-  // time, which re-arms itself for the routes left (TF's POSIX Env runs
-  // each timer on a thread of its own, so one per AddPeers call would be
-  // a sleeping thread per cluster update).
-  void ArmExpiry() TF_LOCKS_EXCLUDED(mu_);
-  // On the data-path pool: runs `task`'s queued work in order.
-  void Drain(const std::string& task) TF_LOCKS_EXCLUDED(mu_);
-
   std::atomic<rdev_context*> ctx_{nullptr};
   tensorflow::mutex mu_;
   // ConnectSoon: when each peer's last attempt started.
   std::map<std::string, std::chrono::steady_clock::time_point> connect_tried_ TF_GUARDED_BY(mu_);
-  // An ExpirePending timer is armed (ArmExpiry).
-  bool expiry_armed_ TF_GUARDED_BY(mu_) = false;
   std::string self_task_ TF_GUARDED_BY(mu_);
-  bool strict_ TF_GUARDED_BY(mu_) = false;
+  // The transport's settings (rdev_settings_get, one call at Start).
   bool static_placement_ TF_GUARDED_BY(mu_) = false;
   bool worker_rpcs_ TF_GUARDED_BY(mu_) = false;
   std::atomic<bool> serving_{false};
-  // Peer task -> address, as last seen in a cluster spec.
-  std::map<std::string, std::string> addrs_ TF_GUARDED_BY(mu_);
-  // Peer task -> route chosen by the transport (absent while pending).
-  std::map<std::string, Route> routes_ TF_GUARDED_BY(mu_);
-  // Peer task -> work waiting for its route: present while the route is
-  // pending, and while its queue drains.
-  std::map<std::string, Pending> pending_ TF_GUARDED_BY(mu_);
+  // Peer task -> address, from cluster specs seen before Start (which
+  // hands them to the transport); empty after it.
+  std::map<std::string, std::string> early_peers_ TF_GUARDED_BY(mu_);
 };
 
 }  // namespace rdma_device

@@ -3,7 +3,6 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "tensorflow/core/platform/status.h"
-#include "transport.h"
 
 namespace rdma_device {
 
@@ -33,6 +32,9 @@ absl::Status FromRdev(rdev_status status, absl::string_view msg) {
       return absl::InvalidArgumentError(text);
     case RDEV_TIMEOUT:
       return absl::DeadlineExceededError(text);
+    case RDEV_STRICT:
+      // RDMA_DEVICE_STRICT: the stock path would be taken; fail instead.
+      return absl::FailedPreconditionError(text);
     case RDEV_PROTOCOL:
       return absl::DataLossError(text);
     case RDEV_INTERNAL:
@@ -53,7 +55,8 @@ absl::Status FromRdevReceive(rdev_status status, absl::string_view msg, uint32_t
 }
 
 absl::Status WithPeer(absl::Status status, const std::string& peer) {
-  if (status.ok() || Transport::IsNotViable(status)) return status;
+  // A not-viable status is the caller's to act on (the stock path).
+  if (status.ok() || status.GetPayload(kNotViablePayload).has_value()) return status;
   absl::Status out(status.code(),
                    absl::StrCat(status.message(), "\nAdditional GRPC error information from remote "
                                 "target ", peer, " while calling the rdma_device transport"));

@@ -183,7 +183,9 @@ pub(crate) const LISTENER_CLOSING: &str = "the listener is shutting down";
 pub(crate) fn encode_refusal(e: &Error) -> Vec<u8> {
     let code = match e {
         Error::InvalidArgument(_) => 1,
-        Error::NotViable(_) => 2,
+        // Strict mode is the sender's own to apply: the refusal says only
+        // that this transport does not serve it.
+        Error::NotViable(_) | Error::Strict(_) => 2,
         Error::PeerLost(_) => 3,
         Error::Aborted(_) | Error::PeerFailed(..) => 4,
         Error::Protocol(_) => 5,

@@ -66,23 +66,6 @@ pub unsafe extern "C" fn rdev_config_json(buf: *mut c_char, cap: usize, out_len:
     })
 }
 
-/// Whether RDMA_DEVICE_STRICT is on in the settings (from the environment
-/// now), into `out`: for a server whose transport did not start, so that
-/// its fallbacks still fail in strict mode. A bad value yields RDEV_CONFIG
-/// and leaves `out` alone.
-#[no_mangle]
-pub unsafe extern "C" fn rdev_config_strict(out: *mut bool) -> rdev_status {
-    boundary(|| {
-        let cfg = Config::from_env()?;
-        if out.is_null() {
-            return Err(crate::error::Error::InvalidArgument("rdev_config_strict: out is null".into()));
-        }
-        // SAFETY: out is non-null and writable per contract.
-        unsafe { *out = cfg.strict };
-        Ok(())
-    })
-}
-
 /// A static, NUL-terminated name for `status`.
 #[no_mangle]
 pub extern "C" fn rdev_status_str(status: rdev_status) -> *const c_char {

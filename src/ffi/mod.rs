@@ -25,6 +25,8 @@ mod introspect;
 mod status;
 mod trace;
 mod rpc;
+mod routes;
+pub use routes::{rdev_context_add_peer, rdev_context_set_peer, rdev_grpc_fallback, rdev_route, rdev_route_kind, rdev_settings, rdev_settings_get, rdev_transport};
 mod wait;
 
 use std::cell::RefCell;
@@ -34,7 +36,6 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use crate::completion::{Complete, Recycler, KEPT};
 use crate::config::Config;
 use crate::error::Error;
-use crate::fabric::TransportKind;
 use crate::node::{Lease, Node};
 use crate::rendezvous::{Dims, Payload, TensorMeta};
 pub use status::rdev_status;
@@ -71,18 +72,6 @@ fn boundary(f: impl FnOnce() -> Result<(), Error>) -> rdev_status {
             rdev_status::RDEV_PANIC
         }
     }
-}
-
-/// Which transport serves a peer. Values never change.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum rdev_transport {
-    /// No transport of ours: use stock gRPC (reason in rdev_last_error).
-    RDEV_TRANSPORT_NONE = 0,
-    /// Shared memory (same host).
-    RDEV_TRANSPORT_SHM = 1,
-    /// RDMA verbs.
-    RDEV_TRANSPORT_VERBS = 2,
 }
 
 /// Bits of `rdev_tensor_meta.flags`. Values never change.
@@ -298,56 +287,6 @@ pub unsafe extern "C" fn rdev_context_free(ctx: *mut rdev_context) {
         }
         Ok(())
     });
-}
-
-/// Tell the context about peer `task` at `addr`; `*out` says which
-/// transport will carry tensors to and from it. RDEV_TRANSPORT_NONE means
-/// use stock gRPC; `rdev_last_error` then holds the reason.
-#[no_mangle]
-pub unsafe extern "C" fn rdev_context_add_peer(
-    ctx: *const rdev_context,
-    task: *const c_char,
-    task_len: usize,
-    addr: *const c_char,
-    addr_len: usize,
-    out: *mut rdev_transport,
-) -> rdev_status {
-    boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let task = unsafe { str_arg(task, task_len, "task") }?;
-        let addr = unsafe { str_arg(addr, addr_len, "addr") }?;
-        if out.is_null() {
-            return Err(Error::InvalidArgument("out is NULL".into()));
-        }
-        let choice = c.node.add_peer(task, addr);
-        let t = match choice.transport {
-            Some(TransportKind::Shm) => rdev_transport::RDEV_TRANSPORT_SHM,
-            Some(TransportKind::Verbs) => rdev_transport::RDEV_TRANSPORT_VERBS,
-            None => {
-                set_last_error(choice.reason);
-                rdev_transport::RDEV_TRANSPORT_NONE
-            }
-        };
-        // SAFETY: out checked non-NULL.
-        unsafe { *out = t };
-        Ok(())
-    })
-}
-
-/// 1 when RDMA_DEVICE_STRICT is on (any fallback to gRPC must fail).
-#[no_mangle]
-pub unsafe extern "C" fn rdev_context_strict(ctx: *const rdev_context) -> bool {
-    // SAFETY: ctx per contract.
-    unsafe { ctx.as_ref() }.is_some_and(|c| c.node.config().strict)
-}
-
-/// true when RDMA_DEVICE_STATIC_PLACEMENT is on: the shim should place
-/// edges with static shapes at graph registration (`rdev_place_edge`).
-#[no_mangle]
-pub unsafe extern "C" fn rdev_context_static_placement(ctx: *const rdev_context) -> bool {
-    // SAFETY: ctx per contract.
-    unsafe { ctx.as_ref() }.is_some_and(|c| c.node.config().static_placement)
 }
 
 /// Push the tensor `(key, step_id)` to `peer`. Never blocks: it does not

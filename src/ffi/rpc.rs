@@ -232,10 +232,3 @@ pub extern "C" fn rdev_record_worker_rpc_large_reply(bytes: u64) {
     Stats::add(&c.worker_rpc_large_reply_bytes, bytes);
 }
 
-/// true when RDMA_DEVICE_WORKER_RPCS is on: per-step worker RPCs to peers
-/// on the transport go over it (`rdev_call`).
-#[no_mangle]
-pub unsafe extern "C" fn rdev_context_worker_rpcs(ctx: *const rdev_context) -> bool {
-    // SAFETY: ctx per contract.
-    unsafe { ctx.as_ref() }.is_some_and(|c| c.node.config().worker_rpcs)
-}

@@ -21,6 +21,9 @@ pub enum rdev_status {
     RDEV_TIMEOUT = 9,
     RDEV_INTERNAL = 10,
     RDEV_PANIC = 11,
+    /// A tensor would go over stock gRPC while RDMA_DEVICE_STRICT is set:
+    /// fail, do not fall back (the strict form of RDEV_NOT_VIABLE).
+    RDEV_STRICT = 12,
 }
 
 pub fn from_error(e: &Error) -> rdev_status {
@@ -34,6 +37,7 @@ pub fn from_error(e: &Error) -> rdev_status {
         Error::Io(_) => rdev_status::RDEV_IO,
         Error::Config(_) => rdev_status::RDEV_CONFIG,
         Error::Timeout(_) => rdev_status::RDEV_TIMEOUT,
+        Error::Strict(_) => rdev_status::RDEV_STRICT,
         Error::Internal(_) => rdev_status::RDEV_INTERNAL,
     }
 }
@@ -52,5 +56,6 @@ pub fn name(s: rdev_status) -> &'static CStr {
         rdev_status::RDEV_TIMEOUT => c"RDEV_TIMEOUT",
         rdev_status::RDEV_INTERNAL => c"RDEV_INTERNAL",
         rdev_status::RDEV_PANIC => c"RDEV_PANIC",
+        rdev_status::RDEV_STRICT => c"RDEV_STRICT",
     }
 }

@@ -8,7 +8,8 @@
 //! that interval plus the transport's retry bound (verbs: 4.096 µs ×
 //! 2^ACK_TIMEOUT × (RETRY_COUNT + 1)), instead of never. Idle links are
 //! not probed. The same tick fails worker calls past their deadline
-//! (rpc.rs) and ends steps idle for `IDLE_STEP_LINGER_MS` (idle.rs).
+//! (rpc.rs), fails what waits for a route pending past its deadline
+//! (routes.rs) and ends steps idle for `IDLE_STEP_LINGER_MS` (idle.rs).
 
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -62,6 +63,7 @@ impl Keepalive {
 fn probe(n: &Inner, peers: &mut Vec<Arc<str>>, links: &mut Vec<u64>, steps: &mut Vec<u64>) {
     let now = Instant::now();
     n.rpc_expire(now);
+    n.expire_routes(now);
     n.end_idle_steps(now, steps);
     n.locked(|r| r.links_to_probe(peers, links));
     if !links.is_empty() {

@@ -72,6 +72,7 @@ mod lease;
 mod pace;
 mod peers;
 mod pool;
+mod routes;
 mod stream;
 mod write;
 
@@ -90,7 +91,7 @@ use crate::stats::Stats;
 use crate::trace;
 
 pub use lease::Lease;
-pub use peers::PeerChoice;
+pub use routes::{strict_refusal, PeerChoice, RouteNow, ROUTE_WAIT_MS};
 
 pub type LeaseDone = Box<dyn crate::completion::Complete<Result<Lease>>>;
 
@@ -249,8 +250,29 @@ impl Node {
 
     /// Learn of `peer` at `addr`; returns the transport that will carry
     /// tensors between us, or why none can (then the caller uses gRPC).
+    /// Chooses on this thread (a name lookup, a probe): see `set_peer`.
     pub fn add_peer(&self, peer: &str, addr: &str) -> PeerChoice {
         self.inner.add_peer(peer, addr)
+    }
+
+    /// Learn of `peer` at `addr` without waiting: a new (or moved) peer's
+    /// route is pending while `rdev-route` chooses it (routes.rs). The same
+    /// address again changes nothing. Returns whether a choice began.
+    pub fn set_peer(&self, peer: &str, addr: &str) -> bool {
+        self.inner.set_peer(peer, addr)
+    }
+
+    /// The route to `peer` now (routes.rs): pending, a transport, or gRPC
+    /// with the reason; strict mode turns gRPC into `Error::Strict`, and a
+    /// route pending past `ROUTE_WAIT_MS` is a timeout.
+    pub fn route(&self, peer: &str) -> Result<RouteNow> {
+        self.inner.route(peer)
+    }
+
+    /// Whether a tensor with `peer` may go over stock gRPC for a reason the
+    /// caller found (`why`): Ok, or `Error::Strict` in strict mode.
+    pub fn grpc_fallback(&self, peer: &str, why: &str) -> Result<()> {
+        self.inner.grpc_fallback(peer, why)
     }
 
     /// Push `payload` for `(key, step)` to `peer`. On `Ok`, `done` runs

@@ -20,11 +20,13 @@
 //!   `place_ahead` on the bounded `rdev-place` pool, never on the progress
 //!   thread that read the request.
 //!
+//! A peer's route (which transport, or gRPC) is chosen in routes.rs; sends
+//! to a peer whose route is still pending queue here, as behind a connect.
 //! A peer that does not run this transport (nothing listens for it on first
 //! contact, or it refuses our hello because it routes us over gRPC) is
 //! demoted to gRPC for good: queued sends and waiting receives fail with
-//! `NotViable`, which the shim turns into a stock gRPC transfer (or an error
-//! in strict mode), at once rather than after a timeout.
+//! `NotViable`, which the shim turns into a stock gRPC transfer (or with
+//! `Strict` in strict mode: routes.rs), at once rather than after a timeout.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -32,18 +34,13 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use super::routes::Route;
 use super::{mode_name, Events, Inner, LeaseDone, LinkRef};
 use crate::error::{Error, Result};
-use crate::fabric::{ConnId, Endpoint, FabricEvents, TransportKind};
+use crate::fabric::{ConnId, Endpoint, FabricEvents};
 use crate::rendezvous::{Hello, Payload, SendDone, TensorMeta};
 use crate::stats::Stats;
 
-/// The transport chosen for a peer, or why there is none.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PeerChoice {
-    pub transport: Option<TransportKind>,
-    pub reason: String,
-}
 
 /// How long to try reaching a peer whose connection broke before its
 /// receives and sends fail: long enough for a restarted task that is
@@ -77,20 +74,20 @@ impl Drop for Connecting<'_> {
     }
 }
 
-/// A send waiting for its peer's connection.
-struct QueuedSend {
+/// A send waiting for its peer's route or connection.
+pub(super) struct QueuedSend {
     key: String,
     step: u64,
     meta: TensorMeta,
     payload: Box<dyn Payload>,
-    done: SendDone,
+    pub(super) done: SendDone,
 }
 
-struct PeerEntry {
-    addr: String,
-    choice: Option<TransportKind>,
-    /// Why the peer goes over gRPC when `choice` is None.
-    grpc_reason: String,
+pub(super) struct PeerEntry {
+    pub(super) addr: String,
+    pub(super) route: Route,
+    /// What waited for a pending route has been failed (routes.rs).
+    pub(super) expired: bool,
     /// The sender-side connection (one connect at a time per peer).
     tx: Arc<TxSlot>,
     watching: bool,
@@ -98,81 +95,84 @@ struct PeerEntry {
     /// `links`); read without touching the slot's connect lock.
     live: Option<ConnId>,
     /// A `rdev-connect` thread is connecting; sends queue in `queued`.
-    connecting: bool,
-    queued: Vec<QueuedSend>,
+    pub(super) connecting: bool,
+    /// Sends waiting for the route (pending) or the connection.
+    pub(super) queued: Vec<QueuedSend>,
+}
+
+impl PeerEntry {
+    fn new(addr: &str, route: Route) -> PeerEntry {
+        PeerEntry { addr: addr.to_string(), route, expired: false, tx: Arc::default(), watching: false, live: None, connecting: false, queued: Vec::new() }
+    }
+
+}
+
+impl Peers {
+    /// Record `peer` at `addr` with the pending `route`: a new peer, or
+    /// (unless `only_if_moved` and the address is the same) a known one.
+    /// Returns whether it was recorded.
+    pub(super) fn pend(&self, peer: &str, addr: &str, route: Route, only_if_moved: bool) -> bool {
+        let mut t = self.table.lock();
+        match t.get_mut(peer) {
+            Some(e) if only_if_moved && e.addr == addr => false,
+            Some(e) => {
+                e.addr = addr.to_string();
+                e.route = route;
+                e.expired = false;
+                true
+            }
+            None => {
+                t.insert(peer.to_string(), PeerEntry::new(addr, route));
+                true
+            }
+        }
+    }
 }
 
 #[derive(Default)]
 pub(super) struct Peers {
-    table: Mutex<HashMap<String, PeerEntry>>,
-    /// Notified whenever a peer is added (see `wait_for_peer`).
-    added: parking_lot::Condvar,
+    pub(super) table: Mutex<HashMap<String, PeerEntry>>,
+    /// Notified whenever a peer is added or its route chosen (see
+    /// `wait_for_peer`, `ensure_tx`).
+    pub(super) added: parking_lot::Condvar,
 }
 
 
 impl Inner {
-    pub(super) fn add_peer(&self, peer: &str, addr: &str) -> PeerChoice {
-        let mut reasons = Vec::new();
-        let mut choice = None;
-        // Not under `listeners`: `reaches` resolves names and may probe
-        // (rdma_cm), and the shim chooses the routes of many peers at once.
-        let listening: Vec<TransportKind> = self.listeners.lock().keys().copied().collect();
-        for f in &self.fabrics {
-            let name = f.kind().name();
-            if !listening.contains(&f.kind()) {
-                let why = f.is_viable().err().map(|e| e.message().to_string()).unwrap_or_else(|| "not listening".into());
-                reasons.push(format!("{name}: {why}"));
-                continue;
-            }
-            match f.reaches(addr) {
-                Ok(()) => {
-                    choice = Some(f.kind());
-                    break;
-                }
-                Err(e) => reasons.push(format!("{name}: {}", e.message())),
-            }
-        }
-        if self.cfg.transports.is_empty() {
-            reasons.push("RDMA_DEVICE_TRANSPORTS is empty".into());
-        }
-        if !crate::fabric::VERBS_BUILT && self.cfg.allows("verbs") && choice.is_none() {
-            reasons.push("verbs: this build has no verbs support".into());
-        }
-        let reason = reasons.join("; ");
-        let shown = match choice {
-            Some(k) => k.name().to_string(),
-            None => format!("grpc ({reason})"),
-        };
-        Stats::global().set_peer(peer, &shown);
-        let mut t = self.peers.table.lock();
-        let e = t.entry(peer.to_string()).or_insert_with(|| PeerEntry {
-            addr: addr.to_string(),
-            choice,
-            grpc_reason: String::new(),
-            tx: Arc::default(),
-            watching: false,
-            live: None,
-            connecting: false,
-            queued: Vec::new(),
-        });
-        e.addr = addr.to_string();
-        e.choice = choice;
-        e.grpc_reason = reason.clone();
-        self.peers.added.notify_all();
-        PeerChoice { transport: choice, reason }
-    }
-
     /// The live sender connection to `peer`, connecting if needed. While
     /// another thread connects to `peer`, wait for it until `deadline`
     /// (`None`: the connect timeout from now), never holding a lock.
-    fn ensure_tx(&self, peer: &str, deadline: Option<std::time::Instant>) -> Result<ConnId> {
-        let (addr, choice, slot) = {
-            let t = self.peers.table.lock();
-            let e = t.get(peer).ok_or_else(|| Error::InvalidArgument(format!("unknown peer {peer}: add it first")))?;
-            (e.addr.clone(), e.choice, e.tx.clone())
-        };
-        let kind = choice.ok_or_else(|| self.grpc_route(peer))?;
+    ///
+    /// A peer not yet known, or whose route is still being chosen, is
+    /// waited for within the same deadline (tasks learn of each other as
+    /// they start: a placement may come first).
+    pub(super) fn ensure_tx(&self, peer: &str, deadline: Option<std::time::Instant>) -> Result<ConnId> {
         let deadline = deadline.unwrap_or_else(|| std::time::Instant::now() + Duration::from_millis(self.cfg.connect_timeout_ms));
+        let (addr, kind, slot) = {
+            let mut t = self.peers.table.lock();
+            loop {
+                let pending_since = match t.get(peer) {
+                    None => None,
+                    Some(e) => match &e.route {
+                        Route::Device(kind) => break (e.addr.clone(), *kind, e.tx.clone()),
+                        Route::Grpc(_) => {
+                            drop(t);
+                            return Err(self.grpc_route(peer));
+                        }
+                        Route::Pending { deadline: d, .. } => Some(*d),
+                    },
+                };
+                if pending_since.is_some_and(|d| std::time::Instant::now() >= d) {
+                    return Err(super::routes::route_timeout(peer));
+                }
+                if self.peers.added.wait_until(&mut t, deadline).timed_out() {
+                    return Err(match t.get(peer) {
+                        None => Error::InvalidArgument(format!("{}: unknown peer {peer}: it was not added (add_peer) in time", self.task)),
+                        Some(_) => Error::Timeout(format!("{}: the route to {peer} is still being chosen (resolving its name, probing RDMA)", self.task)),
+                    });
+                }
+            }
+        };
         {
             let mut st = slot.state.lock();
             loop {
@@ -278,13 +278,13 @@ impl Inner {
         self.ensure_tx(peer, None).map(|_| ())
     }
 
-    /// The NotViable error for a peer routed over gRPC.
+    /// The error for a peer routed over gRPC (routes.rs: `over_grpc`).
     fn grpc_route(&self, peer: &str) -> Error {
-        let t = self.peers.table.lock();
-        match t.get(peer) {
-            Some(e) if !e.grpc_reason.is_empty() => Error::NotViable(format!("{peer} goes over stock gRPC: {}", e.grpc_reason)),
-            _ => Error::NotViable(format!("no transport serves {peer}")),
-        }
+        let why = match self.peers.table.lock().get(peer).map(|e| &e.route) {
+            Some(Route::Grpc(why)) if !why.is_empty() => format!("{peer} goes over stock gRPC: {why}"),
+            _ => format!("no transport serves {peer}"),
+        };
+        self.over_grpc(peer, &why)
     }
 
     /// `peer` does not run this transport with us: route it over gRPC from
@@ -292,10 +292,9 @@ impl Inner {
     /// which the shim turns into a gRPC transfer). Returns the error.
     fn demote(&self, peer: &str, why: &str) -> Error {
         log::warn!("{}: {why}; its tensors go over stock gRPC", self.task);
-        let err = Error::NotViable(why.to_string());
+        let err = self.over_grpc(peer, why);
         if let Some(e) = self.peers.table.lock().get_mut(peer) {
-            e.choice = None;
-            e.grpc_reason = why.to_string();
+            e.route = Route::Grpc(why.to_string());
         }
         Stats::global().set_peer(peer, &format!("grpc ({why})"));
         let acts = self.locked(|r| r.peer_unreachable(peer, err.clone()));
@@ -303,21 +302,26 @@ impl Inner {
         err
     }
 
-    /// The live sender connection to `peer`, if any; NotViable when the
-    /// peer is routed over gRPC.
+    /// The live sender connection to `peer`, if any (none while its route
+    /// is pending or a connect runs: sends queue); NotViable (or Strict)
+    /// when the peer is routed over gRPC, Timeout when its route is
+    /// pending past its deadline.
     fn live_tx(&self, peer: &str) -> Result<Option<ConnId>> {
         let live = {
             let t = self.peers.table.lock();
             let e = t.get(peer).ok_or_else(|| Error::InvalidArgument(format!("unknown peer {peer}: add it first")))?;
-            if e.choice.is_none() {
-                drop(t);
-                return Err(self.grpc_route(peer));
-            }
-            // While a connect runs, sends queue behind the ones waiting.
-            if e.connecting {
-                None
-            } else {
-                e.live
+            match e.route {
+                Route::Grpc(_) => {
+                    drop(t);
+                    return Err(self.grpc_route(peer));
+                }
+                Route::Pending { deadline, .. } if std::time::Instant::now() >= deadline => {
+                    return Err(super::routes::route_timeout(peer));
+                }
+                Route::Pending { .. } => None,
+                // While a connect runs, sends queue behind the ones waiting.
+                Route::Device(_) if e.connecting => None,
+                Route::Device(_) => e.live,
             }
         };
         Ok(live.filter(|id| self.links.lock().contains_key(id)))
@@ -341,7 +345,8 @@ impl Inner {
                 return Err(Error::ResourceExhausted(format!("queue of sends to {peer}")));
             }
             e.queued.push(QueuedSend { key: key.to_string(), step, meta, payload, done });
-            !std::mem::replace(&mut e.connecting, true)
+            // A pending route starts the connect once chosen (routes.rs).
+            matches!(e.route, Route::Device(_)) && !std::mem::replace(&mut e.connecting, true)
         };
         if spawn {
             let me = self.me.clone();
@@ -383,7 +388,7 @@ impl Inner {
     }
 
     /// On `rdev-connect`: connect to `peer`, then send or fail what queued.
-    fn connect_and_flush(&self, peer: &str) {
+    pub(super) fn connect_and_flush(&self, peer: &str) {
         let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.ensure_tx(peer, None)))
             .unwrap_or_else(|_| Err(Error::Internal(format!("connecting to {peer} panicked"))));
         let queued = {
@@ -409,12 +414,19 @@ impl Inner {
 
     /// Does this task route `peer` over stock gRPC (known, no transport)?
     pub(super) fn routes_over_grpc(&self, peer: &str) -> bool {
-        self.peers.table.lock().get(peer).is_some_and(|e| e.choice.is_none())
+        self.peers.table.lock().get(peer).is_some_and(|e| matches!(e.route, Route::Grpc(_)))
     }
 
+    /// Never blocks. A receive from a peer whose route is pending waits as
+    /// any other (the peer may push before our own choice is made).
     pub(super) fn recv(&self, peer: &str, key: &str, step: u64, done: LeaseDone) {
-        if self.routes_over_grpc(peer) {
-            return done.complete(Err(self.grpc_route(peer)));
+        let route = self.peers.table.lock().get(peer).map(|e| e.route.clone());
+        match route {
+            Some(Route::Grpc(_)) => return done.complete(Err(self.grpc_route(peer))),
+            Some(Route::Pending { deadline, .. }) if std::time::Instant::now() >= deadline => {
+                return done.complete(Err(super::routes::route_timeout(peer)));
+            }
+            _ => {}
         }
         let wrapped = TO_LEASE.boxed(ToLease { node: self.me.clone(), done: Some(done) });
         let (acts, connected) = self.locked(|r| {
@@ -430,11 +442,11 @@ impl Inner {
     /// We wait on `peer` but have no connection with it: connect as a
     /// sender in the background, so that its death (or absence) reaches
     /// our waiters as an error instead of a hang.
-    fn watch(&self, peer: &str) {
+    pub(super) fn watch(&self, peer: &str) {
         {
             let mut t = self.peers.table.lock();
             match t.get_mut(peer) {
-                Some(e) if !e.watching && e.choice.is_some() => e.watching = true,
+                Some(e) if !e.watching && matches!(e.route, Route::Device(_)) => e.watching = true,
                 _ => return,
             }
         }

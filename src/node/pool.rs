@@ -3,6 +3,7 @@
 //! progress threads handling a control message) ever waits for it:
 //! - [`CONNECT`] (`rdev-connect-N`): connecting to a peer and sending what
 //!   queued for it, and watching a peer we only receive from;
+//! - [`ROUTE`] (`rdev-route-N`): choosing a peer's route (routes.rs);
 //! - [`PLACE`] (`rdev-place-N`): placing an edge on another task's behalf
 //!   (`PlaceFor`), which waits for the receiver's answer;
 //! - [`STREAM`] (`rdev-stream-N`): the chunk writes and copies of streamed
@@ -34,6 +35,10 @@ pub(super) struct Pool {
 
 /// Connects (and the sends queued behind them) and peer watches.
 pub(super) static CONNECT: Pool = Pool::new("rdev-connect", 4);
+/// Choosing peers' routes (routes.rs): a name lookup and a probe each,
+/// every peer of a cluster at once. Apart from `CONNECT`, whose connects
+/// wait for routes being chosen.
+pub(super) static ROUTE: Pool = Pool::new("rdev-route", 8);
 /// Placements on another task's behalf.
 pub(super) static PLACE: Pool = Pool::new("rdev-place", 4);
 /// Chunk writes and copies of streamed tensors: at most STREAM_SLOTS of

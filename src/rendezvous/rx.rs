@@ -215,6 +215,20 @@ impl Rendezvous {
     }
 
     /// Fail the receives waiting on `peer` (it is unreachable).
+    /// Whether receives wait on `peer`.
+    pub fn waits_on(&self, peer: &str) -> bool {
+        self.table.waits_on(peer)
+    }
+
+    /// Fail the receives waiting on `peer` with `why`, remembering nothing
+    /// (the peer may be reached later: a route chosen late).
+    pub fn fail_waiting_on(&mut self, peer: &str, why: &Error) -> Actions {
+        if !self.table.waits_on(peer) {
+            return Actions::new();
+        }
+        self.fail_waiters(None, |p, _| p == peer, why)
+    }
+
     pub fn peer_unreachable(&mut self, peer: &str, why: Error) -> Actions {
         if self.peer_connected(peer) {
             return Actions::new();

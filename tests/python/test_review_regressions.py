@@ -22,7 +22,7 @@ side, each checked the way a user meets it, each under a deadline.
    in strict mode, fall back, or hang. (a) Tasks created at the same
    instant step at once against every other, their route choices made slow
    by different amounts (an LD_PRELOAD resolver that only delays the
-   plugin's control threads). (b) Two eager clients join a worker and a ps
+   transport's route threads). (b) Two eager clients join a worker and a ps
    that knew only themselves: the worker gets two AddPeers calls naming the
    ps, the second during the first's 7 s choice (before e2945aa the second
    gave up waiting after 5 s and went on with no route). Strict mode: every
@@ -186,7 +186,7 @@ def test_strict_task_whose_transport_did_not_start_fails_its_steps(log_dir, plug
     FailedPrecondition naming RDMA_DEVICE_STRICT. (It did not: the server
     learnt strict mode from its transport's context, which never existed,
     so 3 steps ran with 6 tensors over gRPC and no error; Transport::Start
-    now reads the setting first, rdev_config_strict.)"""
+    now asks the transport with the environment's settings, rdev_grpc_fallback.)"""
     r, _after, _peer, _log, rc = _failed_start(log_dir, STRICT)
     assert r["created"] is None, r["created"]
     assert rc == 0
@@ -207,7 +207,7 @@ ROUNDS = 6
 STEPS_PER_ROUND = 4
 ELEMENTS = 4096  # float32: 16 KiB a tensor
 ROUND_DEADLINE_S = 40  # a transfer waits at most 20 s for a pending route
-# Per process: how long the plugin's control threads take to resolve a peer's
+# Per process: how long the transport's route threads take to resolve a peer's
 # name (the route choice), so that the tasks' choices end at different times.
 RESOLVE_MS = (0, 120, 350)
 
@@ -337,7 +337,7 @@ def test_routes_chosen_on_both_sides_at_once_move_every_tensor(log_dir, plugin_b
     new ports): every process creates its server for it at the same
     wall-clock instant (rounds 0-2) or 0/2/4 ms apart (rounds 3-5), the
     task indices rotating over the processes, whose route choices take 0,
-    120 and 350 ms (names resolved slowly on the plugin's control threads
+    120 and 350 ms (names resolved slowly on the transport's route threads
     only); each then at once runs 4 TF1 steps through its own master moving
     a 16 KiB tensor from each other task to itself and back (with the feed
     and the fetch, which TF routes through the master's task: 4 cross-task
@@ -350,7 +350,7 @@ def test_routes_chosen_on_both_sides_at_once_move_every_tensor(log_dir, plugin_b
     specs, tasks = [], []
     for k in range(TASKS):
         env = dict(STRICT, LD_PRELOAD=slow_resolver, GRPC_DNS_RESOLVER="native",
-                   SLOW_RESOLVER_MS=str(RESOLVE_MS[k]), SLOW_RESOLVER_THREAD="tf_rdev_control",
+                   SLOW_RESOLVER_MS=str(RESOLVE_MS[k]), SLOW_RESOLVER_THREAD="rdev-route",
                    RDMA_DEVICE_ARENA_BYTES="64M")
         tasks.append(harness.Task(dict(role="test_review_regressions.simultaneous_rounds",
                                        cluster={}, job="none", task=k,
@@ -488,7 +488,7 @@ def test_two_eager_clients_connecting_at_once_move_every_tensor(log_dir, plugin_
     clients call connect_to_cluster 0.5 s apart, each naming the worker, the
     ps and itself: two context creations on the worker, two AddPeers calls
     naming the same new peer (the ps), the second during the first's
-    choice, which takes 7 s (the worker's control threads resolve the ps's
+    choice, which takes 7 s (the worker's route threads resolve the ps's
     name slowly); on the ps likewise (the worker), chosen at once. So the
     ps pushes to a worker whose route to it is still pending. Each client
     at once moves a 64 KiB tensor ps -> worker -> ps and reads it, 3
@@ -501,7 +501,7 @@ def test_two_eager_clients_connecting_at_once_move_every_tensor(log_dir, plugin_
     and the second client's copies failed: no route to the ps on the
     worker.)"""
     base = dict(STRICT, LD_PRELOAD=slow_resolver, GRPC_DNS_RESOLVER="native",
-                SLOW_RESOLVER_THREAD="tf_rdev_control", RDMA_DEVICE_ARENA_BYTES="64M")
+                SLOW_RESOLVER_THREAD="rdev-route", RDMA_DEVICE_ARENA_BYTES="64M")
 
     def task(name, role, resolve_ms):
         return harness.Task(dict(role=f"test_review_regressions.{role}", cluster={}, job="none",

@@ -102,14 +102,14 @@ ROUTE_WAIT_S = 20.0
 
 def test_a_route_pending_past_its_deadline_fails_the_step_then_recovers(log_dir, plugin_built,
                                                                         slow_resolver, tmp_path):
-    # Only the plugin's control threads (which choose routes) resolve
+    # Only the transport's route threads (which choose routes) resolve
     # slowly, for longer than a transfer waits; gRPC resolves at once, so
     # the step starts at once and its transfers queue behind the route.
     slow_s = ROUTE_WAIT_S + 10
     ports = harness.free_ports(2)
     cluster = {"worker": [f"w0.slow.test:{ports[0]}", f"w1.slow.test:{ports[1]}"]}
     env = slow_env(slow_resolver, str(tmp_path / "lookups"))
-    env.update(SLOW_RESOLVER_MS=str(int(slow_s * 1000)), SLOW_RESOLVER_THREAD="tf_rdev_control")
+    env.update(SLOW_RESOLVER_MS=str(int(slow_s * 1000)), SLOW_RESOLVER_THREAD="rdev-route")
     env.pop("RDMA_DEVICE_STRICT")
     holder = harness.Task(dict(role="server", cluster=cluster, job="worker", task=1,
                                protocol=harness.PROTOCOL_RDMA), log_dir, env=env)

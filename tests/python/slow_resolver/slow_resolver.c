@@ -8,7 +8,7 @@
  * getaddrinfo when GRPC_DNS_RESOLVER=native.
  *
  * With $SLOW_RESOLVER_THREAD set, only lookups made on threads whose name
- * starts with it wait (e.g. the plugin's control pool, "tf_rdev_control",
+ * starts with it wait (e.g. the transport's route threads, "rdev-route",
  * while gRPC resolves the same names at once); every thread gets the same
  * answer.
  *
