@@ -38,9 +38,10 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
 fi
 
 # Before the long sections: documentation that no longer matches the tree.
-section "documentation: relative links resolve, the configuration table is the library's; no import circle between Rust modules (.ci/check_*.py)"
+section "documentation: relative links resolve, the configuration table is the library's; no import circle between Rust modules, none between Python modules and no Python function defined twice (.ci/check_*.py)"
 python3 .ci/check_links.py
 python3 .ci/check_rust_modules.py
+python3 .ci/check_python_imports.py
 "$VENV/bin/python" .ci/check_config_table.py
 
 section "Rust tests (cargo test --features verbs; verbs device tests run in the VM below)"

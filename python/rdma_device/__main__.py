@@ -11,9 +11,9 @@ import json
 import sys
 
 if len(sys.argv) > 1 and sys.argv[1] == "doctor":
-    from rdma_device import doctor
+    from rdma_device.doctor.cli import main
 
-    sys.exit(doctor.main(sys.argv[2:]))
+    sys.exit(main(sys.argv[2:]))
 
 import rdma_device  # noqa: E402
 

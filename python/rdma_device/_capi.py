@@ -164,7 +164,7 @@ def last_error():
     return buf.value.decode("utf-8", "replace")
 
 
-def check(status, what):
+def check_status(status, what):
     """Raises the error of a synchronous call that returned ``status``."""
     if status != OK:
         raise error(status, f"{what}: {last_error()}")

@@ -166,7 +166,7 @@ class Endpoint:
         out = _capi.ctypes.c_void_p()
         n, a = self.name.encode(), address.encode()
         try:
-            _capi.check(self._lib.rdev_context_new(n, len(n), a, len(a), _capi.ctypes.byref(out)),
+            _capi.check_status(self._lib.rdev_context_new(n, len(n), a, len(a), _capi.ctypes.byref(out)),
                         f"endpoint {name} at {address}")
         except BaseException:
             sock.close()
@@ -247,7 +247,7 @@ class Endpoint:
         kind = _capi.ctypes.c_int(0)
         ctx = self._enter()
         try:
-            _capi.check(self._lib.rdev_context_add_peer(ctx, n, len(n), a, len(a),
+            _capi.check_status(self._lib.rdev_context_add_peer(ctx, n, len(n), a, len(a),
                                                         _capi.ctypes.byref(kind)),
                         f"peer {name} at {address}")
             transport = _capi.TRANSPORT_NAMES.get(kind.value)
@@ -303,7 +303,7 @@ class Endpoint:
         placed = _capi.ctypes.c_bool(False)
         ctx = self._enter()
         try:
-            _capi.check(self._lib.rdev_request_placement(
+            _capi.check_status(self._lib.rdev_request_placement(
                 ctx, p, len(p), self.name.encode(), len(self.name.encode()), key, len(key),
                 nbytes, _ms(timeout), _capi.ctypes.byref(placed)), f"placing {peer}/{slot}")
         finally:
@@ -350,7 +350,7 @@ class Endpoint:
         try:
             # Waited on by the receiving thread (rdev_wait), not completed
             # by a callback: see _ops.WaitFuture.
-            _capi.check(self._lib.rdev_recv_waitable(ctx, p, len(p), s.key, len(s.key), step,
+            _capi.check_status(self._lib.rdev_recv_waitable(ctx, p, len(p), s.key, len(s.key), step,
                                                      _capi.ctypes.byref(handle)),
                         f"receive {peer}/{slot}")
         finally:
@@ -407,7 +407,7 @@ class Endpoint:
                                          _ops._send_done, token)
                 if st != _capi.OK:
                     _ops.unregister(token)
-                    _capi.check(st, f"send {peer}/{slot}")
+                    _capi.check_status(st, f"send {peer}/{slot}")
             finally:
                 self._exit()
             s.seq += 1

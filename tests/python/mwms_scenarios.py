@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from rdma_device._mwms import make_strategy, weights_digest
+from rdma_device.bench.mwms import make_strategy, weights_digest
 from scenarios import _stats
 
 

@@ -1,9 +1,9 @@
-"""The suite's step breakdown (``rdma_device._breakdown``) on hand-made
+"""The suite's step breakdown (``rdma_device.bench.breakdown``) on hand-made
 spans whose answer is known: each component is the interval it names, and
 overlaps are counted once. (That the components add up to the step is true
 by construction, ``partition_other`` being the rest, so it is not tested.)"""
 
-from rdma_device import _breakdown as b
+from rdma_device.bench import breakdown as b
 
 
 def _meta(pid, name):

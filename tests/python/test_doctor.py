@@ -17,7 +17,8 @@ import pytest
 
 import harness
 import rdma_device
-from rdma_device import doctor
+from rdma_device import _quiet
+from rdma_device.doctor import host
 
 PKG_PARENT = os.path.dirname(os.path.dirname(rdma_device.__file__))
 
@@ -43,7 +44,7 @@ def test_host_checks_json(plugin_built):
     for name in ("transport library", "built for this TensorFlow", "plugin loads"):
         assert checks[name]["status"] == "ok", checks[name]
     assert checks["shared memory"]["status"] in ("ok", "warn"), checks["shared memory"]
-    if doctor.rdma_ports():
+    if host.rdma_ports():
         pytest.skip("this machine has an RDMA device: the no-device answer is not testable here")
     dev = checks["RDMA devices"]
     assert dev["status"] == "fail" and "no RDMA device" in dev["detail"], dev
@@ -62,7 +63,7 @@ def test_host_checks_text_is_quiet(plugin_built):
     for i, line in enumerate(lines):
         if line.startswith("✗"):
             assert lines[i + 1].startswith("    fix: "), p.stdout
-    noisy = [line for line in (p.stdout + p.stderr).splitlines() if doctor._quiet.is_tf_log_line(line)]
+    noisy = [line for line in (p.stdout + p.stderr).splitlines() if _quiet.is_tf_log_line(line)]
     assert not noisy, noisy
     assert "✓ plugin loads" in p.stdout
 
@@ -77,9 +78,9 @@ def test_bad_arena_setting_names_the_variable(plugin_built):
 def test_memlock_fix_when_too_small():
     cfg = {"RDMA_DEVICE_ARENA_BYTES": {"value": str(1 << 30)},
            "RDMA_DEVICE_VERBS_MR_CACHE_BYTES": {"value": str(1 << 30)}}
-    r = doctor.check_memlock(cfg, have_devices=True)
+    r = host.check_memlock(cfg, have_devices=True)
     soft = __import__("resource").getrlimit(__import__("resource").RLIMIT_MEMLOCK)[0]
-    if soft == __import__("resource").RLIM_INFINITY or doctor._cap_ipc_lock():
+    if soft == __import__("resource").RLIM_INFINITY or host._cap_ipc_lock():
         assert r["status"] == "ok"
         pytest.skip("memlock is unlimited here (CAP_IPC_LOCK or no limit): the ✗ branch needs a limit")
     assert r["status"] == ("ok" if soft >= 2 << 30 else "fail")

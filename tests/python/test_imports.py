@@ -1,93 +1,94 @@
-"""No import circles inside the package: every module of
-python/rdma_device is parsed (not imported) and each import of another
-module of the package is an edge, at module level or inside a function
-alike (an import deferred into a function hides a circle, it does not
-break it)."""
+"""The package's modules and their imports, from the source tree.
+
+No import circles and no function defined in two modules: the check is
+.ci/check_python_imports.py (CI runs it before the long sections); here it
+runs on the package and on small packages made for the purpose, so a
+change to its rules shows what it catches. Every `from rdma_device.x import
+y` in the tree names something that exists. The command lines the README
+and docs name start (their --help)."""
 
 import ast
+import importlib.util
 import os
+import subprocess
+import sys
 
-PKG = "rdma_device"
-PKG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                       "python", PKG)
+import pytest
 
-
-def _modules():
-    """{module name: path}; the package itself is its __init__.py."""
-    mods = {}
-    for name in sorted(os.listdir(PKG_DIR)):
-        if name.endswith(".py"):
-            stem = name[:-3]
-            mods[PKG if stem == "__init__" else f"{PKG}.{stem}"] = os.path.join(PKG_DIR, name)
-    return mods
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PKG_DIR = os.path.join(REPO, "python", "rdma_device")
 
 
-def import_graph():
-    """{module: {modules of the package it imports}}. `from rdma_device
-    import x` names module x if there is one, else the package; `from
-    rdma_device.x import y` names x (importing x also runs the package's
-    __init__, but Python allows that one while the package is importing)."""
-    mods = _modules()
-    graph = {}
-    for mod, path in mods.items():
-        with open(path) as f:
-            tree = ast.parse(f.read(), path)
-        edges = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                edges.update(a.name for a in node.names if a.name in mods)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join([PKG] + ([base] if base else []))
-                if base not in mods:
-                    continue
-                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
-                edges.update(subs)
-                if len(subs) < len(node.names):
-                    edges.add(base)
-        edges.discard(mod)
-        graph[mod] = edges
-    return graph
+def _load_check():
+    spec = importlib.util.spec_from_file_location("check_python_imports",
+                                                  os.path.join(REPO, ".ci", "check_python_imports.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def find_cycle(graph):
-    """One cycle as [a, b, ..., a], or None."""
-    state = {}
-    stack = []
+check = _load_check()
 
-    def visit(m):
-        state[m] = "open"
-        stack.append(m)
-        for n in sorted(graph.get(m, ())):
-            if state.get(n) == "open":
-                return stack[stack.index(n):] + [n]
-            if n not in state:
-                found = visit(n)
-                if found:
-                    return found
-        stack.pop()
-        state[m] = "done"
-        return None
 
-    for m in sorted(graph):
-        if m not in state:
-            found = visit(m)
-            if found:
-                return found
-    return None
+def _package(tmp_path, files):
+    """A package "pkg" under tmp_path from {relative path: source}."""
+    root = tmp_path / "pkg"
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return check.modules(str(root), "pkg")
 
 
 def test_the_graph_sees_module_and_function_level_imports():
-    graph = import_graph()
+    graph = check.graph(check.modules())
     assert "rdma_device._loader" in graph["rdma_device"]  # module level
-    assert "rdma_device.doctor" in graph["rdma_device.__main__"]  # under an if
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert "rdma_device.doctor.cli" in graph["rdma_device.__main__"]  # under an if
+    assert "rdma_device.bench.mwms" in graph["rdma_device.bench.cli"]  # inside a function
+    assert "rdma_device.bench.report_tables" in graph["rdma_device.bench.report"]  # from a package import a module
+    assert check.circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
 
 
-def test_no_import_circles_in_the_package():
-    cycle = find_cycle(import_graph())
-    assert cycle is None, "import circle: " + " -> ".join(cycle)
+def test_no_import_circles_and_no_function_defined_twice_in_the_package():
+    mods = check.modules()
+    assert {"rdma_device.bench.cli", "rdma_device.doctor.host"} <= set(mods)
+    assert not any("lib" in m.split(".") for m in mods)
+    found = check.circles(check.graph(mods))
+    assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+    shared = check.shared_functions(mods)
+    assert not shared, f"functions defined in more than one module: {shared}"
+
+
+def test_a_package_and_its_submodules(tmp_path):
+    """The package's own __init__ is no edge of its submodules; an explicit
+    import of it is, absolute or relative."""
+    mods = _package(tmp_path, {
+        "__init__.py": "",
+        "sub/__init__.py": "from pkg.sub import a\nX = 1\n",
+        "sub/a.py": "def f():\n    from pkg.sub.b import g\n",
+        "sub/b.py": "import pkg.c\n",
+        "c.py": "",
+    })
+    g = check.graph(mods)
+    assert g == {"pkg": set(), "pkg.sub": {"pkg.sub.a"}, "pkg.sub.a": {"pkg.sub.b"},
+                 "pkg.sub.b": {"pkg.c"}, "pkg.c": set()}, g
+    assert check.circles(g) == []
+    # The submodule takes a name back from the package whose __init__
+    # imports it: a circle (relative import).
+    (tmp_path / "pkg" / "sub" / "b.py").write_text("from . import X\n")
+    (tmp_path / "pkg" / "sub" / "a.py").write_text("from .b import g\n")
+    assert check.circles(check.graph(mods)) == [["pkg.sub", "pkg.sub.a", "pkg.sub.b", "pkg.sub"]]
+
+
+def test_a_function_defined_in_two_modules(tmp_path):
+    mods = _package(tmp_path, {
+        "__init__.py": "",
+        "a.py": "def size(n):\n    return n\n\ndef main():\n    pass\n",
+        "b/__init__.py": "",
+        "b/c.py": "if True:\n    def size(n):\n        return n\n\ndef main():\n    pass\n\nclass K:\n"
+                  "    def size(self):\n        pass\n",
+    })
+    assert check.shared_functions(mods) == {"size": ["pkg.a", "pkg.b.c"]}
 
 
 def _top_level_names(path):
@@ -122,9 +123,8 @@ def _top_level_names(path):
 
 
 def _repo_python_files():
-    repo = os.path.dirname(os.path.dirname(PKG_DIR))
     for top in ("python", "examples", "tests", "bench", ".ci"):
-        for root, dirs, files in os.walk(os.path.join(repo, top)):
+        for root, dirs, files in os.walk(os.path.join(REPO, top)):
             dirs[:] = [d for d in dirs if d not in ("__pycache__", "lib", "build")]
             for name in files:
                 if name.endswith(".py"):
@@ -132,17 +132,30 @@ def _repo_python_files():
 
 
 def test_every_name_imported_from_the_package_exists():
-    """`from rdma_device.x import y` anywhere in the tree (the package, the
-    examples, the tests) names something x defines: a helper moved to
-    another module breaks its callers here, not in a user's run."""
-    mods = _modules()
+    """`from rdma_device.x import y` (x a module or a subpackage, e.g.
+    rdma_device.bench.soak) anywhere in the tree (the package, the
+    examples, the tests) names something x defines or a module of x: a
+    helper moved to another module breaks its callers here, not in a
+    user's run. `import rdma_device.x` names a module that exists."""
+    mods = check.modules()
     defined = {}
     missing = []
     for path in _repo_python_files():
         with open(path) as f:
             tree = ast.parse(f.read(), path)
+        where = f"{os.path.relpath(path, REPO)}"
         for node in ast.walk(tree):
-            if not isinstance(node, ast.ImportFrom) or node.level or node.module not in mods:
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("rdma_device.") and a.name not in mods:
+                        missing.append(f"{where}:{node.lineno}: no module {a.name}")
+                continue
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            if node.module.split(".")[0] != "rdma_device":
+                continue
+            if node.module not in mods:
+                missing.append(f"{where}:{node.lineno}: no module {node.module}")
                 continue
             if node.module not in defined:
                 defined[node.module] = _top_level_names(mods[node.module])
@@ -150,6 +163,21 @@ def test_every_name_imported_from_the_package_exists():
                 if a.name == "*" or f"{node.module}.{a.name}" in mods:
                     continue
                 if a.name not in defined[node.module]:
-                    missing.append(f"{os.path.relpath(path, os.path.dirname(os.path.dirname(PKG_DIR)))}:"
-                                   f"{node.lineno}: {node.module} has no {a.name}")
+                    missing.append(f"{where}:{node.lineno}: {node.module} has no {a.name}")
     assert not missing, "\n".join(missing)
+
+
+@pytest.mark.parametrize("argv", [
+    ["rdma_device.bench"],
+    *[["rdma_device.bench", cmd] for cmd in ("transfer", "train", "suite", "allreduce", "soak", "trace", "py",
+                                                 "report")],
+    ["rdma_device.doctor"],
+    ["rdma_device", "doctor"],
+    ["rdma_device", "config"],
+])
+def test_the_command_lines_start(argv):
+    """`python -m ... --help` of each command the README and docs name:
+    exit status 0 and its usage line."""
+    p = subprocess.run([sys.executable, "-m", *argv, "--help"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.startswith("usage: "), p.stdout[:500]

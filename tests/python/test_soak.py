@@ -40,7 +40,7 @@ _CHECKSUM_CHECK = r"""
 import json
 import numpy as np
 import tensorflow as tf
-from rdma_device.soak import _checksum
+from rdma_device.bench.soak import _checksum
 
 tf.compat.v1.disable_eager_execution()
 g = tf.Graph()

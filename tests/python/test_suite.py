@@ -13,7 +13,7 @@ import sys
 import time
 
 import rdma_device
-from rdma_device import _suite
+from rdma_device.bench import suite
 
 KEYS = {"workload", "mode", "workers", "samples_per_s", "step_ms", "compute_ms", "comm_ms",
         "tensors_per_step", "bytes_per_step", "avg_tensor_bytes", "cpu_s_per_step"}
@@ -30,7 +30,7 @@ def test_suite_tiny(tmp_path, plugin_built):
     wall_ms = (time.monotonic() - t0) * 1000
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())
-    modes = [m for m, *_ in _suite.modes_available()]
+    modes = [m for m, *_ in suite.modes_available()]
     assert sorted(r["mode"] for r in rows) == sorted(modes)
     for r in rows:
         assert KEYS <= set(r), KEYS - set(r)

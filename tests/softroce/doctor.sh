@@ -73,7 +73,7 @@ sed 's/^/doctor-a: loopback listener: /' /tmp/listen-loop.out
 tail -5 /tmp/loop.err | sed 's/^/doctor-a: loopback stderr: /'
 one_line loopback /tmp/loop.json
 # 3. the MTU check at 1500 (no TensorFlow needed), then the host checks at 9000.
-"\$py" -c "import json; from rdma_device import doctor as d; print(json.dumps(d.check_mtu(d.rdma_ports(), 'eth0')))" \
+"\$py" -c "import json; from rdma_device.doctor import host as d; print(json.dumps(d.check_mtu(d.rdma_ports(), 'eth0')))" \
     > /tmp/mtu1500.json 2> /tmp/mtu1500.err
 one_line mtu1500 /tmp/mtu1500.json
 ip link set eth0 mtu 9000 && echo "\$ME: eth0 mtu 9000"
@@ -82,7 +82,7 @@ t0=\$(cut -d' ' -f1 /proc/uptime)
 "\$py" -m rdma_device doctor --json --addr 10.0.3.1 > /tmp/host.json 2> /tmp/host.err
 echo "\$ME: doctor exited \$? after \$(echo "\$t0 \$(cut -d' ' -f1 /proc/uptime)" | awk '{printf "%.0f", \$2 - \$1}') s"
 tail -5 /tmp/host.err | sed 's/^/doctor-a: host stderr: /'
-"\$py" -c "import json; from rdma_device import doctor; doctor.print_results(json.load(open('/tmp/host.json'))['checks'])" \
+"\$py" -c "import json; from rdma_device.doctor.checks import print_results; print_results(json.load(open('/tmp/host.json'))['checks'])" \
     | sed 's/^/doctor-a: text: /'
 one_line host /tmp/host.json
 EOF

@@ -1,5 +1,5 @@
-"""The doctor's results, shared by the host checks (doctor) and the pair
-test (_pair): each check is a dict with a status and a one-line fix."""
+"""The doctor's results, shared by the host checks (host) and the pair
+test (pair): each check is a dict with a status and a one-line fix."""
 
 import sys
 

@@ -1,23 +1,16 @@
-"""python -m rdma_device doctor: is this host (and a pair of hosts) ready?
+"""The doctor's host checks: is this host ready for the transport?
 
-    python -m rdma_device doctor [--addr HOST] [--json]
-    python -m rdma_device doctor --listen PORT [--addr HOST]     (one host)
-    python -m rdma_device doctor --peer HOST:PORT [--quick]      (the other)
-
-The host checks: RDMA devices and their ports, a RoCE v2 GID on the
-interface that carries the task's address, the MTU, the memlock limit
-against the arena, userfaultfd (the sender's registration cache), shared
-memory against the arena, the libraries built for the running TensorFlow
-and the plugin loading. Each prints ✓ or ✗ (``!``: works, but slower or
-riskier than it should; ``-``: does not apply here) with a one-line fix.
-The pair test (``--listen``/``--peer``) lives in ``_pair``. The exit
-status is 1 when any check failed.
+RDMA devices and their ports, a RoCE v2 GID on the interface that carries
+the task's address, the MTU, the memlock limit against the arena,
+userfaultfd (the sender's registration cache), shared memory against the
+arena, the libraries built for the running TensorFlow and the plugin
+loading. Each check is a result of ``checks.check`` (✓, ✗, ``!`` or
+``-``, with a one-line fix); :func:`host_checks` runs them all.
 
 The task's address is ``--addr``, else this task's entry in ``TF_CONFIG``,
 else the address of the interface that carries the default route.
 """
 
-import argparse
 import ctypes
 import fcntl
 import json
@@ -26,11 +19,10 @@ import resource
 import socket
 import struct
 import subprocess
-import sys
 
-from rdma_device import _loader, _quiet
-from rdma_device._checks import FAIL, NA, OK, WARN, check, print_results
+from rdma_device import _loader
 from rdma_device._units import human_bytes
+from rdma_device.doctor.checks import FAIL, NA, OK, WARN, check
 
 IB_SYS = "/sys/class/infiniband"
 IB_MTUS = (256, 512, 1024, 2048, 4096)
@@ -350,33 +342,3 @@ def host_checks(addr=None):
                 check_userfaultfd(bool(ports)), check_shm(cfg)]
     results += check_libraries()
     return results
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m rdma_device doctor", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--addr", help="this task's address (HOST or HOST:PORT; default: TF_CONFIG, else the "
-                    "default route's interface)")
-    ap.add_argument("--json", action="store_true", help="one JSON object instead of the list")
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--listen", type=int, metavar="PORT", help="wait for one `doctor --peer` and serve its test")
-    g.add_argument("--peer", metavar="HOST:PORT", help="test the pair with a host running `doctor --listen`")
-    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (--peer)")
-    ap.add_argument("--timeout", type=float, default=600, help="seconds --listen waits for its peer (600)")
-    ap.add_argument("--verbose", action="store_true", help="keep TensorFlow's C++ log lines")
-    args = ap.parse_args(argv)
-    _quiet.set_verbose(args.verbose)
-    _quiet.filter_stderr()
-    if args.listen is not None or args.peer:
-        from rdma_device import _pair
-        return _pair.main(args)
-    results = host_checks(args.addr)
-    if args.json:
-        print(json.dumps({"checks": results, "ok": all(r["status"] != FAIL for r in results)}, indent=2))
-    else:
-        print_results(results)
-    return 1 if any(r["status"] == FAIL for r in results) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,9 +28,10 @@ import statistics
 import sys
 import time
 
-from rdma_device import _quiet, _workloads
+from rdma_device import _quiet
 from rdma_device._cluster import LocalCluster, cpu_seconds
-from rdma_device._progress import Progress
+from rdma_device.bench import workloads
+from rdma_device.bench.progress import Progress
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -107,11 +108,11 @@ def run_workload(tf, name, n, modes, clusters, compute_cluster, args):
     one (workload, workers). Returns one row per mode."""
     runs = {}
     for mode, *_ in modes:
-        g, init, op, _ = _workloads.build(tf, name, clusters[mode], n, "ps", args.quick)
+        g, init, op, _ = workloads.build(tf, name, clusters[mode], n, "ps", args.quick)
         s = tf.compat.v1.Session(clusters[mode].target(), graph=g)
         s.run(init)
         runs[mode] = (s, op)
-    g, init, op, _ = _workloads.build(tf, name, compute_cluster, n, "local", args.quick)
+    g, init, op, _ = workloads.build(tf, name, compute_cluster, n, "local", args.quick)
     s = tf.compat.v1.Session(compute_cluster.target(), graph=g)
     s.run(init)
     runs["compute"] = (s, op)
@@ -151,7 +152,7 @@ def run_workload(tf, name, n, modes, clusters, compute_cluster, args):
             dt, db, src = graph_t, graph_b, "graph analysis"
         rows.append({
             "workload": name, "mode": mode, "workers": n,
-            "samples_per_s": round(_workloads.samples_per_step(name, n) / step * 1e3, 2),
+            "samples_per_s": round(workloads.samples_per_step(name, n) / step * 1e3, 2),
             "step_ms": round(step, 3), "compute_ms": round(compute_ms, 3),
             "comm_ms": round(max(step - compute_ms, 0.0), 3),
             "tensors_per_step": round(dt, 2), "bytes_per_step": int(db),
@@ -166,8 +167,8 @@ def run_workload(tf, name, n, modes, clusters, compute_cluster, args):
 
 def traced_breakdown(cluster, sess, op, n):
     """``n`` steps with the transport's timeline on in every task: where
-    each step's time went (``_breakdown``), from the recorded spans."""
-    from rdma_device import _breakdown
+    each step's time went (``breakdown``), from the recorded spans."""
+    from rdma_device.bench import breakdown
 
     cluster.trace(True)
     runs = []
@@ -178,16 +179,52 @@ def traced_breakdown(cluster, sess, op, n):
             runs.append((t0 / 1e3, time.time_ns() / 1e3))
     finally:
         cluster.trace(False)
-    return _breakdown.breakdown(cluster.trace_take(), runs)
+    return breakdown.breakdown(cluster.trace_take(), runs)
 
 
 def plan(args):
-    names = [w.strip() for w in args.workloads.split(",")] if args.workloads else list(_workloads.WORKLOADS)
+    names = [w.strip() for w in args.workloads.split(",")] if args.workloads else list(workloads.WORKLOADS)
     for w in names:
-        if w not in _workloads.WORKLOADS:
-            raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(_workloads.WORKLOADS)}")
+        if w not in workloads.WORKLOADS:
+            raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(workloads.WORKLOADS)}")
     workers = [int(x) for x in args.workers.split(",")]
-    return [(w, n) for w in names for n in workers if n >= _workloads.WORKLOADS[w].min_workers]
+    return [(w, n) for w in names for n in workers if n >= workloads.WORKLOADS[w].min_workers]
+
+
+def add_parser(sub):
+    u = sub.add_parser("suite", help="workloads x modes x workers, breakdown, tensor sizes, plots")
+    u.add_argument("--quick", action="store_true", help="small models and few steps (a 2-vCPU machine: minutes)")
+    u.add_argument("--out", default="rdma_device_suite", help="output directory (default ./rdma_device_suite)")
+    u.add_argument("--json", action="store_true", help="print results.json's rows on stdout instead of the table")
+    u.add_argument("--workloads", default="", help="comma-separated subset (default: all)")
+    u.add_argument("--workers", default="1,2,4", help="worker counts (default 1,2,4; the pipeline needs 2+)")
+    u.add_argument("--reps", type=int, default=None, help="interleaved blocks per mode (default 5)")
+    u.add_argument("--block", type=int, default=None, help="counted steps per block (default 5 quick, 10)")
+    u.add_argument("--warmup", type=int, default=2, help="uncounted steps per mode first")
+    u.add_argument("--no-sweep", action="store_true", help="skip the transfer sweep")
+    u.add_argument("--sweep-sizes", default="", help="transfer sweep sizes, e.g. 64K,16M (default: by --quick)")
+    u.add_argument("--mwms-workers", default="2",
+                   help="worker counts of the MultiWorkerMirroredStrategy workload (default 2; '' skips it)")
+    return suite
+
+
+def suite(args):
+    """``bench suite``: the run, then its files in --out and its summary
+    (or its rows, --json) on stdout."""
+    from rdma_device.bench import suite_report
+
+    if args.reps is None:
+        args.reps = 5
+    if args.block is None:
+        args.block = 5 if args.quick else 10
+    res = run(args)
+    md, pngs = suite_report.write(res, args.out)
+    if args.json:
+        print(json.dumps(res["rows"]))
+    else:
+        print(md)
+        print("plots:", ", ".join(pngs))
+    return res
 
 
 def run(args):
@@ -216,7 +253,7 @@ def _run(args, logs, term):
 
     tf.get_logger().setLevel("ERROR")
     tf.compat.v1.disable_eager_execution()
-    from rdma_device import _sweep
+    from rdma_device.bench.sweep import sweep as transfer_sweep
 
     modes = modes_available()
     todo = plan(args)
@@ -238,7 +275,7 @@ def _run(args, logs, term):
             rows += run_workload(tf, name, n, modes, clusters, compute_cluster, args)
             prog.step(f"{name}, {n} worker(s)")
         if not args.no_sweep:
-            sweep = _sweep.sweep(tf, modes, clusters, args)
+            sweep = transfer_sweep(tf, modes, clusters, args)
             prog.step("transfer sweep")
         for c in list(clusters.values()) + [compute_cluster]:
             c.close()  # free the CPUs for the MWMS clusters
@@ -263,7 +300,7 @@ def mwms_workload(n, args, logs, width=1024):
     """The data-parallel MLP under MultiWorkerMirroredStrategy on ``n``
     workers, both protocols interleaved in blocks (first step of each block
     not counted)."""
-    from rdma_device._mwms import MwmsCluster
+    from rdma_device.bench.mwms import MwmsCluster
 
     protos = [("grpc", None), ("grpc+rdma_device", {"RDMA_DEVICE_STRICT": "1"})]
     clusters = {}

@@ -3,15 +3,15 @@
     python -m rdma_device.bench transfer [--sizes 4K,1M,16M,64M] [--reps 15] [--json]
     python -m rdma_device.bench train    [--steps 100] [--json]
     python -m rdma_device.bench suite    [--quick] [--out DIR] [--json]
-    python -m rdma_device.bench soak     [--steps 1000] [--json]   (see rdma_device.soak)
+    python -m rdma_device.bench soak     [--steps 1000] [--json]   (see rdma_device.bench.soak)
     python -m rdma_device.bench allreduce [--sizes 1M,4M,16M,64M] [--workers 2,3] [--json]
     python -m rdma_device.bench trace    [--out t.json] [--sizes 4K,1M,16M] [--tensorboard DIR]
     python -m rdma_device.bench py       [--sizes 4K,64K,1M,16M,64M] [--quick] [--plot F] [--json]
-    python -m rdma_device.bench report   [--quick] [--runs 3] [--out DIR]   (see rdma_device._bench_report)
+    python -m rdma_device.bench report   [--quick] [--runs 3] [--out DIR]   (see rdma_device.bench.report)
 
 ``py``: the endpoint API (rdma_device.endpoint, no TensorFlow) between two
 processes against multiprocessing.shared_memory with a pipe and against
-torch.distributed gloo, interleaved (see rdma_device._pybench).
+torch.distributed gloo, interleaved (see rdma_device.bench.pybench).
 
 ``report``: every benchmark the README quotes (fabric, transfer, train,
 allreduce, suite, soak), N runs each in randomised interleaved order;
@@ -48,7 +48,7 @@ RecvBuf RPCs. Algorithm bandwidth = size / median time of one all-reduce
 the CPU time of the cluster's worker processes per all-reduce.
 
 ``trace``: where a 2-task step's time goes, recorded span by span in both
-tasks (see rdma_device._trace); writes a Chrome trace and prints the
+tasks (see rdma_device.bench.trace); writes a Chrome trace and prints the
 median timeline of a step per size.
 
 ``train``: a short parameter-server training run (variables on a PS task,
@@ -65,7 +65,6 @@ applies); progress goes to stderr, results to stdout.
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -73,8 +72,8 @@ import time
 
 from rdma_device import _quiet
 from rdma_device._cluster import LocalCluster, cpu_seconds
-from rdma_device._progress import Progress
 from rdma_device._units import parse_size, size_label
+from rdma_device.bench.progress import Progress
 
 PROTOCOLS = ("grpc", "grpc+rdma_device")
 # A third cluster for first steps only: placement on first use.
@@ -82,25 +81,10 @@ TRACED = "grpc+rdma_device traced"
 TRACED_ENV = {"RDMA_DEVICE_STATIC_PLACEMENT": "0"}
 
 
-def _transfer_graph(tf, cluster, size):
-    g = tf.Graph()
-    with g.as_default():
-        with tf.device(cluster.device("worker", 1)):
-            v = tf.Variable(tf.random.uniform([size // 4], seed=size), name="v")
-        with tf.device(cluster.device("worker", 0)):
-            # An op on task 0 that needs the whole tensor from task 1.
-            # (tf.gather on the variable itself would become a ResourceGather
-            # colocated with the variable, moving only one element.)
-            # reduce_sum reads every byte received (a consumer of one
-            # element would let a zero-copy receive skip the payload).
-            whole = tf.identity(v.value())
-            out = tf.reduce_sum(whole)
-        init = tf.compat.v1.global_variables_initializer()
-    return g, init, out
-
-
 def transfer(args):
     import tensorflow as tf
+
+    from rdma_device.bench.sweep import transfer_graph
 
     tf.compat.v1.disable_eager_execution()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -114,7 +98,8 @@ def transfer(args):
             sessions = {}
             first = {}
             for p, c in clusters.items():
-                g, init, out = _transfer_graph(tf, c, size)
+                # Task 1 holds the variable, task 0 reads all of it.
+                g, init, out = transfer_graph(tf, c.device("worker", 1), c.device("worker", 0), size)
                 s = tf.compat.v1.Session(c.target(), graph=g)
                 s.run(init)
                 t = time.perf_counter()
@@ -192,7 +177,7 @@ def _print_transport(stats):
 
 
 def allreduce(args):
-    from rdma_device._mwms import MwmsCluster
+    from rdma_device.bench.mwms import MwmsCluster
 
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     env = {"RDMA_DEVICE_STRICT": "1"} if args.strict else {}
@@ -339,6 +324,10 @@ def train(args):
 
 
 def main(argv=None):
+    # Each of these modules adds its own subcommand (add_parser) and
+    # returns the function that runs it.
+    from rdma_device.bench import pybench, report, soak, suite, trace
+
     ap = argparse.ArgumentParser(prog="python -m rdma_device.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -360,19 +349,7 @@ def main(argv=None):
                         "is run but not counted)")
     r.add_argument("--json", action="store_true")
     r.add_argument("--no-strict", dest="strict", action="store_false")
-    u = sub.add_parser("suite", help="workloads x modes x workers, breakdown, tensor sizes, plots")
-    u.add_argument("--quick", action="store_true", help="small models and few steps (a 2-vCPU machine: minutes)")
-    u.add_argument("--out", default="rdma_device_suite", help="output directory (default ./rdma_device_suite)")
-    u.add_argument("--json", action="store_true", help="print results.json's rows on stdout instead of the table")
-    u.add_argument("--workloads", default="", help="comma-separated subset (default: all)")
-    u.add_argument("--workers", default="1,2,4", help="worker counts (default 1,2,4; the pipeline needs 2+)")
-    u.add_argument("--reps", type=int, default=None, help="interleaved blocks per mode (default 5)")
-    u.add_argument("--block", type=int, default=None, help="counted steps per block (default 5 quick, 10)")
-    u.add_argument("--warmup", type=int, default=2, help="uncounted steps per mode first")
-    u.add_argument("--no-sweep", action="store_true", help="skip the transfer sweep")
-    u.add_argument("--sweep-sizes", default="", help="transfer sweep sizes, e.g. 64K,16M (default: by --quick)")
-    u.add_argument("--mwms-workers", default="2",
-                   help="worker counts of the MultiWorkerMirroredStrategy workload (default 2; '' skips it)")
+    run = {"transfer": transfer, "train": train, "suite": suite.add_parser(sub), "allreduce": allreduce}
     a = sub.add_parser("allreduce", help="MultiWorkerMirroredStrategy all-reduce, grpc vs grpc+rdma_device")
     a.add_argument("--sizes", default="1M,4M,16M,64M", help="comma-separated sizes (K/M suffix)")
     a.add_argument("--workers", default="2,3", help="comma-separated worker counts")
@@ -380,11 +357,8 @@ def main(argv=None):
     a.add_argument("--block", type=int, default=4, help="counted all-reduces per block")
     a.add_argument("--json", action="store_true", help="one JSON object per size and worker count")
     a.add_argument("--no-strict", dest="strict", action="store_false")
-    from rdma_device import _bench_report, _pybench, _trace, soak
-    run_soak = soak.add_parser(sub)
-    _trace.add_parser(sub)
-    run_py = _pybench.add_parser(sub)
-    run_report = _bench_report.add_parser(sub)
+    for name, module in (("soak", soak), ("trace", trace), ("py", pybench), ("report", report)):
+        run[name] = module.add_parser(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--verbose" in argv:  # anywhere on the line, for every subcommand
         argv.remove("--verbose")
@@ -392,51 +366,6 @@ def main(argv=None):
     _quiet.filter_stderr()
     args = ap.parse_args(argv)
     if args.cmd == "report":
-        return run_report(args)
-    {"transfer": transfer, "train": train, "suite": suite, "soak": run_soak,
-     "allreduce": allreduce, "trace": trace, "py": run_py}[args.cmd](args)
+        return run["report"](args)
+    run[args.cmd](args)
 
-
-def trace(args):
-    import copy
-
-    from rdma_device import _trace
-
-    runs = []
-    for i in range(max(1, args.runs)):
-        a = args
-        if i:
-            # Later runs measure only: the files are the first run's.
-            a = copy.copy(args)
-            a.out, a.plot, a.tensorboard = os.devnull, "", ""
-            print(f"run {i + 1} of {args.runs}", file=sys.stderr, flush=True)
-        runs.append(_trace.run(a))
-    if args.json:
-        for i, results in enumerate(runs):
-            for r in results:
-                print(json.dumps(dict(r, run=i)))
-    elif args.markdown:
-        print(_trace.markdown(runs))
-    else:
-        _trace.print_results(runs[0], args.out, args.plot)
-
-
-def suite(args):
-    from rdma_device import _report, _suite
-
-    if args.reps is None:
-        args.reps = 5
-    if args.block is None:
-        args.block = 5 if args.quick else 10
-    res = _suite.run(args)
-    md, pngs = _report.write(res, args.out)
-    if args.json:
-        print(json.dumps(res["rows"]))
-    else:
-        print(md)
-        print("plots:", ", ".join(pngs))
-    return res
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,6 +8,8 @@ import json
 import os
 import platform
 
+from rdma_device._units import size_label
+
 COLOURS = {"grpc": "#d62728", "grpc+rdma_device": "#1f77b4", "rpc": "#ff7f0e", "memcpy": "#7f7f7f"}
 LABELS = {"grpc": "stock gRPC", "grpc+rdma_device": "grpc+rdma_device",
           "rpc": "RPC over the same fabric (RDMA_DEVICE_MODE=rpc)", "memcpy": "memcpy (1 thread)"}
@@ -15,10 +17,6 @@ LABELS = {"grpc": "stock gRPC", "grpc+rdma_device": "grpc+rdma_device",
 
 def _kib(n):
     return f"{n / 1024:.1f}"
-
-
-def _size(n):
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 def _by(rows, **kw):
@@ -54,7 +52,7 @@ def summary_md(res, machine):
         out += ["", "Transfer sweep (ps → worker, consumer `reduce_sum` reads every byte):", "",
                 "| size | mode | step ms | GB/s | CPU s/GB | memcpy GB/s |", "|---:|---|---:|---:|---:|---:|"]
         for s in res["sweep"]:
-            out.append(f"| {_size(s['size'])} | {s['mode']} | {s['step_ms']:.2f} | {s['gbps']:.2f} "
+            out.append(f"| {size_label(s['size'])} | {s['mode']} | {s['step_ms']:.2f} | {s['gbps']:.2f} "
                        f"| {s['cpu_s_per_gb']:.2f} | {s['memcpy_gbps']:.1f} |")
     if "rpc" not in modes:
         out += ["", "The rpc mode was not run: the installed transport has no RDMA_DEVICE_MODE setting."]
@@ -64,15 +62,15 @@ def summary_md(res, machine):
 
 def breakdown_md(rows):
     """The measured breakdown of the transport modes' traced steps (see
-    ``_breakdown``); stock gRPC is not traced."""
-    from rdma_device._breakdown import COMPONENTS, LABELS as PARTS
+    ``breakdown``); stock gRPC is not traced."""
+    from rdma_device.bench.breakdown import COMPONENTS, LABELS as PARTS
 
     traced = [r for r in rows if r.get("breakdown")]
     if not traced:
         return []
-    out = ["", "Where a step's time goes, measured (`_breakdown`: a traced block of steps per transport mode after "
-           "the timed ones; medians of each component over the traced steps, ms; the critical partition is the "
-           "one that ended last; stock gRPC has no spans, see comm above):", "",
+    out = ["", "Where a step's time goes, measured (`rdma_device.bench.breakdown`: a traced block of steps per "
+           "transport mode after the timed ones; medians of each component over the traced steps, ms; the "
+           "critical partition is the one that ended last; stock gRPC has no spans, see comm above):", "",
            "| workload | workers | mode | traced step | " + " | ".join(PARTS[c] for c in COMPONENTS)
            + " | critical partition |", "|---|---:|---|---:|" + "---:|" * len(COMPONENTS) + "---|"]
     for r in traced:
@@ -83,7 +81,7 @@ def breakdown_md(rows):
     return out
 
 
-def machine():
+def cpus_and_kernel():
     cpus = os.cpu_count()
     model = ""
     try:
@@ -137,7 +135,7 @@ def plots(res, out_dir):
 
     # 2. where the step goes: measured components for the transport modes,
     # compute + (step - compute) for stock gRPC, which has no spans
-    from rdma_device._breakdown import COMPONENTS, LABELS as PARTS
+    from rdma_device.bench.breakdown import COMPONENTS, LABELS as PARTS
 
     part_colours = {"client_master": "#9e9e9e", "dispatch": "#8172b3", "waiting_for_sender": "#dd8452",
                     "in_transport": "#c44e52", "partition_other": "#2ca02c"}
@@ -261,7 +259,7 @@ def mwms_md(rows):
 
 def write(res, out_dir):
     os.makedirs(out_dir, exist_ok=True)
-    mach = machine()
+    mach = cpus_and_kernel()
     res.setdefault("date", __import__("time").strftime("%Y-%m-%d"))
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(res["rows"], f, indent=1)

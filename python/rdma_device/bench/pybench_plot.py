@@ -1,4 +1,4 @@
-"""Table and plot of ``python -m rdma_device.bench py`` (see _pybench)."""
+"""Table and plot of ``python -m rdma_device.bench py`` (see pybench)."""
 
 from rdma_device._units import size_label
 

@@ -21,9 +21,11 @@ during the traced steps (``DIR/<task>/plugins/profile/...``): the same
 spans appear in TensorBoard's trace viewer, next to TensorFlow's ops.
 """
 
+import copy
 import json
 import os
 import statistics
+import sys
 import time
 
 from rdma_device._cluster import LocalCluster
@@ -109,12 +111,6 @@ def handoffs(events, client_runs):
     return rows, {"reply_after_partition": late, "steps": steps}
 
 
-def _graph(tf, src, dst, size):
-    from rdma_device._sweep import transfer_graph
-
-    return transfer_graph(tf, src, dst, size)
-
-
 def _timed(session, out, n):
     t = []
     for _ in range(n):
@@ -151,8 +147,12 @@ def timeline(events, client_runs):
     return rows, step
 
 
-def run(args):
+def record(args):
+    """One measurement: the untraced steps of every mode, then the traced
+    ones; writes the Chrome trace (and the plot) and returns the results."""
     import tensorflow as tf
+
+    from rdma_device.bench.sweep import transfer_graph
 
     tf.compat.v1.disable_eager_execution()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -176,12 +176,12 @@ def run(args):
         for size in sizes:
             sess = {}
             for mode, c in clusters.items():
-                g, init, out = _graph(tf, c.device("ps", 0), c.device("worker", 0), size)
+                g, init, out = transfer_graph(tf, c.device("ps", 0), c.device("worker", 0), size)
                 s = tf.compat.v1.Session(c.target(), graph=g)
                 s.run(init)
                 sess[mode] = (s, out)
             # The same step with both ends on one task: nothing crosses tasks.
-            g, init, out = _graph(tf, rdma.device("worker", 0), rdma.device("worker", 0), size)
+            g, init, out = transfer_graph(tf, rdma.device("worker", 0), rdma.device("worker", 0), size)
             s = tf.compat.v1.Session(rdma.target(), graph=g)
             s.run(init)
             sess["one task"] = (s, out)
@@ -228,11 +228,11 @@ def run(args):
         json.dump({"traceEvents": events, "displayTimeUnit": "ns",
                    "otherData": {"tool": "python -m rdma_device.bench trace", "sizes": sizes}}, f)
     if args.plot:
-        plot(events, results, args.plot)
+        plot_steps(events, results, args.plot)
     return results
 
 
-def plot(events, results, path):
+def plot_steps(events, results, path):
     """One traced step per size (the one closest to the median
     session.run), its spans as bars on a row per task and span: the
     picture of where the step's time goes."""
@@ -280,7 +280,7 @@ def plot(events, results, path):
     plt.close(fig)
 
 
-def print_results(results, out, plot_path=""):
+def print_summary(results, out, plot_path=""):
     for r in results:
         sm, over = r["step_ms"], r["over_one_task_ms"]
         print(f"\n== {size_label(r['size'])}: median step {sm['grpc']:.3f} ms grpc, {sm['grpc+rdma_device']:.3f} ms "
@@ -307,7 +307,7 @@ def _med_range(xs, fmt="{:.2f}"):
     return f"{fmt.format(statistics.median(xs))} [{fmt.format(min(xs))}–{fmt.format(max(xs))}]"
 
 
-def markdown(runs):
+def markdown_tables(runs):
     """The README's tables from ``runs`` (each one run's results): per
     size, the median over runs of each mode's median step, the cost over
     the one-task step and the step ratios, with the runs' range in
@@ -360,4 +360,26 @@ def add_parser(sub):
     t.add_argument("--markdown", action="store_true",
                    help="print the tables of the README's 'Where a step's time goes' (medians over --runs)")
     t.add_argument("--json", action="store_true")
-    return t
+    return trace
+
+
+def trace(args):
+    """``bench trace``: --runs measurements; prints the first one's summary,
+    the tables over all (--markdown), or every run's rows (--json)."""
+    runs = []
+    for i in range(max(1, args.runs)):
+        a = args
+        if i:
+            # Later runs measure only: the files are the first run's.
+            a = copy.copy(args)
+            a.out, a.plot, a.tensorboard = os.devnull, "", ""
+            print(f"run {i + 1} of {args.runs}", file=sys.stderr, flush=True)
+        runs.append(record(a))
+    if args.json:
+        for i, results in enumerate(runs):
+            for r in results:
+                print(json.dumps(dict(r, run=i)))
+    elif args.markdown:
+        print(markdown_tables(runs))
+    else:
+        print_summary(runs[0], args.out, args.plot)

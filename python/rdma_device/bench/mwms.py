@@ -188,7 +188,7 @@ class MwmsCluster:
                 err = open(os.path.join(log_dir, f"{name or protocol}-mwms{n}-{i}.log"), "a")
                 self._logs.append(err)
             self.procs[("worker", i)] = subprocess.Popen(
-                [sys.executable, "-m", "rdma_device._mwms", json.dumps([self.workers, i, protocol])],
+                [sys.executable, "-m", "rdma_device.bench.mwms", json.dumps([self.workers, i, protocol])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=e)
         # MWMS blocks in its constructor until every worker is up: READY
         # comes from all of them at about the same time.

@@ -73,7 +73,7 @@ def add_parser(sub):
                         "keep polling while idle and change the other baselines' numbers")
     p.add_argument("--plot", default="rdma_device_py.png", help="plot file ('' for none)")
     p.add_argument("--json", action="store_true", help="one JSON row per size and baseline")
-    return run
+    return pybench
 
 
 def _count(size):
@@ -448,8 +448,8 @@ def summarize(prod, cons):
     return rows
 
 
-def run(args):
-    from rdma_device._pyplot import plot, table
+def pybench(args):
+    from rdma_device.bench.pybench_plot import plot, table
 
     sizes = ["4K", "1M"] if args.quick else args.sizes.split(",")
     cfg = {"sizes": [parse_size(s) for s in sizes], "reps": 2 if args.quick else args.reps,

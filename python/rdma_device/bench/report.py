@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from rdma_device import _bench_tables
+from rdma_device.bench import report_tables
 
 # name -> (full arguments, quick arguments); the README quotes the full ones.
 PY_BENCHES = {
@@ -122,7 +122,7 @@ def stale_build(root):
 
 
 def machine():
-    from rdma_device._report import machine as cpus
+    from rdma_device.bench.suite_report import cpus_and_kernel
 
     mem = ""
     try:
@@ -144,7 +144,7 @@ def machine():
                    if _has(metadata, d)), "TensorFlow ?")
     except ImportError:
         tf = "TensorFlow ?"
-    return f"{cpus()}{mem}, {osname or platform.platform()}, Python {platform.python_version()}, {tf}"
+    return f"{cpus_and_kernel()}{mem}, {osname or platform.platform()}, Python {platform.python_version()}, {tf}"
 
 
 def _has(metadata, dist):
@@ -235,7 +235,7 @@ def _fabric_plot(runs, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    agg = _bench_tables.aggregate(runs, lambda r: r["size"])
+    agg = report_tables.aggregate(runs, lambda r: r["size"])
     sizes = list(agg)
     fig, ax = plt.subplots(figsize=(7, 4))
     for field, label in (("gbps", "one-sided write"), ("memcpy_gbps", "memcpy, threads as the write"),
@@ -289,7 +289,7 @@ def stale_blocks(root):
     return found
 
 
-def check(root):
+def check_stale(root):
     """`bench report --check`: list the stale generated blocks; exit 1 if any."""
     if not root:
         raise SystemExit("bench report --check: not in a checkout")
@@ -304,7 +304,7 @@ def check(root):
 def report(args):
     root = repo_root()
     if getattr(args, "check", False):
-        return check(root)
+        return check_stale(root)
     if args.render:
         # Tables, report.md and the README again from a finished run's
         # report.json (nothing is measured).
@@ -360,7 +360,7 @@ def _render(meta, records, names, out, root, args):
         failed = [r["error"] for r in records if r["bench"] == n and "error" in r]
         md.append(f"## {n}\n")
         if ok:
-            tables[n] = _bench_tables.RENDER[n](ok)
+            tables[n] = report_tables.RENDER[n](ok)
             md.append(_header(meta, n, len(ok), records) + "\n\n" + tables[n] + "\n")
         for e in failed:
             md.append(f"- a run failed: {e}\n")
@@ -402,12 +402,12 @@ def _rewrite_readme(root, meta, tables, records, out):
         ok = sum(1 for r in records if r["bench"] == n and "error" not in r)
         body = _header(meta, n, ok, records) + "\n\n" + table
         for path, text in texts.items():
-            new = _bench_tables.replace_region(text, n, body)
+            new = report_tables.replace_region(text, n, body)
             if new is not None:
                 texts[path] = new
                 break
         else:
-            print(f"bench report: no document has {_bench_tables.marker(n)} markers: {n}'s table is only in report.md")
+            print(f"bench report: no document has {report_tables.marker(n)} markers: {n}'s table is only in report.md")
     for path, text in texts.items():
         with open(path, "w") as f:
             f.write(text)

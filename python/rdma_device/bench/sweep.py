@@ -21,14 +21,19 @@ SIZES_FULL = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20
 
 
 def transfer_graph(tf, src, dst, size):
-    """A variable of ``size`` bytes on ``src``; its sum computed on ``dst``."""
+    """A variable of ``size`` bytes on ``src``; its sum computed on ``dst``
+    (the graph of ``bench transfer``, ``bench trace`` and the sweep)."""
     g = tf.Graph()
     with g.as_default():
         with tf.device(src):
             v = tf.Variable(tf.random.uniform([size // 4], seed=size), name="v")
         with tf.device(dst):
             # identity first: reduce_sum on the variable itself could be
-            # colocated with it; this way the whole tensor crosses tasks.
+            # colocated with it (as tf.gather would become a ResourceGather
+            # beside it, moving one element); this way the whole tensor
+            # crosses tasks. reduce_sum reads every byte received: a
+            # consumer of one element would let a zero-copy receive skip
+            # the payload.
             out = tf.reduce_sum(tf.identity(v.value()))
         init = tf.compat.v1.global_variables_initializer()
     return g, init, out

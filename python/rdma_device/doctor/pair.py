@@ -25,7 +25,8 @@ import time
 import numpy as np
 
 from rdma_device import _loader
-from rdma_device._checks import FAIL, NA, OK, check, print_results
+from rdma_device._units import size_label
+from rdma_device.doctor.checks import FAIL, NA, OK, check, print_results
 
 LISTENER, SENDER = "/job:doctor/replica:0/task:0", "/job:doctor/replica:0/task:1"
 TRANSPORTS = {0: "none", 1: "shm", 2: "verbs"}
@@ -198,11 +199,11 @@ def _payloads(size, n):
     return bufs
 
 
-def _checksum(view):
+def _word_sum(view):
     return int(view.view(np.uint64).sum(dtype=np.uint64))
 
 
-def plan(quick):
+def burst_plan(quick):
     """(size, tensors per bandwidth burst, repetitions) for each size."""
     reps = 3 if quick else 7
     return [(s, max(2, min(64, (64 << 20) // s // (4 if quick else 1))), reps) for s in (QUICK_SIZES if quick else SIZES)]
@@ -250,7 +251,7 @@ def serve(ctx, the_plan, timeout):
                     view = np.ctypeslib.as_array(ctypes.cast(lib.rdev_buffer_data(op.buf),
                                                              ctypes.POINTER(ctypes.c_uint8)), (size,))
                     index = int(view[:8].view(np.uint64)[0])
-                    total = (total + _checksum(view) + (0 if index == i % count else 1 << 63)) % (1 << 64)
+                    total = (total + _word_sum(view) + (0 if index == i % count else 1 << 63)) % (1 << 64)
                     lib.rdev_buffer_release(op.buf)
                 ack = np.frombuffer(np.uint64(total).tobytes(), np.uint8).copy()
                 wait(ctx.send(SENDER, ack_key, step, ack), deadline, "sending the ack")
@@ -309,14 +310,14 @@ def _median(v):
     return v[len(v) // 2]
 
 
-def measure(ctx, the_plan, timeout, progress):
+def time_bursts(ctx, the_plan, timeout, progress):
     """Per size: bursts over the transport and numpy copies, interleaved."""
     step, rows = 0, []
     for size, n, reps in the_plan:
         data_key, ack_key = _key(SENDER, LISTENER, f"data{size}"), _key(LISTENER, SENDER, f"ack{size}")
         placed = ctx.place(LISTENER, data_key, size)
         bufs = _payloads(size, n)
-        sums = [(_checksum(b)) for b in bufs]
+        sums = [(_word_sum(b)) for b in bufs]
         dst = np.empty(size, np.uint8)
         np.copyto(dst, bufs[0])
         rtt, bw, cp, cpu = [], [], [], 0.0
@@ -353,12 +354,8 @@ def measure(ctx, the_plan, timeout, progress):
                      "ratio": _median(bw) / _median(cp), "rtt_us": _median(rtt) * 1e6,
                      "sender_cpu_s_per_gb": cpu / (size * n * reps / 1e9), "placed": placed,
                      "tensors": reps * (n + 1)})
-        progress(f"{_size(size)}: {rows[-1]['gbps']:.2f} GB/s, round trip {rows[-1]['rtt_us']:.0f} µs")
+        progress(f"{size_label(size)}: {rows[-1]['gbps']:.2f} GB/s, round trip {rows[-1]['rtt_us']:.0f} µs")
     return rows
-
-
-def _size(n):
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 def print_table(rows, out=None):
@@ -367,7 +364,7 @@ def print_table(rows, out=None):
     print(f"{'size':>8} {'GB/s':>7} {'memcpy':>7} {'ratio':>6} {'rtt µs':>8} {'send CPU s/GB':>14} "
           f"{'recv CPU s/GB':>14}", file=out)
     for r in rows:
-        print(f"{_size(r['size']):>8} {r['gbps']:>7.2f} {r['memcpy_gbps']:>7.2f} {r['ratio']:>6.2f} "
+        print(f"{size_label(r['size']):>8} {r['gbps']:>7.2f} {r['memcpy_gbps']:>7.2f} {r['ratio']:>6.2f} "
               f"{r['rtt_us']:>8.0f} {r['sender_cpu_s_per_gb']:>14.3f} {r.get('receiver_cpu_s_per_gb', 0):>14.3f}",
               file=out)
 
@@ -425,7 +422,7 @@ def peer(args):
         reserve.bind((my_ip, 0))
         me = f"{my_ip}:{reserve.getsockname()[1]}"
         ctx = Context(SENDER, me)
-        the_plan = plan(args.quick)
+        the_plan = burst_plan(args.quick)
         _send_json(conn, {"addr": me, "plan": the_plan})
         reply = _recv_json(conn, 60)
         if "error" in reply:
@@ -442,7 +439,7 @@ def peer(args):
         ctx.connect(LISTENER)
         results.append(check("transport", OK, f"{transport} to {reply['addr']}, accepted"))
         say(f"timing {len(the_plan)} sizes over {transport}")
-        rows = measure(ctx, the_plan, 60, say)
+        rows = time_bursts(ctx, the_plan, 60, say)
         done = _recv_json(conn, 120)
         if "error" in done:
             raise TransportError(f"the listener: {done['error']}")
@@ -472,5 +469,6 @@ def finish(args, results, rows):
     return 0 if ok else 1
 
 
-def main(args):
+def check_pair(args):
+    """``doctor --listen`` or ``doctor --peer``: exit status 1 when a check failed."""
     return listen(args) if args.listen is not None else peer(args)
