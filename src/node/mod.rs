@@ -71,6 +71,7 @@ mod keepalive;
 mod lease;
 mod pace;
 mod peers;
+mod placing;
 mod pool;
 mod routes;
 mod stream;
