@@ -1607,7 +1607,11 @@ fn child_memlock() {
     const MB: usize = 1 << 20;
     const LIMIT: u64 = MEMLOCK_CHILD_LIMIT;
     assert_eq!(rdma_device::fabric::verbs::device::memlock_limit(), Some(LIMIT));
+    // Each stage is announced before it runs: a child that dies names the
+    // last stage it reached (its parent prints every line it got).
+    println!("memlock-child: stage: fabric");
     let f = fabric_with(VerbsOptions { srq_depth: 64, arena_chunk: 4 << 20, ..Default::default() }).expect("viable under the limit");
+    println!("memlock-child: stage: pair");
     let (l, ep, _rx, _tx, arena, key) = pair(&f, 16 * MB);
     let base = stat("verbs_pinned_bytes");
     println!("memlock-child: limit {LIMIT}, pinned after setup {base} (VmPin {})", vm_pinned());
@@ -1615,8 +1619,11 @@ fn child_memlock() {
     let a = Mapping::new(std::ptr::null_mut(), 4 * MB, 1);
     let b = Mapping::new(std::ptr::null_mut(), 4 * MB, 2);
     let c = Mapping::new(std::ptr::null_mut(), 8 * MB, 3);
+    println!("memlock-child: stage: write A");
     assert!(write_checked(&*ep, key, &arena, 0, &a, 1), "A");
+    println!("memlock-child: stage: write B");
     assert!(write_checked(&*ep, key, &arena, 0, &b, 2), "B (A's idle registration evicted if the limit needs it)");
+    println!("memlock-child: stage: write C");
     assert!(write_checked(&*ep, key, &arena, 0, &c, 3), "C through staging");
     let regs = stat("verbs_write_registrations") - r0;
     let staged = stat("verbs_staged_fallbacks") - s0;
@@ -1632,10 +1639,18 @@ fn child_memlock() {
     l.shutdown();
 }
 
+/// How long the memlock child may take (TCG is slow; it takes seconds).
+const MEMLOCK_CHILD_DEADLINE: Duration = Duration::from_secs(60);
+
 /// Runs `child_memlock` in a child process without CAP_IPC_LOCK and with
-/// the limit lowered; its "memlock-child: ok" line, or why there is none
-/// (its exit status and what it wrote to stderr).
+/// the limit lowered; its "memlock-child: ok" line, or everything there is
+/// to know about why there is none: how it ended (a signal by number and
+/// name, a core dump, or killed here at the deadline), after how long,
+/// every line it printed (its stages), its stderr, and what the kernel
+/// logged meanwhile (segfault, OOM and other kernel lines are below the
+/// VM console's `quiet` level, so the console alone never shows them).
 fn memlock_child() -> std::result::Result<String, String> {
+    use std::os::unix::process::ExitStatusExt;
     // The child runs without CAP_IPC_LOCK (root in the VM has it, and then
     // the limit would not bind: dropped from the bounding set, so exec
     // does not give it back) and with the limit lowered.
@@ -1658,7 +1673,10 @@ fn memlock_child() -> std::result::Result<String, String> {
             Ok(())
         });
     }
+    let kmsg = KernelLog::open();
+    let t0 = Instant::now();
     let mut child = cmd.spawn().unwrap();
+    let pid = child.id();
     let lines = BufReader::new(child.stdout.take().unwrap());
     let mut errs = child.stderr.take().unwrap();
     let err_text = std::thread::spawn(move || {
@@ -1676,24 +1694,125 @@ fn memlock_child() -> std::result::Result<String, String> {
     });
     let mut child = ChildProc(child);
     let marker = "memlock-child: ok";
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let found = loop {
+    let deadline = t0 + MEMLOCK_CHILD_DEADLINE;
+    let mut printed = Vec::new();
+    let (found, timed_out) = loop {
         match out.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
             Ok(line) => {
-                if let Some(i) = line.find(marker) {
-                    break Some(line[i + marker.len()..].trim().to_string());
+                let verdict = line.find(marker).map(|i| line[i + marker.len()..].trim().to_string());
+                printed.push(line);
+                if verdict.is_some() {
+                    break (verdict, false);
                 }
             }
-            Err(_) => break None,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => break (None, true),
+            // The child closed its stdout: it is ending.
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break (None, false),
         }
     };
-    let st = child.0.wait().unwrap();
-    let stderr = err_text.join().unwrap_or_default();
-    match found {
-        Some(line) if st.success() => Ok(line),
-        Some(_) => Err(format!("child: {st}\n{stderr}")),
-        None => Err(format!("the child did not print {marker:?}; it ended with {st}\n{stderr}")),
+    if timed_out {
+        let _ = child.0.kill();
     }
+    let st = child.0.wait().unwrap();
+    let took = t0.elapsed();
+    let stderr = err_text.join().unwrap_or_default();
+    if let (Some(line), true) = (&found, st.success()) {
+        return Ok(line.clone());
+    }
+    let how = match (st.code(), st.signal()) {
+        _ if timed_out => format!("no verdict within {MEMLOCK_CHILD_DEADLINE:?}: killed by this test ({st})"),
+        (Some(c), _) => format!("exit status {c}"),
+        (None, Some(sig)) => format!(
+            "killed by signal {sig} ({}){}, not sent by this test",
+            signal_name(sig),
+            if st.core_dumped() { ", core dumped" } else { "" }
+        ),
+        _ => format!("{st}"),
+    };
+    Err(format!(
+        "memlock child (pid {pid}) {}: {how}, {} ms after it was started\n\
+         -- its stdout ({} lines):\n{}\n-- its stderr:\n{stderr}\n-- the kernel's log meanwhile:\n{}\n-- {}",
+        if found.is_some() { "printed its verdict but did not exit 0" } else { "printed no verdict" },
+        took.as_millis(),
+        printed.len(),
+        printed.join("\n"),
+        kmsg.map(|k| k.since()).unwrap_or_else(|e| format!("(not readable: {e})")),
+        meminfo(),
+    ))
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        libc::SIGSYS => "SIGSYS",
+        _ => "another signal",
+    }
+}
+
+/// The kernel's log from the moment it was opened (`/dev/kmsg`, root only:
+/// the test VM runs as root).
+struct KernelLog(std::fs::File);
+
+impl KernelLog {
+    fn open() -> std::io::Result<KernelLog> {
+        use std::os::unix::fs::OpenOptionsExt;
+        use std::os::unix::io::AsRawFd;
+        let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open("/dev/kmsg")?;
+        // SAFETY: lseek on a descriptor we own; SEEK_END on /dev/kmsg skips
+        // the records logged before now.
+        if unsafe { libc::lseek(f.as_raw_fd(), 0, libc::SEEK_END) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(KernelLog(f))
+    }
+
+    /// Every record logged since `open`, one per line ("(none)" if none).
+    fn since(mut self) -> String {
+        let mut out = Vec::new();
+        let mut buf = vec![0u8; 8192];
+        loop {
+            // One record per read; EAGAIN once there is no more.
+            match std::io::Read::read(&mut self.0, &mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    let rec = String::from_utf8_lossy(&buf[..n]);
+                    // "prio,seq,usec,flags;text": the time and the text.
+                    let (head, text) = rec.split_once(';').unwrap_or(("", &rec));
+                    let usec = head.split(',').nth(2).unwrap_or("?");
+                    out.push(format!("[{usec} us] {}", text.trim_end()));
+                }
+                // EPIPE: records were overwritten while we read; go on.
+                Err(e) if e.raw_os_error() == Some(libc::EPIPE) => continue,
+                Err(_) => break,
+            }
+        }
+        if out.is_empty() {
+            "(none)".into()
+        } else {
+            out.join("\n")
+        }
+    }
+}
+
+fn meminfo() -> String {
+    std::fs::read_to_string("/proc/meminfo")
+        .map(|s| {
+            s.lines()
+                .filter(|l| ["MemTotal:", "MemAvailable:", "Shmem:", "Mlocked:"].iter().any(|k| l.starts_with(k)))
+                .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+        .unwrap_or_default()
 }
 
 #[test]
@@ -1702,17 +1821,10 @@ fn memlock_fallback_goes_through_staging() {
     if fabric().is_none() {
         return;
     }
-    // A child killed by a signal before it printed anything (seen once in
-    // CI under TCG, cause not found: no panic, no kernel message) gets one
-    // more try, its status printed; a child that fails its own checks
-    // fails the test at once.
-    let line = match memlock_child() {
-        Ok(line) => line,
-        Err(e) if e.contains("signal") && !e.contains("panicked") => {
-            println!("memlock-child: the first child died without a word ({e}); once more");
-            memlock_child().unwrap_or_else(|e| panic!("{e}"))
-        }
-        Err(e) => panic!("{e}"),
-    };
-    println!("memlock-child: ok{line}");
+    // One child, no second try: a child that dies (CI once saw one killed
+    // by a signal before its verdict, under TCG, not reproduced since)
+    // fails the test with its signal, its last stage, its stderr and the
+    // kernel's log, so a recurrence says what happened.
+    let line = memlock_child().unwrap_or_else(|e| panic!("{e}"));
+    println!("memlock-child: ok {line}");
 }

@@ -25,7 +25,8 @@ pub fn skipped(reason: &str) {
     if let Some(path) = std::env::var_os("RDMA_DEVICE_SKIP_LOG") {
         if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
             let exe = std::env::current_exe().ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_default();
-            let _ = writeln!(f, "{} {name}: {reason}", exe.split('-').next().unwrap_or(&exe));
+            // One write per line (O_APPEND): tests skip from several threads.
+            let _ = f.write_all(format!("{} {name}: {reason}\n", exe.split('-').next().unwrap_or(&exe)).as_bytes());
         }
     }
 }

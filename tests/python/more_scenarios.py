@@ -17,6 +17,14 @@ def _pss(spec, tf):
     return tf.distribute.experimental.ParameterServerStrategy(resolver)
 
 
+def pss_fit_data():
+    """The regression `keras_pss_fit` learns: y a linear function of x."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((512, 32)).astype(np.float32)
+    y = (x @ rng.standard_normal((32, 1)).astype(np.float32)).astype(np.float32)
+    return x, y
+
+
 def keras_pss_fit(spec, ready):
     """tf_keras `model.fit` under ParameterServerStrategy (the workers run
     the steps asynchronously, so only the shape of the result is compared
@@ -26,9 +34,7 @@ def keras_pss_fit(spec, ready):
 
     strategy = _pss(spec, tf)
     ready()
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((512, 32)).astype(np.float32)
-    y = (x @ rng.standard_normal((32, 1)).astype(np.float32)).astype(np.float32)
+    x, y = pss_fit_data()
 
     def dataset_fn(input_context):
         return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32)

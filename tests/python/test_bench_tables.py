@@ -83,11 +83,12 @@ def test_check_lists_blocks_made_before_a_code_change_or_from_too_few_runs(tmp_p
 
 def test_the_soak_table_shows_the_steps_it_retried():
     row = {"steps": 10, "tensors": 30, "hops": 60, "lost": 0, "corrupt": 0, "fallback_tensors": 0,
-           "failed_attempts": 2, "rss_growth_pct": 1.0, "rss_anon_growth_pct": 1.0, "seconds": 5}
+           "retried_steps": 1, "failed_attempts": 2, "rss_growth_pct": 1.0, "rss_anon_growth_pct": 1.0, "seconds": 5}
     table = report_tables.soak_md([[row], [dict(row, failed_attempts=1)]]).splitlines()
     head = [c.strip() for c in table[0].strip("|").split("|")]
     cells = [c.strip() for c in table[2].strip("|").split("|")]
-    assert cells[head.index("failed attempts, retried (all runs)")] == "3"
+    # Summed over the runs: 2 steps retried, 3 failed attempts.
+    assert cells[head.index("steps retried / failed attempts (all runs)")] == "2 / 3"
 
 
 def test_a_build_older_than_its_sources_is_refused(tmp_path, monkeypatch):

@@ -86,7 +86,39 @@ def test_memlock_fix_when_too_small():
     assert r["status"] == ("ok" if soft >= 2 << 30 else "fail")
 
 
+def _own_memcpy_gbps(size, samples=31):
+    """This host's best single-thread memcpy of ``size`` bytes, measured by
+    the test itself: page-aligned source and destination (on this
+    machine's CPUs a 64 KiB copy into a destination that is 16- but not
+    64-byte aligned runs at under a tenth of the aligned speed), the
+    fastest of ``samples`` short timings (a shared host preempts long
+    ones)."""
+    import time
+
+    import numpy as np
+
+    def aligned():
+        b = np.empty(size + 4096, np.uint8)
+        off = -b.ctypes.data % 4096
+        return b[off:off + size]
+
+    src, dst = aligned(), aligned()
+    src[:] = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    np.copyto(dst, src)
+    copies = max(2, min(256, (256 << 10) // size))
+    best = float("inf")
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(copies):
+            np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return size * copies / best / 1e9
+
+
 def test_pair_over_shm_on_loopback(plugin_built):
+    sizes = [1 << 10, 64 << 10, 1 << 20, 4 << 20]
+    # The test's own memcpy figures, before and after the doctor's run.
+    own = {s: [_own_memcpy_gbps(s)] for s in sizes}
     port = harness.free_ports(1)[0]
     e = harness.task_env()
     e["PYTHONPATH"] = os.pathsep.join([PKG_PARENT, e.get("PYTHONPATH", "")])
@@ -109,13 +141,21 @@ def test_pair_over_shm_on_loopback(plugin_built):
     assert checks["rdma_cm reaches the peer"]["status"] in ("ok", "n/a")
     assert out["ok"] and p.returncode == 0 and listener.returncode == 0, lout
     rows = out["results"]
-    assert [r["size"] for r in rows] == [1 << 10, 64 << 10, 1 << 20, 4 << 20]
+    assert [r["size"] for r in rows] == sizes
+    for s in sizes:
+        own[s].append(_own_memcpy_gbps(s))
     for r in rows:
+        best = max(own[r["size"]])
+        why = (r, f"this test's best memcpy of that size: {own[r['size']]} GB/s")
         # Over shm a one-sided write is a copy into the receiver's slot: it
-        # cannot beat this host's own memcpy of the same size (measured by
-        # the same run with as many threads) by more than timing noise.
-        assert 0 < r["gbps"] <= 1.5 * r["memcpy_gbps"], r
-        assert 0.1 < r["memcpy_gbps"] < 500, r
+        # cannot beat this host's memcpy of the same size, neither the
+        # doctor's (measured in the same run; this bounds that figure from
+        # below) nor the best the test measured itself, by more than
+        # timing noise.
+        assert 0 < r["gbps"] <= 1.5 * r["memcpy_gbps"], why
+        assert r["gbps"] <= 1.5 * best, why
+        # Nor can the doctor's memcpy figure beat the test's best one.
+        assert r["memcpy_gbps"] <= 1.5 * best, why
         assert abs(r["ratio"] - r["gbps"] / r["memcpy_gbps"]) < 1e-6 * max(1, r["ratio"]), r
         assert 1 < r["rtt_us"] < 5e6 and r["receiver_cpu_s_per_gb"] >= 0, r
         assert r["placed"] is True, r

@@ -1,9 +1,10 @@
 """The evaluation suite's plumbing, in a tiny configuration: one workload,
-two workers, a few steps, a one-size transfer sweep. No number is asserted
+two workers, a few steps, a one-size transfer sweep. No speed is asserted
 (speed belongs to benchmarks); what is asserted is what a reader of the
-outputs relies on: every mode has a row with every key, the transport's
-counters saw the tensors the partition graphs say cross tasks, and the
-summary and the colour plots are written.
+outputs relies on: every mode has a row with every key, its throughput is
+its batch over its step, the breakdown's traced steps are like the timed
+ones, the transport's counters saw the tensors the partition graphs say
+cross tasks, and the summary and the colour plots are written.
 """
 
 import json
@@ -36,6 +37,11 @@ def test_suite_tiny(tmp_path, plugin_built):
         assert KEYS <= set(r), KEYS - set(r)
         assert r["workload"] == "wide_deep" and r["workers"] == 2
         assert r["step_ms"] > 0 and r["compute_ms"] > 0 and r["cpu_s_per_step"] > 0
+        # Throughput is the step's samples over the step: wide & deep
+        # trains on a batch of 256 per worker, each worker its own, so
+        # 512 samples a step here (rounding: step_ms to 1 µs, samples/s
+        # to 0.01).
+        assert abs(r["samples_per_s"] * r["step_ms"] / 1e3 - 2 * 256) < 0.05, r
         # wide & deep moves embedding rows, dense weights and IndexedSlices
         # gradients between the ps and each worker: dozens of tensors.
         assert r["tensors_per_step"] >= 10, r
@@ -50,8 +56,13 @@ def test_suite_tiny(tmp_path, plugin_built):
     assert ours["tensors_source"] == "transport counters"
     assert ours["tensors_per_step"] >= graph["tensors_per_step"], (ours, graph)
     # The breakdown of the transport modes comes from recorded spans: every
-    # traced step had its partitions and its tensors' spans, and the
-    # components (medians over 2 steps: their means) add up to the step.
+    # traced step had its partitions and its tensors' spans. (Its
+    # components add up to the traced step by construction: the
+    # partition's own work is what is left of its span.) What is checked
+    # against another measurement is the step it explains: its traced
+    # steps (another block, the timeline on, timed around session.run)
+    # are steps like the ones the table reports (step_ms: the timed
+    # block, the timeline off), within a factor of 2 either way.
     for r in rows:
         b = r["breakdown"]
         if r["mode"] == "grpc":
@@ -59,9 +70,7 @@ def test_suite_tiny(tmp_path, plugin_built):
             continue
         assert b is not None and b["steps"] == 2, r
         assert b["in_transport"] > 0, b
-        total = sum(b[c] for c in ("client_master", "dispatch", "waiting_for_sender", "in_transport",
-                                   "partition_other"))
-        assert abs(total - b["traced_step_ms"]) <= 0.02 * b["traced_step_ms"] + 0.01, b
+        assert r["step_ms"] / 2 <= b["traced_step_ms"] <= 2 * r["step_ms"], (r["mode"], r["step_ms"], b)
     assert "Where a step's time goes, measured" in (out / "summary.md").read_text()
     sweep = json.loads((out / "transfer.json").read_text())
     assert sorted(s["mode"] for s in sweep) == sorted(modes)

@@ -32,7 +32,8 @@ Overlapping intervals are merged, and ``in_transport`` wins where the two
 waits overlap (several tensors). ``partition_other`` is a residual (the
 critical span less the two waits), not a recorded span, so that the
 components add up to the step says nothing by itself: the tests check each
-measured component against spans whose answer is known.
+measured component against spans whose answer is known, and the traced
+steps against the suite's timed steps (another block, timeline off).
 """
 
 import statistics

@@ -115,15 +115,18 @@ def soak_md(runs):
     corrupt = sum(r.get("corrupt", 0) for rows in runs for r in rows)
     fallback = sum(r.get("fallback_tensors", 0) for rows in runs for r in rows)
     # Steps that failed and were run again (the kill of worker:1 makes at
-    # least one): shown, never hidden behind the retry.
-    retried = sum(r.get("failed_attempts", 0) for rows in runs for r in rows)
-    return _table(["steps", "tensors / moves per run", "lost / corrupt (all runs)", "failed attempts, retried (all runs)",
+    # least one), and their failed attempts: shown, never hidden behind
+    # the retry.
+    retried = sum(r.get("retried_steps", 0) for rows in runs for r in rows)
+    failed = sum(r.get("failed_attempts", 0) for rows in runs for r in rows)
+    return _table(["steps", "tensors / moves per run", "lost / corrupt (all runs)",
+                   "steps retried / failed attempts (all runs)",
                    "fallback to gRPC (all runs)",
                    "RSS growth after the baseline (median, range)", "private memory growth", "seconds per run"],
                   ["---:"] * 8,
                   [[_med(d.get("steps"), "{:.0f}"),
                     f"{_med(d.get('tensors'), '{:,.0f}')} / {_med(d.get('hops'), '{:,.0f}')}",
-                    f"**{lost} / {corrupt}**", str(retried), str(fallback), _rng(d.get("rss_growth_pct"), "{:+.1f}%"),
+                    f"**{lost} / {corrupt}**", f"{retried} / {failed}", str(fallback), _rng(d.get("rss_growth_pct"), "{:+.1f}%"),
                     _rng(d.get("rss_anon_growth_pct"), "{:+.1f}%"), _rng(d.get("seconds"), "{:.0f}")]])
 
 

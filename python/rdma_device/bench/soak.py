@@ -14,7 +14,9 @@ checksum (or the final shape) differs from the sender's is ``corrupt``; a
 tensor whose step never succeeds (``--retries`` more attempts, each with a
 deadline) is ``lost``. At step N/2 worker:1 is killed and started again on
 the same address; the step that meets the dead task fails and is retried on
-a fresh session (``failed_attempts``). ``--kill-at -1`` runs without the
+a fresh session (``failed_attempts``; ``retried_steps`` counts the steps
+that failed at least once, shown in the output and in ``bench report``'s
+table, never hidden behind the retry). ``--kill-at -1`` runs without the
 kill; ``--protocol grpc`` runs the same soak on stock gRPC (a baseline for
 the memory numbers).
 
@@ -144,7 +146,7 @@ def soak(args):
     base_at = 1000 if steps >= 10000 else max(1, steps // 10)
     kill_at = steps // 2 if args.kill_at is None else args.kill_at
     res = dict(protocol=args.protocol, steps=steps, lanes=args.lanes, tensors=0, empty_tensors=0, hops=0, lost=0, corrupt=0, bytes=0,
-               failed_attempts=0, errors=[], restarted_at_step=None)
+               failed_attempts=0, retried_steps=0, errors=[], restarted_at_step=None)
     t0 = time.time()
     cluster = LocalCluster(args.protocol, {"ps": 1, "worker": 2}, env=env)
     rss = _Rss(cluster)
@@ -176,6 +178,7 @@ def soak(args):
                     break
                 except tf.errors.OpError as e:
                     res["failed_attempts"] += 1
+                    res["retried_steps"] += int(attempt == 0 and args.retries > 0)
                     if len(res["errors"]) < 5:
                         msg = " ".join(e.message.split())
                         res["errors"].append(f"step {step}: {type(e).__name__}: {msg[:1500]}")
@@ -247,7 +250,8 @@ def soak(args):
     else:
         print(f"soak: {steps} steps, {res['tensors']} tensors ({res['hops']} task-to-task moves, "
               f"{res['bytes'] / 2**30:.2f} GiB), lost {res['lost']}, corrupt {res['corrupt']}, "
-              f"{res['failed_attempts']} failed attempts (worker:1 killed and restarted at step "
+              f"{res['retried_steps']} step(s) retried after {res['failed_attempts']} failed attempt(s) "
+              f"(worker:1 killed and restarted at step "
               f"{res['restarted_at_step']}), {res['seconds']} s")
         print(f"  RSS (3 tasks): start {res['rss_mb_start']} MiB, at step {base_at} {res['rss_mb_baseline']} MiB, "
               f"end {res['rss_mb_end']} MiB, growth after the baseline {res['rss_growth_pct']}% "

@@ -469,12 +469,23 @@ mod tests {
     }
 
     /// The process's watch, or `None` (saying SKIPPED) where this kernel
-    /// has no userfaultfd to watch with.
+    /// has no userfaultfd to watch with. The line also goes to
+    /// `RDMA_DEVICE_SKIP_LOG` when set, as the integration tests' skips
+    /// do (tests/common), so `.ci/test.sh` lists the test as skipped
+    /// rather than passed.
     fn watch_or_skip() -> Option<&'static Watch> {
         match Watch::get() {
             Ok(w) => Some(w),
             Err(e) => {
-                eprintln!("SKIPPED: no userfaultfd here ({e})");
+                use std::io::Write;
+                let name = std::thread::current().name().unwrap_or("?").to_string();
+                eprintln!("SKIPPED {name}: no userfaultfd here ({e})");
+                if let Some(path) = std::env::var_os("RDMA_DEVICE_SKIP_LOG") {
+                    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+                        // One write per line: tests skip from several threads.
+                        let _ = f.write_all(format!("lib {name}: no userfaultfd here ({e})\n").as_bytes());
+                    }
+                }
                 None
             }
         }
