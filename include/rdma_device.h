@@ -218,43 +218,6 @@ enum rdev_status rdev_send(const struct rdev_context *ctx,
                            rdev_send_done_cb cb,
                            void *userdata);
 
-// Sender side, before the first step (static shapes known at graph
-// registration): ask `peer` to place the edge `key` for `bytes` bytes and
-// wait up to `timeout_ms` until it has, so the edge's first send is
-// already a one-sided write. `*placed` is false when the peer had no
-// arena room (the edge then uses the slower path; not an error).
-enum rdev_status rdev_place_edge(const struct rdev_context *ctx,
-                                 const char *peer,
-                                 size_t peer_len,
-                                 const char *key,
-                                 size_t key_len,
-                                 uint64_t bytes,
-                                 uint64_t timeout_ms,
-                                 bool *placed);
-
-// Static placement on behalf of another task (graphs partitioned in one
-// process and run in others, e.g. tf.function): ask task `sender` to do
-// what `rdev_place_edge(receiver, key, bytes)` does on it, and wait up to
-// `timeout_ms` for the outcome. `sender` may be this task, `receiver` may
-// be this task or a third one. Same `*placed` semantics as
-// `rdev_place_edge`.
-enum rdev_status rdev_request_placement(const struct rdev_context *ctx,
-                                        const char *sender,
-                                        size_t sender_len,
-                                        const char *receiver,
-                                        size_t receiver_len,
-                                        const char *key,
-                                        size_t key_len,
-                                        uint64_t bytes,
-                                        uint64_t timeout_ms,
-                                        bool *placed);
-
-// Connect to `peer` now (e.g. at graph registration) instead of at its
-// first tensor. Fails with RDEV_TIMEOUT / RDEV_PEER_LOST when it cannot.
-enum rdev_status rdev_connect_peer(const struct rdev_context *ctx,
-                                   const char *peer,
-                                   size_t peer_len);
-
 // Receive the tensor `(key, step_id)` from `peer`. Never blocks. If this
 // returns RDEV_OK, `cb` runs exactly once (possibly before this returns,
 // possibly on a transport thread): with a buffer, or with an error (peer
@@ -577,6 +540,43 @@ enum rdev_status rdev_grpc_fallback(const struct rdev_context *ctx,
                                     size_t peer_len,
                                     const char *why,
                                     size_t why_len);
+
+// Sender side, before the first step (static shapes known at graph
+// registration): ask `peer` to place the edge `key` for `bytes` bytes and
+// wait up to `timeout_ms` until it has, so the edge's first send is
+// already a one-sided write. `*placed` is false when the peer had no
+// arena room (the edge then uses the slower path; not an error).
+enum rdev_status rdev_place_edge(const struct rdev_context *ctx,
+                                 const char *peer,
+                                 size_t peer_len,
+                                 const char *key,
+                                 size_t key_len,
+                                 uint64_t bytes,
+                                 uint64_t timeout_ms,
+                                 bool *placed);
+
+// Static placement on behalf of another task (graphs partitioned in one
+// process and run in others, e.g. tf.function): ask task `sender` to do
+// what `rdev_place_edge(receiver, key, bytes)` does on it, and wait up to
+// `timeout_ms` for the outcome. `sender` may be this task, `receiver` may
+// be this task or a third one. Same `*placed` semantics as
+// `rdev_place_edge`.
+enum rdev_status rdev_request_placement(const struct rdev_context *ctx,
+                                        const char *sender,
+                                        size_t sender_len,
+                                        const char *receiver,
+                                        size_t receiver_len,
+                                        const char *key,
+                                        size_t key_len,
+                                        uint64_t bytes,
+                                        uint64_t timeout_ms,
+                                        bool *placed);
+
+// Connect to `peer` now (e.g. at graph registration) instead of at its
+// first tensor. Fails with RDEV_TIMEOUT / RDEV_PEER_LOST when it cannot.
+enum rdev_status rdev_connect_peer(const struct rdev_context *ctx,
+                                   const char *peer,
+                                   size_t peer_len);
 
 // Receive the tensor `(key, step_id)` from `peer`, as `rdev_recv` does,
 // but with no callback: `*out` is a handle to wait on with `rdev_wait`

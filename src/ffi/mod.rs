@@ -26,7 +26,10 @@ mod status;
 mod trace;
 mod rpc;
 mod routes;
-pub use routes::{rdev_context_add_peer, rdev_context_set_peer, rdev_grpc_fallback, rdev_route, rdev_route_kind, rdev_settings, rdev_settings_get, rdev_transport};
+pub use routes::{
+    rdev_connect_peer, rdev_context_add_peer, rdev_context_set_peer, rdev_grpc_fallback, rdev_place_edge, rdev_request_placement, rdev_route, rdev_route_kind, rdev_settings,
+    rdev_settings_get, rdev_transport,
+};
 mod wait;
 
 use std::cell::RefCell;
@@ -350,82 +353,6 @@ unsafe fn meta_arg(meta: *const rdev_tensor_meta) -> Result<TensorMeta, Error> {
         Dims::from_slice(unsafe { std::slice::from_raw_parts(m.dims, m.ndims as usize) })
     };
     Ok(TensorMeta { dtype: m.dtype, flags: m.flags, dims })
-}
-
-/// Sender side, before the first step (static shapes known at graph
-/// registration): ask `peer` to place the edge `key` for `bytes` bytes and
-/// wait up to `timeout_ms` until it has, so the edge's first send is
-/// already a one-sided write. `*placed` is false when the peer had no
-/// arena room (the edge then uses the slower path; not an error).
-#[no_mangle]
-pub unsafe extern "C" fn rdev_place_edge(
-    ctx: *const rdev_context,
-    peer: *const c_char,
-    peer_len: usize,
-    key: *const c_char,
-    key_len: usize,
-    bytes: u64,
-    timeout_ms: u64,
-    placed: *mut bool,
-) -> rdev_status {
-    boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
-        let key = unsafe { str_arg(key, key_len, "key") }?;
-        let ok = c.node.place_ahead(peer, key, bytes, std::time::Duration::from_millis(timeout_ms))?;
-        if !placed.is_null() {
-            // SAFETY: non-NULL out-param.
-            unsafe { *placed = ok };
-        }
-        Ok(())
-    })
-}
-
-/// Static placement on behalf of another task (graphs partitioned in one
-/// process and run in others, e.g. tf.function): ask task `sender` to do
-/// what `rdev_place_edge(receiver, key, bytes)` does on it, and wait up to
-/// `timeout_ms` for the outcome. `sender` may be this task, `receiver` may
-/// be this task or a third one. Same `*placed` semantics as
-/// `rdev_place_edge`.
-#[no_mangle]
-pub unsafe extern "C" fn rdev_request_placement(
-    ctx: *const rdev_context,
-    sender: *const c_char,
-    sender_len: usize,
-    receiver: *const c_char,
-    receiver_len: usize,
-    key: *const c_char,
-    key_len: usize,
-    bytes: u64,
-    timeout_ms: u64,
-    placed: *mut bool,
-) -> rdev_status {
-    boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let sender = unsafe { str_arg(sender, sender_len, "sender") }?;
-        let receiver = unsafe { str_arg(receiver, receiver_len, "receiver") }?;
-        let key = unsafe { str_arg(key, key_len, "key") }?;
-        let ok = c.node.request_placement(sender, receiver, key, bytes, std::time::Duration::from_millis(timeout_ms))?;
-        if !placed.is_null() {
-            // SAFETY: non-NULL out-param.
-            unsafe { *placed = ok };
-        }
-        Ok(())
-    })
-}
-
-/// Connect to `peer` now (e.g. at graph registration) instead of at its
-/// first tensor. Fails with RDEV_TIMEOUT / RDEV_PEER_LOST when it cannot.
-#[no_mangle]
-pub unsafe extern "C" fn rdev_connect_peer(ctx: *const rdev_context, peer: *const c_char, peer_len: usize) -> rdev_status {
-    boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
-        c.node.connect(peer)
-    })
 }
 
 /// Receive the tensor `(key, step_id)` from `peer`. Never blocks. If this

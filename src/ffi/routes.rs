@@ -1,5 +1,5 @@
-//! Peers, their routes and the settings a caller acts on: the C ABI of
-//! node/routes.rs. The caller keeps no route table and no strict flag: it
+//! Peers, their routes, connects and placements, and the settings a caller
+//! acts on: the C ABI of node/routes.rs and node/placing.rs. The caller keeps no route table and no strict flag: it
 //! tells the context of its peers (`rdev_context_set_peer`), asks how each
 //! travels (`rdev_route`), and takes the stock path only on
 //! `RDEV_NOT_VIABLE` (`RDEV_STRICT` is the strict-mode refusal: fail).
@@ -190,5 +190,81 @@ pub unsafe extern "C" fn rdev_grpc_fallback(ctx: *const rdev_context, peer: *con
             None if Config::from_env()?.strict => Err(crate::node::strict_refusal(peer, why)),
             None => Ok(()),
         }
+    })
+}
+
+/// Sender side, before the first step (static shapes known at graph
+/// registration): ask `peer` to place the edge `key` for `bytes` bytes and
+/// wait up to `timeout_ms` until it has, so the edge's first send is
+/// already a one-sided write. `*placed` is false when the peer had no
+/// arena room (the edge then uses the slower path; not an error).
+#[no_mangle]
+pub unsafe extern "C" fn rdev_place_edge(
+    ctx: *const rdev_context,
+    peer: *const c_char,
+    peer_len: usize,
+    key: *const c_char,
+    key_len: usize,
+    bytes: u64,
+    timeout_ms: u64,
+    placed: *mut bool,
+) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per the documented contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
+        let key = unsafe { str_arg(key, key_len, "key") }?;
+        let ok = c.node.place_ahead(peer, key, bytes, std::time::Duration::from_millis(timeout_ms))?;
+        if !placed.is_null() {
+            // SAFETY: non-NULL out-param.
+            unsafe { *placed = ok };
+        }
+        Ok(())
+    })
+}
+
+/// Static placement on behalf of another task (graphs partitioned in one
+/// process and run in others, e.g. tf.function): ask task `sender` to do
+/// what `rdev_place_edge(receiver, key, bytes)` does on it, and wait up to
+/// `timeout_ms` for the outcome. `sender` may be this task, `receiver` may
+/// be this task or a third one. Same `*placed` semantics as
+/// `rdev_place_edge`.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_request_placement(
+    ctx: *const rdev_context,
+    sender: *const c_char,
+    sender_len: usize,
+    receiver: *const c_char,
+    receiver_len: usize,
+    key: *const c_char,
+    key_len: usize,
+    bytes: u64,
+    timeout_ms: u64,
+    placed: *mut bool,
+) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per the documented contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let sender = unsafe { str_arg(sender, sender_len, "sender") }?;
+        let receiver = unsafe { str_arg(receiver, receiver_len, "receiver") }?;
+        let key = unsafe { str_arg(key, key_len, "key") }?;
+        let ok = c.node.request_placement(sender, receiver, key, bytes, std::time::Duration::from_millis(timeout_ms))?;
+        if !placed.is_null() {
+            // SAFETY: non-NULL out-param.
+            unsafe { *placed = ok };
+        }
+        Ok(())
+    })
+}
+
+/// Connect to `peer` now (e.g. at graph registration) instead of at its
+/// first tensor. Fails with RDEV_TIMEOUT / RDEV_PEER_LOST when it cannot.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_connect_peer(ctx: *const rdev_context, peer: *const c_char, peer_len: usize) -> rdev_status {
+    boundary(|| {
+        // SAFETY: arguments per the documented contract.
+        let c = unsafe { ctx_arg(ctx) }?;
+        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
+        c.node.connect(peer)
     })
 }
