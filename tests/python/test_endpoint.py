@@ -286,6 +286,9 @@ def test_add_peer_waits_for_a_late_peer():
         try:
             assert a.add_peer("b", f"127.0.0.1:{port}", timeout=30) == "shm"
             waited = time.monotonic() - t0
+            # b listens before its constructor returns: add_peer may return
+            # before the timer's thread has stored it.
+            later.join()
             b = made["b"]
             b.add_peer("a", a.address)
             b.place("a", "x", (3,), np.int16)
