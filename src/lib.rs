@@ -13,6 +13,7 @@ pub mod config;
 pub mod constants;
 pub mod error;
 pub mod fabric;
+pub(crate) mod pool;
 pub mod stats;
 pub mod sync;
 pub mod trace;

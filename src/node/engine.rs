@@ -10,19 +10,22 @@
 //! Writes below `WRITE_ENGINE_MIN` stay on the caller: a copy of a few KiB
 //! costs less than the wake-up of another thread.
 //!
-//! Shape: a queue preallocated for `ENGINE_QUEUE` jobs (posting never
-//! blocks and, in a steady state, allocates nothing), `WRITE_ENGINE_THREADS`
-//! threads, each job's completion run by the write itself (`TensorWrite`).
-//! When the node goes, the threads drain the queue (the endpoints fail what
-//! they can no longer write) and end.
+//! Shape: a [`Pool`] (crate::pool) of `WRITE_ENGINE_THREADS` threads with
+//! a queue preallocated for `ENGINE_QUEUE` jobs (posting never blocks and,
+//! in a steady state, allocates nothing), each job's completion run by the
+//! write itself (`TensorWrite`). When the node goes, the threads drain the
+//! queue (the endpoints fail what they can no longer write) and end.
 
 use std::sync::Arc;
 
-use super::jobs::JobQueue;
 use super::write::TensorWrite;
 use crate::constants::{ENGINE_QUEUE, WRITE_ENGINE_THREADS};
 use crate::fabric::Endpoint;
+use crate::pool::Pool;
 use crate::trace;
+
+/// The engine's threads: `rdev-write-0`, `rdev-write-1`, ...
+const NAME: &str = "rdev-write";
 
 /// One write for the engine: `op` at `offset` of `ep`'s peer.
 pub(super) struct Job {
@@ -43,23 +46,18 @@ impl Job {
 }
 
 pub(super) struct WriteEngine {
-    queue: Arc<JobQueue<Job>>,
-    /// Threads that started (0: writes run on the caller).
-    threads: usize,
+    /// The engine's threads (if none could start, writes run on the
+    /// caller).
+    pool: Pool<Job>,
 }
 
 impl WriteEngine {
     pub(super) fn start() -> WriteEngine {
-        let queue = Arc::new(JobQueue::with_room(ENGINE_QUEUE));
-        let mut threads = 0;
-        for i in 0..WRITE_ENGINE_THREADS {
-            let q = queue.clone();
-            match std::thread::Builder::new().name(format!("rdev-write-{i}")).spawn(move || serve(&q)) {
-                Ok(_) => threads += 1,
-                Err(e) => log::error!("cannot start a rdev-write thread ({e}): large writes run on fewer"),
-            }
+        let pool = Pool::start(NAME, WRITE_ENGINE_THREADS, ENGINE_QUEUE, run);
+        if pool.threads() < WRITE_ENGINE_THREADS {
+            log::error!("{NAME}: {} of {WRITE_ENGINE_THREADS} threads started: large writes run on fewer (none: on the caller)", pool.threads());
         }
-        WriteEngine { queue, threads }
+        WriteEngine { pool }
     }
 
     /// Write `op` at `offset` of `ep`'s peer, now on this thread or later
@@ -67,19 +65,10 @@ impl WriteEngine {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn post(&self, ep: Arc<dyn Endpoint>, offset: u64, key: u32, imm: u32, op: Box<TensorWrite>, step: u64, bytes: u64) {
         let job = Job::new(ep, offset, key, imm, op, step, bytes);
-        if self.threads == 0 {
-            return run(job);
-        }
-        if let Err(job) = self.queue.push(job) {
-            log::error!("rdev-write: out of memory for its queue; writing on the caller's thread");
+        if let Err(job) = self.pool.push(job) {
+            // No thread, or no memory for the queue (logged): write here.
             run(job);
         }
-    }
-}
-
-impl Drop for WriteEngine {
-    fn drop(&mut self) {
-        self.queue.close();
     }
 }
 
@@ -89,16 +78,11 @@ fn run(j: Job) {
     trace::end("write", t, j.step, j.bytes, None);
 }
 
-fn serve(q: &JobQueue<Job>) {
-    while let Some(job) = q.pop() {
-        serve_one(job);
-    }
-}
-
-/// One job on an engine thread: a write that panics is caught (the
-/// write's `Drop` fails it: L4) and the thread goes on.
+/// One job as an engine thread runs it (the pool runs `run` inside
+/// `run_caught`): a write that panics is caught (the write's `Drop` fails
+/// it: L4) and the thread goes on. The schedule tests run it on threads of
+/// their own.
+#[cfg(all(test, feature = "shuttle"))]
 pub(super) fn serve_one(job: Job) {
-    if crate::error::catch_panic("a tensor write", || run(job)).is_err() {
-        log::error!("rdev-write: a write panicked; the thread goes on");
-    }
+    crate::pool::run_caught(NAME, || run(job));
 }

@@ -6,47 +6,43 @@
 //! - writes started by an event (a queued send that a credit or a publish
 //!   released), which copy the tensor (shm) or register its memory (verbs).
 //!
-//! One thread per node, fed by an unbounded queue of actions (handing
-//! over never blocks), so callbacks keep the order in which the events produced them.
-//! Each job runs inside `catch_unwind`: a panicking callback is logged and
-//! the thread goes on. The thread ends when the node is gone and its queue
-//! is drained (actions left for a gone node fail: `abandon`).
+//! One thread per node, a [`Pool`] (crate::pool) fed by an unbounded
+//! queue of actions (handing over never blocks), so callbacks keep the
+//! order in which the events produced them. Each job runs inside
+//! `catch_unwind`: a panicking callback is logged and the thread goes on.
+//! The thread ends when the node is gone and its queue is drained (actions
+//! left for a gone node fail: `abandon`).
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Weak};
+use std::sync::Weak;
 
-use super::jobs::JobQueue;
 use super::Inner;
+use crate::pool::Pool;
 use crate::rendezvous::{smallvec, Action};
 
 /// Actions the queue has room for before it first grows.
 const QUEUE_START: usize = 64;
 
 pub(super) struct Handoff {
-    /// `None`: the thread could not be started; jobs run on the caller.
-    shared: Option<Arc<JobQueue<Action>>>,
+    /// The thread (none if it could not start: jobs then run on the caller).
+    pool: Pool<Action>,
     node: Weak<Inner>,
 }
 
 impl Handoff {
     pub(super) fn start(node: Weak<Inner>) -> Handoff {
         // Room for bursts from the start; it grows (amortised) past that.
-        let shared = Arc::new(JobQueue::with_room(QUEUE_START));
-        let (s, n) = (shared.clone(), node.clone());
-        let spawned = std::thread::Builder::new().name("rdev-callbacks".into()).spawn(move || serve(&s, &n));
-        match spawned {
-            Ok(_) => Handoff { shared: Some(shared), node },
-            Err(e) => {
-                log::error!("cannot start the rdev-callbacks thread ({e}): the transport does not start");
-                Handoff { shared: None, node }
-            }
+        let n = node.clone();
+        let pool = Pool::start("rdev-callbacks", 1, QUEUE_START, move |a| run_one(&n, a));
+        if pool.threads() == 0 {
+            log::error!("no rdev-callbacks thread: the transport does not start");
         }
+        Handoff { pool, node }
     }
 
     /// Did the thread start? (`Node::new` fails without it: callbacks must
     /// never run on the thread that hands them over.)
     pub(super) fn started(&self) -> bool {
-        self.shared.is_some()
+        self.pool.threads() > 0
     }
 
     /// Queue `a` for the node's `exec`; never blocks (the queue keeps its
@@ -57,32 +53,25 @@ impl Handoff {
     /// order; still exactly once); only if no thread can start either
     /// does it run here (logged).
     pub(super) fn run(&self, a: Action) {
-        let Some(sh) = &self.shared else {
-            return run_one(&self.node, a);
+        let Err(a) = self.pool.push(a) else {
+            return;
         };
-        if let Err(a) = sh.push(a) {
-            log::error!("rdev-callbacks: out of memory for its queue; a callback runs on a thread of its own");
-            let slot = std::sync::Arc::new(parking_lot::Mutex::new(Some(a)));
-            let (s, n) = (slot.clone(), self.node.clone());
-            let spawned = std::thread::Builder::new().name("rdev-callbacks-spill".into()).spawn(move || {
-                if let Some(a) = s.lock().take() {
-                    let _ = crate::error::catch_panic("a spilled callback", || run_one(&n, a));
-                }
-            });
-            if spawned.is_err() {
-                log::error!("rdev-callbacks: no thread for a spilled callback either; it runs on the calling thread");
-                if let Some(a) = slot.lock().take() {
-                    run_one(&self.node, a);
-                }
-            }
+        if !self.started() {
+            return run_one(&self.node, a);
         }
-    }
-}
-
-impl Drop for Handoff {
-    fn drop(&mut self) {
-        if let Some(sh) = &self.shared {
-            sh.close();
+        log::error!("rdev-callbacks: a callback runs on a thread of its own");
+        let slot = std::sync::Arc::new(parking_lot::Mutex::new(Some(a)));
+        let (s, n) = (slot.clone(), self.node.clone());
+        let spawned = std::thread::Builder::new().name("rdev-callbacks-spill".into()).spawn(move || {
+            if let Some(a) = s.lock().take() {
+                let _ = crate::error::catch_panic("a spilled callback", || run_one(&n, a));
+            }
+        });
+        if spawned.is_err() {
+            log::error!("rdev-callbacks: no thread for a spilled callback either; it runs on the calling thread");
+            if let Some(a) = slot.lock().take() {
+                run_one(&self.node, a);
+            }
         }
     }
 }
@@ -91,13 +80,5 @@ fn run_one(node: &Weak<Inner>, a: Action) {
     match node.upgrade() {
         Some(n) => n.exec(smallvec![a]),
         None => super::abandon(a),
-    }
-}
-
-fn serve(q: &JobQueue<Action>, node: &Weak<Inner>) {
-    while let Some(a) = q.pop() {
-        if catch_unwind(AssertUnwindSafe(|| run_one(node, a))).is_err() {
-            log::error!("a callback handed to rdev-callbacks panicked; the thread goes on");
-        }
     }
 }

@@ -63,7 +63,6 @@
 //! any of them is held.
 
 mod handoff;
-mod jobs;
 pub mod rpc;
 mod engine;
 mod events;

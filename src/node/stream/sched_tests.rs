@@ -8,8 +8,8 @@
 //! behind its lock) exchange real messages over an in-memory link that
 //! keeps each direction's order, with doorbells apart from the messages
 //! (as shm carries them). The node's own job code runs on threads of its
-//! own, as on its pools: chunk writes (`write_chunk_now` inside the pool's
-//! `run_one`) and slot writes (`engine::serve_one`), each a real
+//! own, as on its pools: chunk writes (`write_chunk_now` inside
+//! `pool::run_caught`) and slot writes (`engine::serve_one`), each a real
 //! `TensorWrite` reporting through `WriteHost`; chunk copies
 //! (`copy_slot_chunk`); buffer allocation (`zeroed`). `Side` stands in
 //! for `Inner` only where it carries out the protocol's actions
@@ -60,12 +60,12 @@ use shuttle::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use shuttle::thread;
 
 use super::super::engine;
-use super::super::pool;
 use super::super::write::{TensorWrite, Then, WriteHost};
 use super::{copy_slot_chunk, write_chunk_now, zeroed};
 use crate::constants::{HEADER_BYTES, MAX_DIMS};
 use crate::error::{Error, Result};
 use crate::fabric::{ConnId, Endpoint, TransportKind, WriteOp};
+use crate::pool;
 use crate::rendezvous::{stream_chunk_bytes, Action, Actions, ChunkSrc, Data, Msg, Params, Payload, Received, RecvDone, Rendezvous, SendDone, SlotMemory, TensorMeta};
 use crate::sync::Mutex;
 
@@ -284,7 +284,7 @@ impl Side {
                         continue;
                     };
                     let host = self.host();
-                    self.spawn(move || pool::run_one("rdev-stream", Box::new(move || write_chunk_now(&*ep, host, link, stream, offset, key, header, payload, imm))));
+                    self.spawn(move || pool::run_caught("rdev-stream", move || write_chunk_now(&*ep, host, link, stream, offset, key, header, payload, imm)));
                     self.net.writes.fetch_add(1, Ordering::SeqCst);
                 }
                 Action::SendChunk { link, stream, offset, payload } => {
@@ -314,9 +314,9 @@ impl Side {
                     ChunkSrc::Slot { slot, gen, offset } => {
                         let me = self.me.upgrade().expect("a side runs its own actions");
                         self.spawn(move || {
-                            pool::run_one(
+                            pool::run_caught(
                                 "rdev-stream",
-                                Box::new(move || {
+                                move || {
                                     let res = copy_slot_chunk(dst, |dst| {
                                         if me.net.panic_copy.swap(false, O::SeqCst) {
                                             // No hook: the run's output stays quiet.
@@ -330,7 +330,7 @@ impl Side {
                                     });
                                     let acts = me.locked(|r| r.chunk_copied(link, stream, Some((slot, gen)), len, res));
                                     me.exec(acts);
-                                }),
+                                },
                             )
                         });
                     }
