@@ -1,7 +1,7 @@
 //! The records both halves and the streams share: a receiver's slots and
-//! edges (`rx.rs` keeps them per link, `stream.rs` borrows stream slots
-//! from them) and a send waiting for room (`tx.rs` queues it, `stream.rs`
-//! streams it). Here so that neither half imports the streams' module and
+//! edges (`rx.rs` keeps them per link, `stream/rx.rs` borrows stream
+//! slots from them) and a send waiting for room (`tx.rs` queues it,
+//! `stream/tx.rs` streams it). Here so that neither half imports the streams' module and
 //! the streams' module imports neither half.
 
 use std::sync::Arc;

@@ -1,6 +1,6 @@
 //! The sender's half: per receiver link, the published slots of each edge
 //! (which are free), queued sends, and the outstanding-write budget.
-//! Streamed tensors (the sender's part) are in `stream.rs`.
+//! Streamed tensors (the sender's part) are in `stream/tx.rs`.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;

@@ -1,10 +1,20 @@
 //! Control messages and the slot header, encoded by hand (little endian,
 //! length-prefixed strings). Decoding is total: any malformed or truncated
 //! input becomes `Error::Protocol`, never a panic or a huge allocation.
+//!
+//! Files: the control messages here; the handshake (`hello`) and the
+//! slot header (`header`) apart; the unit tests in `tests`.
 
-use crate::constants::{HEADER_BYTES, MAGIC, MAX_DIMS, MAX_MSG_BYTES, PROTOCOL_VERSION};
-use crate::codec::{Fixed, Reader, Writer};
+use crate::constants::MAX_MSG_BYTES;
+use crate::codec::{Reader, Writer};
 use crate::error::{Error, Result};
+
+mod header;
+mod hello;
+#[cfg(test)]
+mod tests;
+pub use header::{ChunkAt, SlotHeader};
+pub use hello::Hello;
 
 /// dtype, flags and shape of a tensor as the protocol carries them. `dtype`
 /// is TensorFlow's DataType enum value, opaque here.
@@ -370,242 +380,5 @@ impl Msg {
         };
         r.end()?;
         Ok(m)
-    }
-}
-
-/// Handshake payload, both directions: who I am, in which life, and (from
-/// the connecting sender) whom it means to reach.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Hello {
-    pub task: String,
-    pub incarnation: u64,
-    /// Sender → receiver: the task the sender expects; empty in replies.
-    pub target: String,
-    /// `RDMA_DEVICE_MODE=rpc` on this task (both ends must agree).
-    pub rpc: bool,
-    /// Proof of the cluster token (`proof::hello`/`proof::reply`; empty
-    /// without a token).
-    pub proof: Vec<u8>,
-}
-
-impl Hello {
-    pub fn encode(&self) -> Vec<u8> {
-        let mut w = W::new();
-        w.u32(MAGIC); w.u32(PROTOCOL_VERSION);
-        w.bytes(self.task.as_bytes()); w.u64(self.incarnation); w.bytes(self.target.as_bytes());
-        w.u8(self.rpc as u8);
-        w.bytes(&self.proof);
-        w.done().into_vec()
-    }
-
-    pub fn decode(b: &[u8]) -> Result<Hello> {
-        let mut r = R::new(b);
-        if r.u32()? != MAGIC {
-            return Err(Error::Protocol("handshake is not from rdma_device (bad magic)".into()));
-        }
-        let v = r.u32()?;
-        if v != PROTOCOL_VERSION {
-            return Err(Error::Protocol(format!("peer speaks protocol version {v}, we speak {PROTOCOL_VERSION}: use the same rdma_device build on every task")));
-        }
-        let task = r.string()?; let incarnation = r.u64()?; let target = r.string()?;
-        let rpc = match r.u8()? {
-            0 => false,
-            1 => true,
-            m => return Err(Error::Protocol(format!("unknown transport mode {m} in handshake"))),
-        };
-        let proof = r.bytes(64)?.to_vec();
-        r.end()?;
-        Ok(Hello { task, incarnation, target, rpc, proof })
-    }
-}
-
-/// The header the sender writes at the start of a slot, in the same write
-/// as the payload.
-///
-/// Layout (little endian): 0 magic, 4 version (low 16 bits) | ndims << 16
-/// | `HDR_CHUNK` (bit 31), 8 edge, 12 slot, 16 gen, 20 flags, 24 dtype,
-/// 28 stream (chunks), 32 incarnation, 40 step, 48 len, 56 chunk offset
-/// (chunks), 64.. dims. A chunk of a streamed tensor carries no shape
-/// (that came in `StreamBegin`); `len` is the chunk's length.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SlotHeader {
-    pub edge_id: u32,
-    pub slot: u32,
-    pub gen: u32,
-    pub incarnation: u64,
-    pub step: u64,
-    pub len: u64,
-    pub meta: TensorMeta,
-    /// Set on a chunk of a streamed tensor.
-    pub chunk: Option<ChunkAt>,
-}
-
-/// Where a chunk written into a stream slot belongs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ChunkAt {
-    pub stream: u32,
-    /// Byte offset of the chunk in the tensor.
-    pub offset: u64,
-}
-
-/// Header bit: the slot holds a chunk of a streamed tensor.
-const HDR_CHUNK: u32 = 1 << 31;
-
-impl SlotHeader {
-    /// Encode into exactly `HEADER_BYTES`. Callers ensure
-    /// `meta.dims.len() <= MAX_DIMS` (higher ranks go inline).
-    pub fn encode(&self) -> [u8; HEADER_BYTES] {
-        let mut w = Writer::<Fixed<HEADER_BYTES>>::fixed();
-        let chunk = self.chunk.unwrap_or(ChunkAt { stream: 0, offset: 0 });
-        let is_chunk = if self.chunk.is_some() { HDR_CHUNK } else { 0 };
-        w.u32(MAGIC);
-        w.u32((PROTOCOL_VERSION & 0xffff) | ((self.meta.dims.len() as u32) << 16) | is_chunk);
-        w.u32(self.edge_id);
-        w.u32(self.slot);
-        w.u32(self.gen);
-        w.u32(self.meta.flags);
-        w.u32(self.meta.dtype);
-        w.u32(chunk.stream);
-        w.u64(self.incarnation);
-        w.u64(self.step);
-        w.u64(self.len);
-        w.u64(chunk.offset);
-        for d in self.meta.dims.iter().take(MAX_DIMS) {
-            w.u64(*d as u64);
-        }
-        w.into_array()
-    }
-
-    pub fn decode(b: &[u8]) -> Result<SlotHeader> {
-        if b.len() < HEADER_BYTES {
-            return Err(Error::Protocol("slot header truncated".into()));
-        }
-        let mut r = Reader::new(&b[..HEADER_BYTES]);
-        if r.u32()? != MAGIC {
-            return Err(Error::Protocol("slot header has a bad magic (torn or foreign write)".into()));
-        }
-        let vn = r.u32()?;
-        if vn & 0xffff != PROTOCOL_VERSION {
-            return Err(Error::Protocol(format!("slot header version {} unsupported", vn & 0xffff)));
-        }
-        let ndims = ((vn & !HDR_CHUNK) >> 16) as usize;
-        if ndims > MAX_DIMS {
-            return Err(Error::Protocol(format!("slot header claims {ndims} dims (max {MAX_DIMS})")));
-        }
-        let (edge_id, slot, gen, flags, dtype, stream) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?, r.u32()?, r.u32()?);
-        let (incarnation, step, len, offset) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?);
-        let mut dims = Dims::with_capacity(ndims);
-        for _ in 0..ndims {
-            dims.push(r.u64()? as i64);
-        }
-        Ok(SlotHeader {
-            edge_id,
-            slot,
-            gen,
-            incarnation,
-            step,
-            len,
-            meta: TensorMeta { dtype, flags, dims },
-            chunk: (vn & HDR_CHUNK != 0).then_some(ChunkAt { stream, offset }),
-        })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn samples() -> Vec<Msg> {
-        vec![
-            Msg::Announce { key: "a;b;c".into(), step: 7, need: 1 << 20, returned: vec![(1, 2), (3, 4)] },
-            Msg::Publish { key: "k".into(), edge_id: 9, slots: vec![SlotDesc { id: 1, gen: 2, offset: 4096, capacity: 100, key: 0xdead_beef }] },
-            Msg::Credit { edge_id: 1, slot: 2, gen: 3 },
-            Msg::ReturnSlot { slot: 5, gen: 6 },
-            Msg::NoSpace { key: "k".into(), need: 99 },
-            Msg::Revoke { edge_id: 3 },
-            Msg::More { edge_id: 3, need: 4 },
-            Msg::NoMore { edge_id: 5 },
-            Msg::Abort { step: 9, code: 3, reason: "why".into() },
-            Msg::Request { key: "k".into(), step: 12 },
-            Msg::Ready,
-            Msg::Ping,
-            Msg::PlaceFor { req: 1, receiver: "r".into(), key: "k".into(), bytes: 9 },
-            Msg::PlaceDone { req: 1, outcome: 2, error: "e".into() },
-            Msg::Grow { edge_id: 1, slot: SlotDesc { id: 2, gen: 3, offset: 4096, capacity: 5, key: 7 } },
-            Msg::StreamBegin { stream: 3, key: "k".into(), step: 1, meta: TensorMeta { dtype: 1, flags: 2, dims: vec![2; 30].into() }, total: 6 << 30 },
-            Msg::StreamReady { stream: 3, outcome: STREAM_REFUSED, error: "no memory".into() },
-            Msg::StreamData { stream: 3, offset: 1 << 33, bytes: vec![1, 2, 3] },
-            Msg::StreamAck { stream: 3 },
-            Msg::StreamCancel { stream: 4 },
-            Msg::Call { id: 1 << 40, method: 1, part: 3, more: true, body: vec![7; 1000] },
-            Msg::Reply { id: 3, code: 14, part: 0, more: false, body: b"unavailable".to_vec() },
-            Msg::CallCancel { id: 9 },
-        ]
-    }
-
-    #[test]
-    fn messages_round_trip() {
-        for m in samples() {
-            assert_eq!(Msg::decode(&m.encode()).unwrap(), m);
-        }
-    }
-
-    #[test]
-    fn every_truncation_is_an_error_not_a_panic() {
-        for m in samples() {
-            let b = m.encode();
-            for n in 0..b.len() {
-                assert!(matches!(Msg::decode(&b[..n]), Err(Error::Protocol(_))), "{m:?} cut at {n}");
-            }
-            let mut longer = b.clone();
-            longer.push(0);
-            assert!(Msg::decode(&longer).is_err());
-        }
-    }
-
-    #[test]
-    fn garbage_is_rejected() {
-        let mut x: u64 = 0x9e3779b97f4a7c15;
-        for _ in 0..20000 {
-            x ^= x << 13; x ^= x >> 7; x ^= x << 17;
-            let len = (x % 64) as usize;
-            let mut b: Vec<u8> = (0..len).map(|i| (x >> (i % 8 * 8)) as u8).collect();
-            if !b.is_empty() { b[0] = (x % 8) as u8 }
-            let _ = Msg::decode(&b); // must not panic
-            let _ = Hello::decode(&b);
-        }
-        // A count that claims more elements than the message holds.
-        let mut b = vec![T_PUBLISH]; b.extend_from_slice(&1u32.to_le_bytes()); b.push(b'k');
-        b.extend_from_slice(&1u32.to_le_bytes()); b.extend_from_slice(&u32::MAX.to_le_bytes());
-        assert!(Msg::decode(&b).is_err());
-    }
-
-    #[test]
-    fn header_round_trip_and_checks() {
-        let h = SlotHeader { edge_id: 1, slot: 2, gen: 3, incarnation: 4, step: 5, len: 6,
-            meta: TensorMeta { dtype: 7, flags: FLAG_DEAD, dims: vec![1, -1, 3].into() }, chunk: None };
-        let b = h.encode();
-        assert_eq!(b.len(), HEADER_BYTES);
-        assert_eq!(SlotHeader::decode(&b).unwrap(), h);
-        let mut bad = b; bad[0] ^= 1;
-        assert!(SlotHeader::decode(&bad).is_err());
-        let mut bad = b; bad[6] = 200;
-        assert!(SlotHeader::decode(&bad).is_err());
-        // A chunk header: stream and offset (past 4 GiB) round-trip, and
-        // the chunk bit does not leak into the rank.
-        let c = SlotHeader { edge_id: 1, slot: 2, gen: 3, incarnation: 4, step: 5, len: 16 << 20,
-            meta: TensorMeta { dtype: 7, flags: 0, dims: vec![].into() }, chunk: Some(ChunkAt { stream: u32::MAX, offset: (5 << 30) + 4096 }) };
-        assert_eq!(SlotHeader::decode(&c.encode()).unwrap(), c);
-        let mut plain = c.clone(); plain.chunk = None;
-        assert_eq!(SlotHeader::decode(&plain.encode()).unwrap().chunk, None);
-    }
-
-    #[test]
-    fn hello_checks_version() {
-        let h = Hello { task: "/job:w/task:0".into(), incarnation: 42, target: "x".into(), rpc: true, proof: vec![9; 32] };
-        assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
-        let mut b = h.encode(); b[4] = 99;
-        let e = Hello::decode(&b).unwrap_err();
-        assert!(e.message().contains("version"));
     }
 }

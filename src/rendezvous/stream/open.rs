@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use super::RxStream;
+use super::rx::RxStream;
 
 #[derive(Default)]
 pub(in crate::rendezvous) struct RxStreams {

@@ -1,307 +1,25 @@
-//! A deterministic simulation of two tasks' transports with faults
-//! (`--features sim`; `rdma-device-sim` runs it). The real protocol state
-//! machines (`Rendezvous`) and the real call channel (`node::rpc::Rpc`) of
-//! two nodes run over a simulated fabric: links carry control messages in
-//! order per direction, write doorbells apart from them (shm orders the
-//! two independently), writes complete in any order (two write threads),
-//! chunk copies in any order, callbacks one by one (`rdev-callbacks`).
-//! One seed fixes the workload and every choice the simulation makes (the
-//! protocol iterates std hash maps, whose random seeds can still change
-//! the order of one event's actions between runs).
-//!
-//! Workload: per step, tensors both ways (empty, small, medium, and larger
-//! than the arena, so streamed), receives posted before or after the
-//! send, received tensors held a while then released, and one call from a
-//! to b of up to three parts. Faults (the second schedule of each seed):
-//! a link lost at any point (reconnected later), task b crashed and
-//! restarted (a new incarnation; the dead one's late doorbells delivered
-//! to the new one), step aborts, cancelled receives, cancelled calls and
-//! passed deadlines.
-//!
-//! Invariants, checked after every event: a callback (send, receive, call)
-//! runs at most once, and, once everything drained, exactly once (a
-//! crashed task's own are exempt: that process is gone); a send's payload
-//! is never read after its `done`; a received tensor holds the bytes sent
-//! for its key and step until it is released; a call is served only with
-//! its whole body; the arena never holds more than its size; the protocol
-//! never closes a link on its own (a protocol error) in a schedule
-//! without faults.
-//!
-//! Not simulated: real NIC timing, kernel behaviour, the node's threads
-//! and pools (the schedule tests explore the call channel's, and the jobs
-//! of streamed and written tensors: `node::stream::sched_tests`), and
-//! waits (the node's waits carry their deadlines; nothing here blocks).
+//! The world: two simulated tasks, the links between them, and the work,
+//! callbacks and workload waiting to run; one event at a time, chosen by
+//! the seed, with the invariants checked after each. The faults it
+//! injects are in `faults`.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering as AO};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::completion::Complete;
+use super::callbacks::{Got, Pending, RecvCb, SendCb, SimPayload, Tracker};
+use super::calls::{call_body, Echo, Out, SimWire};
+use super::{flag, pattern, Counts, Violations, ARENA, NAMES};
 use crate::constants::HEADER_BYTES;
-use crate::error::{Error, Result};
+use crate::error::Error;
 use crate::fabric::ConnId;
-use crate::node::rpc::{Rpc, Server, Wire};
+use crate::node::rpc::Rpc;
 use crate::rendezvous::{wire, Action, Actions, ChunkSrc, Data, Msg, Params, Payload, Received, Rendezvous, SlotMemory, TensorMeta};
 
-const ARENA: usize = 4 << 20;
-const NAMES: [&str; 2] = ["/job:worker/replica:0/task:0", "/job:ps/replica:0/task:0"];
-
-/// What one run found.
-#[derive(Default, Debug)]
-pub struct Report {
-    pub seeds: u64,
-    pub schedules: u64,
-    pub events: u64,
-    /// Received intact; receives failed; calls answered; calls failed;
-    /// faults injected.
-    pub delivered: u64,
-    pub recv_failed: u64,
-    pub calls_ok: u64,
-    pub calls_failed: u64,
-    pub faults: u64,
-    /// (seed, schedule, what).
-    pub violations: Vec<(u64, u32, String)>,
-}
-
-/// Run `seeds` seeds from `first`, each under two schedules (reordered
-/// only; reordered with faults), `steps` steps each.
-pub fn run(first: u64, seeds: u64, steps: u64) -> Report {
-    let mut r = Report::default();
-    for seed in first..first + seeds {
-        for faults in [false, true] {
-            let (c, v) = run_one(seed, faults, steps);
-            r.events += c.events;
-            r.delivered += c.delivered;
-            r.recv_failed += c.recv_failed;
-            r.calls_ok += c.calls_ok;
-            r.calls_failed += c.calls_failed;
-            r.faults += c.faults;
-            r.schedules += 1;
-            r.violations.extend(v.into_iter().map(|m| (seed, faults as u32, m)));
-        }
-        r.seeds += 1;
-    }
-    r
-}
-
-/// What one schedule did.
-#[derive(Default, Debug, Clone, Copy)]
-pub struct Counts {
-    pub events: u64,
-    pub delivered: u64,
-    pub recv_failed: u64,
-    pub calls_ok: u64,
-    pub calls_failed: u64,
-    pub faults: u64,
-}
-
-/// One schedule; returns what it did and the violations seen.
-pub fn run_one(seed: u64, faults: bool, steps: u64) -> (Counts, Vec<String>) {
-    let v: Violations = Arc::new(Mutex::new(Vec::new()));
-    let res = crate::error::catch_panic("the simulation", || {
-        let mut w = World::new(seed, faults, steps, v.clone());
-        w.run();
-        let mut c = *w.counts.lock();
-        c.events = w.events;
-        c
-    });
-    let events = match res {
-        Ok(c) => c,
-        Err(e) => {
-            v.lock().push(format!("panic: {e}"));
-            Counts::default()
-        }
-    };
-    let out = std::mem::take(&mut *v.lock());
-    (events, out)
-}
-
-type Violations = Arc<Mutex<Vec<String>>>;
-
-fn flag(v: &Violations, m: String) {
-    let mut g = v.lock();
-    if g.len() < 20 {
-        g.push(m);
-    }
-}
-
-/// The bytes task `from` sends for `key` in `step`.
-fn pattern(from: usize, key: &str, step: u64, len: usize) -> Vec<u8> {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ (from as u64) ^ (step << 8);
-    for b in key.bytes() {
-        h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
-    }
-    (0..len).map(|i| ((h >> (i % 8 * 8)) as u8).wrapping_add(i as u8)).collect()
-}
-
-// --- callbacks and payloads ---------------------------------------------------
-
-/// Counts each callback's runs: at most once as it goes, exactly once at
-/// the end (unless its task crashed).
-#[derive(Default)]
-struct Tracker {
-    /// id → (runs, its task, what, runs expected).
-    runs: Mutex<HashMap<u64, (u32, usize, String, u32)>>,
-    next: std::sync::atomic::AtomicU64,
-}
-
-impl Tracker {
-    fn register(&self, node: usize, what: String) -> u64 {
-        let id = self.next.fetch_add(1, AO::Relaxed);
-        self.runs.lock().insert(id, (0, node, what, 1));
-        id
-    }
-    /// A call that did not start: its callback must never run.
-    fn never(&self, id: u64) {
-        if let Some(e) = self.runs.lock().get_mut(&id) {
-            e.3 = 0;
-        }
-    }
-    fn ran(&self, id: u64, v: &Violations) {
-        let mut g = self.runs.lock();
-        if let Some(e) = g.get_mut(&id) {
-            e.0 += 1;
-            if e.0 > e.3 {
-                flag(v, format!("callback {} ran {} times (expected {})", e.2, e.0, e.3));
-            }
-        }
-    }
-    /// Node `n` crashed: its callbacks are gone with it.
-    fn forget(&self, n: usize) {
-        self.runs.lock().retain(|_, e| e.1 != n);
-    }
-}
-
-struct SimPayload {
-    data: Vec<u8>,
-    freed: Arc<AtomicBool>,
-    v: Violations,
-    what: String,
-}
-
-impl Payload for SimPayload {
-    fn bytes(&self) -> &[u8] {
-        if self.freed.load(AO::SeqCst) {
-            flag(&self.v, format!("{}: payload read after its done ran", self.what));
-        }
-        &self.data
-    }
-}
-
-struct SendCb {
-    id: u64,
-    t: Arc<Tracker>,
-    freed: Arc<AtomicBool>,
-    v: Violations,
-}
-
-impl Complete<Result<()>> for SendCb {
-    fn complete(self: Box<Self>, _r: Result<()>) {
-        self.freed.store(true, AO::SeqCst);
-        self.t.ran(self.id, &self.v);
-    }
-}
-
-/// Calls served and not yet answered: (handle, body).
-type Pending = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
-/// Receives completed: (node, key, step, outcome).
-type Got = Arc<Mutex<Vec<(usize, String, u64, Result<Received>)>>>;
-
-struct RecvCb {
-    id: u64,
-    t: Arc<Tracker>,
-    v: Violations,
-    got: Got,
-    node: usize,
-    key: String,
-    step: u64,
-}
-
-impl Complete<Result<Received>> for RecvCb {
-    fn complete(self: Box<Self>, r: Result<Received>) {
-        self.t.ran(self.id, &self.v);
-        self.got.lock().push((self.node, self.key.clone(), self.step, r));
-    }
-}
-
-// --- the call channel's wire ----------------------------------------------------
-
-enum Out {
-    Msg(ConnId, Vec<u8>),
-    Later(Box<dyn FnOnce() + Send>),
-    Fail(ConnId),
-}
-
-struct SimWire {
-    name: &'static str,
-    /// The link this task dialled to the other (calls go over it).
-    dialled: Mutex<Option<ConnId>>,
-    alive: Arc<Mutex<HashMap<ConnId, bool>>>,
-    out: Mutex<Vec<Out>>,
-}
-
-impl Wire for SimWire {
-    fn task(&self) -> &str {
-        self.name
-    }
-    fn call_link(&self, _peer: &str) -> Option<ConnId> {
-        let l = (*self.dialled.lock())?;
-        self.alive.lock().get(&l).copied().unwrap_or(false).then_some(l)
-    }
-    fn send(&self, link: ConnId, msg: &Msg) -> Result<()> {
-        if !self.alive.lock().get(&link).copied().unwrap_or(false) {
-            return Err(Error::PeerLost(format!("connection {link} is closed")));
-        }
-        self.out.lock().push(Out::Msg(link, msg.encode().to_vec()));
-        Ok(())
-    }
-    fn fail_link(&self, link: ConnId, _why: Error) {
-        self.out.lock().push(Out::Fail(link));
-    }
-    fn later(&self, f: Box<dyn FnOnce() + Send>) {
-        self.out.lock().push(Out::Later(f));
-    }
-    fn backlog(&self, _link: ConnId) -> usize {
-        0
-    }
-    fn start_pacing(&self) {
-        // The workload's bodies are at most three parts: nothing is paced.
-        unreachable!("a body of more than DIRECT_PARTS parts in the simulation")
-    }
-}
-
-/// b's server: answers every call with its body reversed, after checking
-/// that the body is whole.
-struct Echo {
-    v: Violations,
-    /// (handle, body) of calls to answer (the world answers them later).
-    pending: Pending,
-}
-
-fn call_body(id: u64, len: usize) -> Vec<u8> {
-    let mut b = pattern(9, "call", id, len.max(16));
-    b[..8].copy_from_slice(&(len.max(16) as u64).to_le_bytes());
-    b[8..16].copy_from_slice(&id.to_le_bytes());
-    b
-}
-
-impl Server for Echo {
-    fn call(&self, handle: u64, _method: u32, body: Vec<u8>) {
-        let whole = body.len() >= 16 && {
-            let len = u64::from_le_bytes(body[..8].try_into().unwrap_or_default()) as usize;
-            let id = u64::from_le_bytes(body[8..16].try_into().unwrap_or_default());
-            len == body.len() && body == call_body(id, len)
-        };
-        if !whole {
-            flag(&self.v, format!("a call served with a body of {} bytes that is not a whole call", body.len()));
-        }
-        self.pending.lock().push((handle, body));
-    }
-    fn cancel(&self, _handle: u64) {}
-}
+mod faults;
 
 /// Take the next message of a link's direction. Messages that different
 /// threads sent at nearly the same time (within `RACE_EVENTS` events of
@@ -324,8 +42,6 @@ fn take_raced(q: &mut VecDeque<(u64, Vec<u8>)>, r: u64) -> Option<Vec<u8>> {
     let pick = if candidates > 1 && r % 3 == 0 { 1 + (r / 3) as usize % (candidates - 1) } else { 0 };
     q.remove(pick).map(|(_, m)| m)
 }
-
-// --- the world ----------------------------------------------------------------------
 
 struct Mem<'a>(&'a [u8]);
 impl SlotMemory for Mem<'_> {
@@ -371,7 +87,7 @@ enum Op {
     Call { len: usize },
 }
 
-struct World {
+pub(super) struct World {
     rng: u64,
     faults: bool,
     v: Violations,
@@ -388,14 +104,14 @@ struct World {
     ops: VecDeque<Op>,
     got: Got,
     calls: Vec<u64>,
-    counts: Arc<Mutex<Counts>>,
-    events: u64,
+    pub(super) counts: Arc<Mutex<Counts>>,
+    pub(super) events: u64,
     steps: u64,
     faults_left: u32,
 }
 
 impl World {
-    fn new(seed: u64, faults: bool, steps: u64, v: Violations) -> World {
+    pub(super) fn new(seed: u64, faults: bool, steps: u64, v: Violations) -> World {
         let alive = Arc::new(Mutex::new(HashMap::new()));
         let mut w = World {
             rng: seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1,
@@ -495,7 +211,7 @@ impl World {
         id
     }
 
-    fn run(&mut self) {
+    pub(super) fn run(&mut self) {
         let mut idle = 0;
         while self.events < 200_000 {
             self.check();
@@ -804,133 +520,6 @@ impl World {
         }
     }
 
-    fn fault(&mut self) {
-        self.faults_left -= 1;
-        self.counts.lock().faults += 1;
-        match self.rand() % 7 {
-            0 => {
-                // A link lost at any point.
-                let live: Vec<ConnId> = self.alive.lock().iter().filter(|(_, a)| **a).map(|(l, _)| *l).collect();
-                if !live.is_empty() {
-                    let mut live = live;
-                    live.sort_unstable();
-                    let l = live[(self.rand() % live.len() as u64) as usize];
-                    self.lose_link(l);
-                }
-            }
-            1 => self.restart(1),
-            2 | 6 => {
-                let step = self.current_step();
-                let n = (self.rand() % 2) as usize;
-                // Told to the peer or not (TF's abort of a step may reach
-                // each task on its own).
-                let propagate = self.rand() % 2 == 0;
-                let acts = self.nodes[n].rdv.abort_step(step, Error::Aborted(format!("step {step} aborted (fault)")), propagate);
-                self.exec(n, acts);
-            }
-            3 => {
-                let step = self.current_step();
-                let (n, e) = ((self.rand() % 2) as usize, self.rand() % 3);
-                let key = format!("edge{e}:{}", 1 - n);
-                let acts = self.nodes[n].rdv.cancel_recv(&key, step, Error::Aborted("receive cancelled (fault)".into()));
-                self.exec(n, acts);
-            }
-            4 => {
-                if let Some(&id) = self.calls.last() {
-                    let (rpc, w) = (self.nodes[0].rpc.clone(), self.nodes[0].wire.clone());
-                    rpc.cancel(&*w, id);
-                    self.drain_wire(0);
-                }
-            }
-            5 => {
-                let (rpc, w) = (self.nodes[0].rpc.clone(), self.nodes[0].wire.clone());
-                rpc.expire(&*w, Instant::now() + Duration::from_secs(2));
-                self.drain_wire(0);
-            }
-            _ => unreachable!("a fault kind below 7"),
-        }
-    }
-
-    /// The step the workload is at (faults aim at it).
-    fn current_step(&self) -> u64 {
-        match self.ops.front() {
-            Some(Op::Send { step, .. } | Op::Recv { step, .. }) => *step,
-            _ => self.steps,
-        }
-    }
-
-    /// The link is gone: both ends learn it (a transport reports a loss
-    /// after the messages it read; what was still queued is lost).
-    fn lose_link(&mut self, l: ConnId) {
-        if !self.alive.lock().insert(l, false).unwrap_or(false) {
-            return;
-        }
-        let Some(link) = self.links.get_mut(&l) else { return };
-        link.fwd.clear();
-        link.back.clear();
-        let (from, to) = (link.from, link.to);
-        for n in [from, to] {
-            let why = Error::PeerLost(format!("connection {l} lost"));
-            let (rpc, w) = (self.nodes[n].rpc.clone(), self.nodes[n].wire.clone());
-            rpc.link_lost(&*w, l, &why);
-            self.drain_wire(n);
-            let acts = self.nodes[n].rdv.on_link_lost(l, why);
-            self.exec(n, acts);
-        }
-        self.nodes[to].rdv.sender_gone(l);
-    }
-
-    /// Task `n` crashes and starts again (a new incarnation): its links
-    /// go, its callbacks with it; doorbells still queued for it from the
-    /// old life are delivered to the new one (they must land nowhere).
-    fn restart(&mut self, n: usize) {
-        // Sorted: the seed, not the hash map's order, decides.
-        let mut mine: Vec<ConnId> = self.links.iter().filter(|(_, l)| l.from == n || l.to == n).map(|(id, _)| *id).collect();
-        mine.sort_unstable();
-        let mut stale: Vec<(ConnId, u32)> = self.links.iter().filter(|(_, l)| l.to == n).flat_map(|(id, l)| l.imms.iter().map(move |i| (*id, *i))).collect();
-        stale.sort_by_key(|(l, _)| *l);
-        for l in &mine {
-            // The crashed side learns nothing; the survivor does.
-            if !self.alive.lock().insert(*l, false).unwrap_or(false) {
-                continue;
-            }
-            let link = self.links.get_mut(l).expect("listed");
-            link.fwd.clear();
-            link.back.clear();
-            let other = if link.from == n { link.to } else { link.from };
-            let why = Error::PeerLost(format!("task {n} crashed"));
-            let (rpc, w) = (self.nodes[other].rpc.clone(), self.nodes[other].wire.clone());
-            rpc.link_lost(&*w, *l, &why);
-            self.drain_wire(other);
-            let acts = self.nodes[other].rdv.on_link_lost(*l, why);
-            self.exec(other, acts);
-        }
-        self.work.retain(|w| match w {
-            Work::Write { node, .. } | Work::Copy { node, .. } => *node != n,
-        });
-        self.t.forget(n);
-        self.later.retain(|(owner, _)| *owner != n);
-        let inc = self.nodes[n].incarnation + 1000;
-        let fresh = self.new_node(n, inc);
-        let old = std::mem::replace(&mut self.nodes[n], fresh);
-        drop(old);
-        // The crashed task's own unfinished ops go with it.
-        self.ops.retain(|o| !matches!(o, Op::Send { from, .. } if *from == n) && !matches!(o, Op::Recv { at, .. } if *at == n));
-        for (l, imm) in stale {
-            let node = &mut self.nodes[n];
-            let acts = node.rdv.on_write_imm(l, imm, &Mem(&node.mem));
-            if !acts.is_empty() {
-                flag(&self.v, format!("a doorbell from task {n}'s previous life on connection {l} reached its new one: {acts:?}"));
-            }
-        }
-    }
-
-    fn protocol_close(&mut self, n: usize, l: ConnId, why: Error) {
-        if !self.faults {
-            flag(&self.v, format!("task {n} closed connection {l} without a fault: {why}"));
-        }
-        self.lose_link(l);
-    }
 
     fn drain_wire(&mut self, n: usize) {
         loop {
