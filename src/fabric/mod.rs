@@ -325,8 +325,9 @@ pub trait Listener: Send + Sync {
         self.send_msg(conn, msg)
     }
     /// Control messages and writes queued on `conn` that wait for the
-    /// peer (0 where the backend does not count them): a sender of many
-    /// messages paces itself by it.
+    /// peer (shm: control messages its socket has not taken; verbs: work
+    /// requests posted and not completed): a sender of many messages paces
+    /// itself by it.
     fn backlog(&self, _conn: ConnId) -> usize {
         0
     }

@@ -336,6 +336,10 @@ impl Endpoint for ShmEndpoint {
         self.outbox.post(msg)
     }
 
+    fn backlog(&self) -> usize {
+        self.outbox.backlog()
+    }
+
     fn close(&self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }

@@ -128,6 +128,10 @@ impl Listener for ShmListener {
         self.outbox(conn)?.post(msg)
     }
 
+    fn backlog(&self, conn: ConnId) -> usize {
+        self.outbox(conn).map_or(0, |o| o.backlog())
+    }
+
     fn grant(&self, conn: ConnId, off: u64, len: u64) -> Result<Option<u32>> {
         let Some(c) = self.inner.conns.lock().get(&conn).cloned() else { return Ok(None) };
         if let Some(w) = &c.window {

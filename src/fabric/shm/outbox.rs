@@ -54,6 +54,9 @@ struct Queue {
     buf: Vec<u8>,
     /// Bytes of `buf` already sent.
     head: usize,
+    /// Where each frame not wholly sent ends in `buf`, in order: how many
+    /// messages wait for the peer (`Outbox::backlog`).
+    ends: std::collections::VecDeque<usize>,
     /// When the peer last took bytes (or the queue started).
     since: Instant,
     /// Handed to the send thread (it calls `flush` until `Done`).
@@ -74,7 +77,7 @@ impl Outbox {
     /// everything until `uncork`.
     pub fn new(stream: &UnixStream, timeout: Duration, corked: bool) -> Result<Arc<Outbox>> {
         let stream = stream.try_clone().map_err(|e| Error::Io(format!("dup an shm socket: {e}")))?;
-        let q = Queue { buf: Vec::with_capacity(4096), head: 0, since: Instant::now(), registered: false, corked, failed: None };
+        let q = Queue { buf: Vec::with_capacity(4096), head: 0, ends: std::collections::VecDeque::with_capacity(64), since: Instant::now(), registered: false, corked, failed: None };
         Ok(Arc::new(Outbox { stream, timeout, q: Mutex::new(q) }))
     }
 
@@ -87,6 +90,12 @@ impl Outbox {
     /// Queue a control message for the send thread: no I/O on this thread.
     pub fn post(self: &Arc<Self>, body: &[u8]) -> Result<()> {
         self.put(body, true)
+    }
+
+    /// Control messages queued that the peer has not wholly taken: a
+    /// sender of many messages paces itself by it (`Listener::backlog`).
+    pub fn backlog(&self) -> usize {
+        self.q.lock().ends.len()
     }
 
     /// Why the connection failed here, if it did (its reader reports this
@@ -137,7 +146,7 @@ impl Outbox {
             let e = Error::ResourceExhausted(format!("{queued} bytes of control messages wait for a peer that is not reading"));
             return Err(self.fail(&mut q, e));
         }
-        if let Err(e) = q.buf.try_reserve(frame_len - skip) {
+        if let Err(e) = q.buf.try_reserve(frame_len - skip).map_err(|e| e.to_string()).and_then(|()| q.ends.try_reserve(1).map_err(|e| e.to_string())) {
             return Err(self.fail(&mut q, Error::ResourceExhausted(format!("queueing a control message: {e}"))));
         }
         // Part of the frame may be out already (`skip`): queue the rest.
@@ -147,6 +156,8 @@ impl Outbox {
         } else {
             q.buf.extend_from_slice(&body[skip - head.len()..]);
         }
+        let end = q.buf.len();
+        q.ends.push_back(end);
         let register = !q.registered && !q.corked;
         if register {
             q.registered = true;
@@ -176,6 +187,7 @@ impl Outbox {
         }
         q.buf = Vec::new();
         q.head = 0;
+        q.ends = std::collections::VecDeque::new();
         e
     }
 }
@@ -199,6 +211,10 @@ impl Backlog for Outbox {
                 Ok(n) => {
                     q.head += n;
                     q.since = Instant::now();
+                    let head = q.head;
+                    while q.ends.front().is_some_and(|&end| end <= head) {
+                        q.ends.pop_front();
+                    }
                 }
                 Err(e) => {
                     self.fail(&mut q, e);
@@ -210,6 +226,7 @@ impl Backlog for Outbox {
         if q.head == q.buf.len() {
             q.buf.clear();
             q.head = 0;
+            q.ends.clear();
             if q.buf.capacity() > (1 << 20) {
                 q.buf.shrink_to(64 << 10);
             }
@@ -229,6 +246,9 @@ impl Backlog for Outbox {
             let h = q.head;
             q.buf.drain(..h);
             q.head = 0;
+            for end in q.ends.iter_mut() {
+                *end -= h;
+            }
         }
         Flushed::Waiting(Some(self.stream.as_raw_fd()))
     }
@@ -430,5 +450,39 @@ mod tests {
         for want in [&b"first"[..], b"second", b"third"] {
             assert_eq!(recv_frame(&b).unwrap().1, want);
         }
+    }
+
+    /// The backlog counts the messages the peer has not wholly taken, so
+    /// that a sender of many (a worker RPC's 1 GiB body, in 64 KiB parts)
+    /// paces itself on shm as on verbs: 0 when the socket took everything,
+    /// every queued message while the peer reads nothing, 0 again once it
+    /// has read them all. (It was always 0 on shm: the pacer never held
+    /// back, and a reader more than 1 GiB behind failed the link.)
+    #[test]
+    fn the_backlog_counts_the_messages_the_peer_has_not_taken() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let ob = Outbox::new(&a, Duration::from_secs(30), false).unwrap();
+        ob.send(b"small").unwrap();
+        assert_eq!(ob.backlog(), 0, "the socket took it at once");
+        assert_eq!(recv_frame(&b).unwrap().1, b"small");
+        let body = vec![3u8; 64 << 10];
+        let n = 100;
+        for _ in 0..n {
+            ob.send(&body).unwrap();
+        }
+        // The socket holds a few; the rest wait, each counted once (a
+        // frame partly in the socket counts until it is wholly out).
+        let waiting = ob.backlog();
+        assert!(waiting > n / 2 && waiting <= n, "{waiting} of {n} counted as waiting");
+        for i in 0..n {
+            let (_, got, _) = recv_frame(&b).unwrap();
+            assert_eq!(got.len(), body.len(), "message {i}");
+        }
+        let t0 = Instant::now();
+        while ob.backlog() > 0 {
+            assert!(t0.elapsed() < Duration::from_secs(5), "{} still counted after the peer read everything", ob.backlog());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(ob.failure().is_none());
     }
 }
