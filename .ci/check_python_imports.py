@@ -28,6 +28,9 @@ import ast
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graphs import circles  # noqa: E402  (.ci/graphs.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = "rdma_device"
 PKG_DIR = os.path.join(ROOT, "python", PKG)
@@ -104,83 +107,34 @@ def graph(mods):
     return {m: imports(mods, m, p) for m, p in mods.items()}
 
 
-def circles(g):
-    """One circle [a, b, ..., a] through each strongly connected set of
-    more than one module (Tarjan's algorithm, then a path inside the set)."""
-    index, low, stack, on, sccs = {}, {}, [], set(), []
+def top_level_statements(path):
+    """The statements a module runs at its top level, those under a
+    top-level if/try included (their branches flattened in order)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
 
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(g.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = set()
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.add(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                sccs.append(comp)
+    def walk(body):
+        for node in body:
+            if isinstance(node, ast.If):
+                yield from walk(node.body)
+                yield from walk(node.orelse)
+            elif isinstance(node, ast.Try):
+                yield from walk(node.body)
+                for h in node.handlers:
+                    yield from walk(h.body)
+                yield from walk(node.orelse)
+                yield from walk(node.finalbody)
+            else:
+                yield node
 
-    sys.setrecursionlimit(10000)
-    for v in sorted(g):
-        if v not in index:
-            visit(v)
-    return [_cycle_in(g, comp) for comp in sorted(sccs, key=min)]
-
-
-def _cycle_in(g, comp):
-    """A shortest path from the set's first module back to itself, inside
-    the set (breadth first)."""
-    start = min(comp)
-    prev, frontier = {start: None}, [start]
-    while frontier:
-        nxt = []
-        for v in frontier:
-            for w in sorted(g[v] & comp):
-                if w == start:
-                    path = [v]
-                    while prev[path[-1]] is not None:
-                        path.append(prev[path[-1]])
-                    return path[::-1] + [start]
-                if w not in prev:
-                    prev[w] = v
-                    nxt.append(w)
-        frontier = nxt
-    raise AssertionError(f"no circle in the strongly connected set {sorted(comp)}")
+    return list(walk(tree.body))
 
 
 def top_level_functions(path):
     """Names of the functions a module defines at its top level (under a
     top-level if/try too)."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), path)
-    names = set()
-
-    def collect(body):
-        for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                names.add(node.name)
-            elif isinstance(node, ast.If):
-                collect(node.body)
-                collect(node.orelse)
-            elif isinstance(node, ast.Try):
-                collect(node.body)
-                for h in node.handlers:
-                    collect(h.body)
-                collect(node.orelse)
-                collect(node.finalbody)
-
-    collect(tree.body)
-    return names
+    return {n.name for n in top_level_statements(path)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
 def shared_functions(mods, allowed=ALLOWED):

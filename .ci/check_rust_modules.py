@@ -10,6 +10,9 @@ import os
 import re
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graphs import circles  # noqa: E402  (.ci/graphs.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATH = re.compile(r"\b((?:crate|super|self)(?:::[A-Za-z_][A-Za-z0-9_]*)+)")
 COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
@@ -65,42 +68,10 @@ def graph(src):
     return g
 
 
-def circles(g):
-    """Strongly connected components of more than one module (Tarjan)."""
-    index, low, stack, on, out = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(g.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    sys.setrecursionlimit(10000)
-    for v in sorted(g):
-        if v not in index:
-            visit(v)
-    return out
-
-
 def main():
     found = circles(graph(os.path.join(ROOT, "src")))
     for c in found:
-        print("check_rust_modules: import circle: " + " <-> ".join(c))
+        print("check_rust_modules: import circle: " + " -> ".join(c))
     print(f"check_rust_modules: {len(found)} circle(s)")
     return 1 if found else 0
 

@@ -96,6 +96,20 @@ def stop_tasks(procs, logs):
         f.close()
 
 
+def timed_block(session, fetch, clusters, steps, times):
+    """One benchmark block: ``fetch`` once untimed (that step absorbs the
+    switch from whatever ran before), then ``steps`` times, each step's
+    wall time in ms appended to ``times``. Returns the CPU seconds that
+    ``clusters``' tasks and this process used over the timed steps."""
+    session.run(fetch)
+    c0 = cpu_seconds(clusters)
+    for _ in range(steps):
+        t = time.perf_counter()
+        session.run(fetch)
+        times.append((time.perf_counter() - t) * 1e3)
+    return cpu_seconds(clusters) - c0
+
+
 def cpu_seconds(clusters):
     """CPU seconds used so far by every thread of every task process of
     ``clusters`` (``/proc/PID/task/*/schedstat``, nanoseconds) plus this

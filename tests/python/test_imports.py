@@ -94,31 +94,16 @@ def test_a_function_defined_in_two_modules(tmp_path):
 def _top_level_names(path):
     """Names a module defines at its top level: functions, classes,
     assignments and imports (including those under a top-level if/try)."""
-    with open(path) as f:
-        tree = ast.parse(f.read(), path)
     names = set()
-
-    def collect(body):
-        for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names.add(node.name)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for t in targets:
-                    names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                names.update((a.asname or a.name).split(".")[0] for a in node.names)
-            elif isinstance(node, ast.If):
-                collect(node.body)
-                collect(node.orelse)
-            elif isinstance(node, ast.Try):
-                collect(node.body)
-                for h in node.handlers:
-                    collect(h.body)
-                collect(node.orelse)
-                collect(node.finalbody)
-
-    collect(tree.body)
+    for node in check.top_level_statements(path):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
     return names
 
 

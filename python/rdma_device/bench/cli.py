@@ -71,7 +71,7 @@ import sys
 import time
 
 from rdma_device import _quiet
-from rdma_device._cluster import LocalCluster, cpu_seconds
+from rdma_device._cluster import LocalCluster, cpu_seconds, timed_block
 from rdma_device._units import parse_size, size_label
 from rdma_device.bench.progress import Progress
 
@@ -117,13 +117,7 @@ def transfer(args):
                 # per round (no protocol always runs right after the other).
                 for p in rng.sample(PROTOCOLS, len(PROTOCOLS)):
                     s, out = sessions[p]
-                    s.run(out)  # the block's first step absorbs the switch: not counted
-                    c0 = cpu_seconds([clusters[p]])
-                    for i in range(args.block):
-                        t = time.perf_counter()
-                        s.run(out)
-                        times[p].append((time.perf_counter() - t) * 1e3)
-                    cpu[p] += cpu_seconds([clusters[p]]) - c0
+                    cpu[p] += timed_block(s, out, [clusters[p]], args.block, times[p])
             gb = size * args.reps * args.block / 1e9
             for s, _ in sessions.values():
                 s.close()

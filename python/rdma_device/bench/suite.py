@@ -24,12 +24,13 @@ only when the installed transport knows that setting).
 
 import json
 import os
+import random
 import statistics
 import sys
 import time
 
 from rdma_device import _quiet
-from rdma_device._cluster import LocalCluster, cpu_seconds
+from rdma_device._cluster import LocalCluster, cpu_seconds, timed_block
 from rdma_device.bench import workloads
 from rdma_device.bench.progress import Progress
 
@@ -124,15 +125,14 @@ def run_workload(tf, name, n, modes, clusters, compute_cluster, args):
     times = {m: [] for m in runs}
     cpu = {m: 0.0 for m in runs}
     own = dict(clusters, compute=compute_cluster)  # CPU counted on the running mode's tasks only
+    # Each repetition runs every mode's block in a new random order: no
+    # mode always runs right after another (a cache or a CPU frequency
+    # left by it would favour or handicap the same mode every time).
+    rng = random.Random()
     for _ in range(args.reps):
-        for m, (s, op) in runs.items():
-            s.run(op)  # the block's first step absorbs the switch; not counted
-            c0 = cpu_seconds([own[m]])
-            for _ in range(args.block):
-                t = time.perf_counter()
-                s.run(op)
-                times[m].append((time.perf_counter() - t) * 1e3)
-            cpu[m] += cpu_seconds([own[m]]) - c0
+        for m in rng.sample(list(runs), len(runs)):
+            s, op = runs[m]
+            cpu[m] += timed_block(s, op, [own[m]], args.block, times[m])
             steps_run[m] += args.block + 1
     after = {m: _transport_count(clusters[m].stats()) for m in before}
     # Then a few traced steps per transport mode: the measured breakdown.
