@@ -24,6 +24,8 @@ pub struct Config {
     pub connect_timeout_ms: u64,
     /// How long a progress thread spins before it blocks.
     pub spin_us: u64,
+    /// How long a thread waiting for a receive polls before it parks.
+    pub poll_us: u64,
     /// Threads that copy a large shm write (the sender's included).
     pub shm_copy_threads: usize,
     /// Place edges with static shapes when graphs are registered.
@@ -87,6 +89,8 @@ pub const VARS: &[Var] = &[
           help: "How long a sender waits for a receiver to accept a connection (ms)." },
     Var { name: "RDMA_DEVICE_SPIN_US", default: "50",
           help: "How long a progress thread polls before it sleeps (microseconds); lower saves CPU, higher cuts latency." },
+    Var { name: "RDMA_DEVICE_POLL_US", default: "50",
+          help: "How long a thread waiting for a receive (the endpoint API's recv) delivers arriving writes itself before it parks (microseconds; stretched up to 200 across a steady exchange's gaps; it yields the core on every pass); 0: it parks at once and the progress thread wakes it." },
     Var { name: "RDMA_DEVICE_SHM_COPY_THREADS", default: "0",
           help: "Threads that copy one large (>= 4 MiB) write between tasks on this host, the sender's own included (0: min(4, CPUs); 1: the sender alone)." },
     Var { name: "RDMA_DEVICE_STATIC_PLACEMENT", default: "1",
@@ -161,6 +165,7 @@ impl Config {
             transports,
             connect_timeout_ms: int("RDMA_DEVICE_CONNECT_TIMEOUT_MS", &val("RDMA_DEVICE_CONNECT_TIMEOUT_MS"), 1, 3_600_000)? as u64,
             spin_us: int("RDMA_DEVICE_SPIN_US", &val("RDMA_DEVICE_SPIN_US"), 0, 1_000_000)? as u64,
+            poll_us: int("RDMA_DEVICE_POLL_US", &val("RDMA_DEVICE_POLL_US"), 0, 1_000_000)? as u64,
             shm_copy_threads: match int("RDMA_DEVICE_SHM_COPY_THREADS", &val("RDMA_DEVICE_SHM_COPY_THREADS"), 0, 64)? {
                 0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(4),
                 n => n as usize,
@@ -205,6 +210,7 @@ impl Config {
                     "RDMA_DEVICE_TRANSPORTS" => self.transports.join(","),
                     "RDMA_DEVICE_CONNECT_TIMEOUT_MS" => self.connect_timeout_ms.to_string(),
                     "RDMA_DEVICE_SPIN_US" => self.spin_us.to_string(),
+                    "RDMA_DEVICE_POLL_US" => self.poll_us.to_string(),
                     "RDMA_DEVICE_SHM_COPY_THREADS" => self.shm_copy_threads.to_string(),
                     "RDMA_DEVICE_STATIC_PLACEMENT" => (self.static_placement as u8).to_string(),
                     "RDMA_DEVICE_MODE" => (if self.rpc_mode { "rpc" } else { "push" }).to_string(),

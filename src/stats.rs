@@ -72,6 +72,7 @@ counters! {
         fallback_tensors: "tensors that went over stock gRPC",
         fallback_bytes: "payload bytes of those tensors",
         peers_lost: "connections lost (peer exit, transport error)",
+        polled_writes: "one-sided writes that a thread waiting for a receive (rdev_wait) delivered itself while it polled, so no event thread woke for them (caller-driven progress, RDMA_DEVICE_POLL_US)",
         steps_ended: "steps TensorFlow ended on this task (its cleanup of the step: rdev_step_done)",
         steps_reopened: "steps whose rendezvous TensorFlow made again after the last one had gone (an eager function's later component on this task): what peers pushed for them meanwhile was kept",
         worker_rpcs_over_transport: "per-step worker RPCs (RunGraph, CleanupGraph) this task made over the transport's message channel",

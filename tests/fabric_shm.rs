@@ -262,3 +262,89 @@ fn a_closing_listeners_refusal_is_retried_and_never_demotes() {
 
     connect_waiting_for(&fabric, &addr, refusals, "the waiting connect gave up on a closing listener");
 }
+
+/// Forwards to a `Recorder`, and notes which thread delivered each
+/// immediate.
+struct Where {
+    inner: Arc<rdma_device::fabric::conformance::Recorder>,
+    threads: parking_lot::Mutex<Vec<(u32, String, std::time::Instant)>>,
+}
+
+impl rdma_device::fabric::FabricEvents for Where {
+    fn on_accept(&self, c: u64, h: &[u8], nonce: &[u8]) -> rdma_device::Result<Vec<u8>> {
+        self.inner.on_accept(c, h, nonce)
+    }
+    fn on_write_imm(&self, c: u64, imm: u32) {
+        let name = std::thread::current().name().unwrap_or("?").to_string();
+        self.threads.lock().push((imm, name, std::time::Instant::now()));
+        self.inner.on_write_imm(c, imm)
+    }
+    fn on_message(&self, c: u64, m: &[u8]) {
+        self.inner.on_message(c, m)
+    }
+    fn on_disconnect(&self, c: u64, why: rdma_device::Error) {
+        self.inner.on_disconnect(c, why)
+    }
+}
+
+/// Issue 33 (caller-driven progress): while a thread polls the listener,
+/// it delivers the writes that land itself (no event thread wakes for
+/// them, the senders ring no doorbell), and when it stops, a write that
+/// landed meanwhile is delivered and the sleeping progress thread gets its
+/// doorbell back: the next writes wake it at once. A lost wake-up would
+/// show as a write delivered only by the progress thread's 200 ms timer.
+#[test]
+fn a_polling_thread_delivers_writes_itself_and_hands_the_doorbell_back() {
+    use rdma_device::fabric::conformance::Recorder;
+    use rdma_device::fabric::{Arena, Fabric};
+    use std::time::Instant;
+
+    let me = std::thread::current().name().unwrap().to_string();
+    let fabric = ShmFabric::new(Duration::ZERO); // the progress thread sleeps as soon as it is idle
+    let arena = Arc::new(Arena::new("polling", 1 << 20).unwrap());
+    let rec = Recorder::new(b"r", None);
+    let ev = Arc::new(Where { inner: rec.clone(), threads: parking_lot::Mutex::new(Vec::new()) });
+    let addr = harness_addr();
+    let listener = fabric.listen(&addr, arena.clone(), ev.clone()).unwrap();
+    let ep = fabric.connect(&addr, b"h", Recorder::new(b"", None), Duration::from_secs(10), true).unwrap();
+    let evs = rec.wait_for("accept", |e| e.iter().any(|x| matches!(x, rdma_device::fabric::conformance::Ev::Accept(..))));
+    let conn = evs.iter().find_map(|x| if let rdma_device::fabric::conformance::Ev::Accept(c, _) = x { Some(*c) } else { None }).unwrap();
+    let key = listener.grant(conn, 0, arena.len() as u64).unwrap().unwrap();
+    let delivered = |imm: u32| ev.threads.lock().iter().find(|(i, ..)| *i == imm).cloned();
+    let write = |imm: u32| ep.write_imm(0, key, vec![Box::new(vec![imm as u8; 64])], imm, Box::new(|r: rdma_device::Result<()>| r.unwrap()));
+
+    for round in 0..5u32 {
+        std::thread::sleep(Duration::from_millis(20)); // the progress thread is asleep
+        // Polling: this thread delivers the write.
+        listener.start_polling();
+        let imm = 100 * round + 1;
+        write(imm);
+        let t0 = Instant::now();
+        let mut got = 0;
+        while got == 0 && t0.elapsed() < Duration::from_secs(5) {
+            got = listener.poll();
+        }
+        assert_eq!(got, 1, "round {round}: the polling thread delivered nothing");
+        assert_eq!(delivered(imm).map(|d| d.1), Some(me.clone()), "round {round}: delivered by another thread");
+        // A write that lands while the rings say "awake" and nobody polls
+        // is delivered when polling stops, at the latest.
+        write(imm + 1);
+        std::thread::sleep(Duration::from_millis(2));
+        listener.stop_polling();
+        let t0 = Instant::now();
+        while delivered(imm + 1).is_none() && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(t0.elapsed() < Duration::from_millis(100), "round {round}: the write that landed while polling took {:?}", t0.elapsed());
+        // Not polling: the progress thread is woken by the next write.
+        std::thread::sleep(Duration::from_millis(20));
+        let sent = Instant::now();
+        write(imm + 2);
+        while delivered(imm + 2).is_none() && sent.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let (_, thread, at) = delivered(imm + 2).expect("delivered");
+        assert_eq!(thread, "rdev-shm-progress", "round {round}");
+        assert!(at - sent < Duration::from_millis(100), "round {round}: the progress thread took {:?} (its doorbell was not handed back)", at - sent);
+    }
+}

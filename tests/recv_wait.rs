@@ -156,3 +156,144 @@ fn an_arrival_wakes_a_waiter_from_the_event_thread_and_a_callback_from_rdev_call
         b.step_done(step);
     }
 }
+
+/// Issue 33 (caller-driven progress): a thread that polls for its receive
+/// (what `rdev_wait` does before it parks) delivers the write that lands
+/// meanwhile itself: the receive completes on that thread, not on the
+/// progress thread, and the write is counted in `polled_writes`. With
+/// polling off the same receive completes on the progress thread.
+#[test]
+fn a_thread_polling_for_its_receive_completes_it_itself() {
+    let cfg = small_config();
+    if !cfg.allows("shm") {
+        return skipped("shm is not among RDMA_DEVICE_TRANSPORTS (the event thread named here is shm's)");
+    }
+    // The progress threads sleep once idle; the waiting thread polls long
+    // enough for a write sent 20 ms later.
+    let cfg = rdma_device::config::Config { spin_us: 0, poll_us: 2_000_000, ..cfg };
+    let me = std::thread::current().name().unwrap().to_string();
+    let (pa, pb) = (free_port(), free_port());
+    let (ta, tb) = (task(0), task(1));
+    let a = std::sync::Arc::new(Node::new(cfg.clone(), &ta, &addr(pa)).unwrap());
+    let b = Node::new(cfg.clone(), &tb, &addr(pb)).unwrap();
+    let b_off = Node::new(rdma_device::config::Config { poll_us: 0, ..cfg }, &task(2), &addr(free_port())).unwrap();
+    a.add_peer(&tb, &addr(pb));
+    b.add_peer(&ta, &addr(pa));
+    a.add_peer(&task(2), b_off.addr());
+    b_off.add_peer(&ta, &addr(pa));
+    let polled = || rdma_device::stats::Stats::global().c.polled_writes.load(std::sync::atomic::Ordering::Relaxed);
+    for (step, node, peer, polls) in [(1u64, &b, &tb, true), (2, &b_off, &task(2), false), (3, &b, &tb, true)] {
+        let (tx, rx) = mpsc::channel();
+        node.recv(&ta, "t", step, Box::new(OnThread { tx, anywhere: true }));
+        let before = polled();
+        let (a2, peer2) = (a.clone(), peer.clone());
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            send_wait(&a2, &peer2, "t", step, TensorMeta { dtype: 4, flags: 0, dims: [256].as_slice().into() }, pattern(step, 256)).unwrap();
+        });
+        let got = parking_lot::Mutex::new(None);
+        let done = node.poller().spin_until(|| {
+            if let Ok(t) = rx.try_recv() {
+                *got.lock() = Some(t);
+            }
+            got.lock().is_some()
+        });
+        assert_eq!(done, polls, "step {step}: the poll window");
+        let thread = match got.into_inner() {
+            Some(t) => t,
+            None => rx.recv_timeout(Duration::from_secs(10)).expect("the receive completed"),
+        };
+        sender.join().unwrap();
+        let want = if polls { me.as_str() } else { "rdev-shm-progress" };
+        assert_eq!(thread, want, "step {step}: completed on the wrong thread");
+        if polls {
+            assert!(polled() > before, "step {step}: polled_writes did not count the write");
+        }
+        node.step_done(step);
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Ctx(*mut rdev_context);
+// SAFETY: a context may be used from any thread (the C ABI's contract).
+unsafe impl Send for Ctx {}
+// SAFETY: as above.
+unsafe impl Sync for Ctx {}
+
+/// Caller-driven progress under contention: two ping-pong pairs on the
+/// same two contexts (two threads of each polling at once, beside the
+/// progress threads, with gaps that land writes inside and outside the
+/// poll window). Every round trip carries its bytes, none is lost, and
+/// none waits on the progress thread's 200 ms timer (a lost doorbell).
+#[test]
+fn ping_pongs_with_polling_waiters_lose_no_write() {
+    let (pa, pb) = (free_port(), free_port());
+    let (ta, tb) = (task(0), task(1));
+    let (a, b) = (Ctx(new_ctx(&ta, &addr(pa))), Ctx(new_ctx(&tb, &addr(pb))));
+    add_peer(a.0, &tb, &addr(pb));
+    add_peer(b.0, &ta, &addr(pa));
+    const ROUNDS: u64 = 300;
+    let send = |c: Ctx, peer: &str, key: &str, step: u64, data: &[u8]| {
+        let dims = [data.len() as i64];
+        let meta = rdev_tensor_meta { dtype: 4, flags: 0, ndims: 1, dims: dims.as_ptr() };
+        // SAFETY: valid context, strings and meta; `data` lives until the
+        // end of the test (a first send queues while it connects).
+        let st = unsafe { rdev_send(c.0, peer.as_ptr().cast(), peer.len(), key.as_ptr().cast(), key.len(), step, &meta, data.as_ptr(), data.len(), Some(sent), std::ptr::null_mut()) };
+        assert_eq!(st, rdev_status::RDEV_OK, "{}", last_error());
+    };
+    let recv = |c: Ctx, peer: &str, key: &str, step: u64, want: &[u8]| -> Duration {
+        let w = waitable(c.0, peer, key, step);
+        let t0 = Instant::now();
+        let (st, buf) = wait(w, 10_000);
+        let took = t0.elapsed();
+        assert_eq!(st, rdev_status::RDEV_OK, "{key} step {step}: {}", last_error());
+        // SAFETY: a buffer the wait handed us; released and freed once.
+        unsafe {
+            assert_eq!(std::slice::from_raw_parts(rdev_buffer_data(buf), rdev_buffer_len(buf)), want, "{key} step {step}");
+            rdev_buffer_release(buf);
+            rdev_waiter_free(w);
+        }
+        took
+    };
+    // Every payload, made before and dropped after the exchange.
+    let payloads = |seed: u64, sized: bool| -> Vec<Vec<u8>> { (0..=ROUNDS).map(|i| pattern(i + seed, if sized { 64 + (i as usize % 7) * 512 } else { 64 })).collect() };
+    let (pings, pongs) = (payloads(0, true), payloads(1000, false));
+    let (pings, pongs) = (&pings, &pongs);
+    let gap = |i: u64| Duration::from_micros([0, 0, 10, 80, 400, 3000][(i % 6) as usize]);
+    let slowest = std::thread::scope(|s| {
+        let mut hs = Vec::new();
+        for pair in ["x", "y"] {
+            let (ping, pong) = (format!("ping-{pair}"), format!("pong-{pair}"));
+            let (ta2, tb2) = (ta.clone(), tb.clone());
+            let (ping2, pong2) = (ping.clone(), pong.clone());
+            hs.push(s.spawn(move || {
+                let mut slowest = Duration::ZERO;
+                for i in 1..=ROUNDS {
+                    send(a, &tb2, &ping2, i, &pings[i as usize]);
+                    slowest = slowest.max(recv(a, &tb2, &pong2, i, &pongs[i as usize]));
+                    std::thread::sleep(gap(i));
+                }
+                slowest
+            }));
+            hs.push(s.spawn(move || {
+                let mut slowest = Duration::ZERO;
+                for i in 1..=ROUNDS {
+                    slowest = slowest.max(recv(b, &ta2, &ping, i, &pings[i as usize]));
+                    std::thread::sleep(gap(i + 3));
+                    send(b, &ta2, &pong, i, &pongs[i as usize]);
+                }
+                slowest
+            }));
+        }
+        hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    // Waits include the partner's gaps (at most 3 ms each) and scheduling
+    // on a busy host; a lost doorbell costs the 200 ms timer.
+    let worst = slowest.iter().max().copied().unwrap();
+    assert!(worst < Duration::from_millis(150), "a wait took {worst:?}: {slowest:?}");
+    // SAFETY: contexts from rdev_context_new, freed once.
+    unsafe {
+        rdev_context_free(a.0);
+        rdev_context_free(b.0);
+    }
+}

@@ -48,6 +48,21 @@ pub fn on_event_thread() -> bool {
     EVENT_THREAD.with(|t| t.get())
 }
 
+/// While the returned guard lives, the calling thread counts as an event
+/// thread (see `mark_event_thread`): a thread that delivers events for a
+/// while (caller-driven progress, `Listener::poll`).
+pub fn as_event_thread() -> AsEventThread {
+    AsEventThread(EVENT_THREAD.with(|t| t.replace(true)))
+}
+
+pub struct AsEventThread(bool);
+
+impl Drop for AsEventThread {
+    fn drop(&mut self) {
+        EVENT_THREAD.with(|t| t.set(self.0));
+    }
+}
+
 thread_local! {
     static NO_BLOCKING: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
@@ -350,6 +365,22 @@ pub trait Listener: Send + Sync {
     fn close_conn(&self, conn: ConnId);
     /// Stop accepting and close every connection.
     fn shutdown(&self);
+    /// Caller-driven progress: deliver, on the calling thread, the writes
+    /// that have landed and that no event thread has delivered yet, unless
+    /// another thread is delivering them right now. Returns how many it
+    /// delivered. Only between [`Listener::start_polling`] and
+    /// [`Listener::stop_polling`]. The calling thread must hold no lock
+    /// of the node's and may be made to run completions that run on an
+    /// event thread (a waitable receive's wake-up).
+    fn poll(&self) -> usize {
+        0
+    }
+    /// A thread starts polling (see `poll`): senders stop waking this
+    /// listener's event thread for every write while it does.
+    fn start_polling(&self) {}
+    /// The thread stops polling: a sleeping event thread is woken again by
+    /// the next write, and what landed meanwhile is delivered.
+    fn stop_polling(&self) {}
 }
 
 /// The sending side of one connection: may write into the peer's arena.

@@ -10,15 +10,16 @@
 //! one thread wake-up from the arrival to the waiting thread, instead of
 //! the event thread waking `rdev-callbacks` which wakes the caller.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
 use super::{boundary, ctx_arg, rdev_buffer, rdev_context, str_arg, status, BUFFERS};
 use crate::completion::Complete;
 use crate::error::Error;
-use crate::node::Lease;
+use crate::node::{Lease, Poller};
 use status::rdev_status;
 
 /// A posted receive's outcome, once in.
@@ -27,6 +28,8 @@ struct Cell {
     /// `Some` from completion until a wait takes it; `taken` after that.
     outcome: Mutex<Slot>,
     ready: Condvar,
+    /// Set once the outcome is in (read without the lock while polling).
+    done: AtomicBool,
 }
 
 #[derive(Default)]
@@ -41,6 +44,9 @@ enum Slot {
 /// `rdev_waiter_free`, whether or not its outcome was taken.
 pub struct rdev_waiter {
     cell: Arc<Cell>,
+    /// The waiting thread delivers the writes that land while it polls
+    /// (see `node::poll`), before it parks.
+    poller: Poller,
 }
 
 struct WaitDone(Arc<Cell>);
@@ -48,6 +54,7 @@ struct WaitDone(Arc<Cell>);
 impl Complete<Result<Lease, Error>> for WaitDone {
     fn complete(self: Box<Self>, r: Result<Lease, Error>) {
         *self.0.outcome.lock() = Slot::In(r);
+        self.0.done.store(true, Ordering::Release);
         self.0.ready.notify_all();
     }
 
@@ -80,7 +87,7 @@ pub unsafe extern "C" fn rdev_recv_waitable(
         let cell = Arc::new(Cell::default());
         c.node.recv(peer, key, step_id, Box::new(WaitDone(cell.clone())));
         // SAFETY: non-NULL out-param; the handle is the caller's now.
-        unsafe { *out = Box::into_raw(Box::new(rdev_waiter { cell })) };
+        unsafe { *out = Box::into_raw(Box::new(rdev_waiter { cell, poller: c.node.poller() })) };
         Ok(())
     })
 }
@@ -100,11 +107,22 @@ pub unsafe extern "C" fn rdev_wait(w: *const rdev_waiter, timeout_ms: u64, out: 
         if out.is_null() {
             return Err(Error::InvalidArgument("out is NULL".into()));
         }
+        // Capped so the deadline's arithmetic cannot overflow.
+        let limit = Duration::from_millis(timeout_ms.min(u64::MAX / 4));
+        let start = Instant::now();
+        let mut waited = false;
+        if !w.cell.done.load(Ordering::Acquire) {
+            // Poll first: a write landing meanwhile wakes no thread.
+            waited = true;
+            w.poller.spin_until(|| w.cell.done.load(Ordering::Acquire));
+        }
         let mut slot = w.cell.outcome.lock();
         if matches!(*slot, Slot::Pending) {
-            // Capped so the deadline's arithmetic cannot overflow.
-            let limit = Duration::from_millis(timeout_ms.min(u64::MAX / 4));
-            let _ = w.cell.ready.wait_while_for(&mut slot, |s| matches!(s, Slot::Pending), limit);
+            let left = limit.saturating_sub(start.elapsed());
+            let _ = w.cell.ready.wait_while_for(&mut slot, |s| matches!(s, Slot::Pending), left);
+        }
+        if waited && !matches!(*slot, Slot::Pending) {
+            w.poller.waited(start);
         }
         match std::mem::replace(&mut *slot, Slot::Taken) {
             Slot::Pending => {
@@ -113,7 +131,10 @@ pub unsafe extern "C" fn rdev_wait(w: *const rdev_waiter, timeout_ms: u64, out: 
             }
             Slot::Taken => Err(Error::InvalidArgument("this receive's outcome was taken already".into())),
             Slot::In(Err(e)) => Err(e),
-            Slot::In(Ok(lease)) => {
+            Slot::In(Ok(mut lease)) => {
+                // Released by an application thread (the endpoint API's):
+                // it sends the credit itself.
+                lease.credit_from_releasing_thread();
                 // SAFETY: non-NULL out-param; the buffer is the caller's now.
                 unsafe { *out = Box::into_raw(BUFFERS.boxed(rdev_buffer { lease: Some(lease) })) };
                 Ok(())

@@ -146,12 +146,6 @@ impl Inner {
         self.exec_via(acts, Io::Here)
     }
 
-    /// `exec` for a thread that must do no I/O (a received tensor's
-    /// release on a TensorFlow thread): its control messages are posted.
-    pub(super) fn exec_posting(&self, acts: Actions) {
-        self.exec_via(acts, Io::Posted)
-    }
-
     pub(super) fn exec_via(&self, acts: Actions, io: Io) {
         let on_event_thread = fabric::on_event_thread();
         for a in acts {

@@ -8,6 +8,7 @@
 
 use std::sync::{Arc, Weak};
 
+use super::exec::Io;
 use super::Inner;
 use crate::fabric::Arena;
 use crate::rendezvous::{Data, TensorMeta};
@@ -22,6 +23,8 @@ pub struct Lease {
     data: Data,
     ptr: *const u8,
     len: usize,
+    /// Where the slot's credit is sent from when the lease drops.
+    credit: Io,
 }
 
 // SAFETY: `ptr` points into the arena (its mapping kept alive by `_arena`,
@@ -39,7 +42,16 @@ impl std::fmt::Debug for Lease {
 
 impl Lease {
     pub(super) fn new(node: Weak<Inner>, arena: Option<Arc<Arena>>, meta: TensorMeta, data: Data, ptr: *const u8, len: usize) -> Lease {
-        Lease { node, _arena: arena, meta, data, ptr, len }
+        Lease { node, _arena: arena, meta, data, ptr, len, credit: Io::Posted }
+    }
+
+    /// The thread that drops this lease may send the slot's credit itself
+    /// (one non-blocking send on shm) instead of posting it to the
+    /// transport's send thread: one thread wake-up fewer per tensor. For
+    /// leases an application thread holds (the endpoint API's), never for
+    /// TensorFlow's, whose threads do no I/O.
+    pub fn credit_from_releasing_thread(&mut self) {
+        self.credit = Io::Here;
     }
 
     pub fn meta(&self) -> &TensorMeta {
@@ -77,9 +89,9 @@ impl Drop for Lease {
         if let (Data::Slot { link, slot, gen, len, .. }, Some(n)) = (&self.data, self.node.upgrade()) {
             let t = crate::trace::start();
             let acts = n.locked(|r| r.release(*link, *slot, *gen));
-            // The credit is posted: no I/O on the releasing (TensorFlow's)
-            // thread.
-            n.exec_posting(acts);
+            // By default the credit is posted: no I/O on the releasing
+            // (TensorFlow's) thread.
+            n.exec_via(acts, self.credit);
             crate::trace::end("release", t, 0, *len, None);
         }
     }

@@ -73,6 +73,7 @@ mod lease;
 mod pace;
 mod peers;
 mod placing;
+mod poll;
 mod pool;
 mod routes;
 mod stream;
@@ -94,6 +95,7 @@ use crate::trace;
 
 use events::{Events, NodeGranter};
 pub use lease::Lease;
+pub use poll::Poller;
 pub use routes::{strict_refusal, PeerChoice, RouteNow, ROUTE_WAIT_MS};
 
 pub type LeaseDone = Box<dyn crate::completion::Complete<Result<Lease>>>;
@@ -142,6 +144,8 @@ pub(crate) struct Inner {
     pacer: pace::Pacer,
     /// Large tensor writes, off TensorFlow's threads (see engine.rs).
     engine: engine::WriteEngine,
+    /// How long a waiting thread polls before it parks (see poll.rs).
+    poll_window: poll::Window,
     me: Weak<Inner>,
 }
 
@@ -200,6 +204,7 @@ impl Node {
             rpc: rpc::Rpc::default(),
             pacer: pace::Pacer::default(),
             engine: engine::WriteEngine::start(),
+            poll_window: poll::Window::default(),
             me: me.clone(),
         });
         if !inner.handoff.started() {

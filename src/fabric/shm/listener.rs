@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -60,6 +60,16 @@ struct Inner {
     departed: Mutex<Vec<(ConnId, OwnedFd)>>,
     listen_fd: OwnedFd,
     spin: Duration,
+    /// Held by whichever thread drains the rings: the progress thread
+    /// (one pass at a time), or a thread polling for its own receive
+    /// (`Listener::poll`). A ring has one consumer at a time.
+    draining: Mutex<()>,
+    /// The progress thread sleeps on the doorbell (set before it tells the
+    /// rings it sleeps, cleared after it woke).
+    asleep: AtomicBool,
+    /// Threads polling (`start_polling` .. `stop_polling`). While there is
+    /// one, the rings say "awake", so senders do not ring the doorbell.
+    pollers: AtomicUsize,
 }
 
 pub struct ShmListener {
@@ -88,6 +98,9 @@ impl ShmListener {
             departed: Mutex::new(Vec::new()),
             listen_fd,
             spin,
+            draining: Mutex::new(()),
+            asleep: AtomicBool::new(false),
+            pollers: AtomicUsize::new(0),
         });
         let a = inner.clone();
         std::thread::Builder::new()
@@ -157,6 +170,49 @@ impl Listener for ShmListener {
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
         }
         self.inner.doorbell.ring();
+    }
+
+    fn poll(&self) -> usize {
+        let inner = &self.inner;
+        let Some(_draining) = inner.draining.try_lock() else { return 0 };
+        let _event = crate::fabric::as_event_thread();
+        let conns = inner.polled.read().clone();
+        let mut found = 0;
+        for c in conns.iter() {
+            // An ended connection's last drain and its disconnect are the
+            // progress thread's (in that order).
+            if c.closed.lock().is_none() {
+                found += c.ring.drain(|imm| inner.events.on_write_imm(c.id, imm));
+            }
+        }
+        found
+    }
+
+    fn start_polling(&self) {
+        self.inner.pollers.fetch_add(1, Ordering::SeqCst);
+        for c in self.inner.polled.read().iter() {
+            c.ring.set_sleeping(false);
+        }
+    }
+
+    fn stop_polling(&self) {
+        let inner = &self.inner;
+        // The last poller out gives a sleeping progress thread its
+        // doorbell back. Read `asleep` after our own "awake" stores: if the
+        // progress thread went to sleep before them, we see it here (it
+        // sets `asleep` before its own "sleeping" stores), and if after,
+        // its stores came last. Either way a sleeping progress thread ends
+        // with every ring saying so.
+        if inner.pollers.fetch_sub(1, Ordering::SeqCst) == 1 && inner.asleep.load(Ordering::SeqCst) {
+            let conns = inner.polled.read().clone();
+            for c in conns.iter() {
+                c.ring.set_sleeping(true);
+            }
+            // Writes pushed while the rings said "awake" rang nothing.
+            if conns.iter().any(|c| c.ring.has_entries()) && self.poll() == 0 {
+                inner.doorbell.ring();
+            }
+        }
     }
 }
 
@@ -348,6 +404,7 @@ fn progress_loop(inner: Arc<Inner>) {
     let mut idle_since = Instant::now();
     let mut window = inner.spin;
     loop {
+        let draining = inner.draining.lock();
         let conns = inner.polled.read().clone();
         let mut found = 0;
         let mut ended = Vec::new();
@@ -384,6 +441,7 @@ fn progress_loop(inner: Arc<Inner>) {
             release_departed(&inner, true);
             return;
         }
+        drop(draining);
         if found > 0 {
             // Adapt: keep polling across the gaps of a steady stream.
             let gap = idle_since.elapsed();
@@ -401,14 +459,20 @@ fn progress_loop(inner: Arc<Inner>) {
         // doorbell timeout, below).
         release_departed(&inner, false);
         // Announce sleep, re-check, then block (see ring.rs for why this
-        // cannot miss a wake-up).
-        for c in conns.iter() {
-            c.ring.set_sleeping(true);
+        // cannot miss a wake-up; `stop_polling` for the threads that poll).
+        inner.asleep.store(true, Ordering::SeqCst);
+        // A thread that polls keeps the rings "awake" (it delivers their
+        // writes); the last one to stop hands them back to us.
+        if inner.pollers.load(Ordering::SeqCst) == 0 {
+            for c in conns.iter() {
+                c.ring.set_sleeping(true);
+            }
         }
         let pending = conns.iter().any(|c| c.ring.has_entries() || c.closed.lock().is_some());
         if !pending {
             inner.doorbell.wait(200);
         }
+        inner.asleep.store(false, Ordering::SeqCst);
         for c in conns.iter() {
             c.ring.set_sleeping(false);
         }
