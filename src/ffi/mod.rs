@@ -19,6 +19,147 @@
 #![allow(non_camel_case_types)]
 #![allow(clippy::missing_safety_doc)] // each function documents its contract in the header
 
+// The arguments of an export, one line each. Each macro below is used
+// inside an export's `boundary` closure: it checks one argument, and on a
+// bad one returns `Err(Error::InvalidArgument(..))` from that closure with
+// `?`, the message naming the argument. Each expands to an `unsafe` read
+// whose contract is the export's own (include/rdma_device.h): the macro
+// checks what can be checked (NULL, UTF-8, rank) and trusts the caller for
+// the rest (that a pointer points to what it says, for as long as said).
+// Defined before the submodules so that they can use them.
+
+/// `handle!(p, "what")`: `p` (`*const T` or `*mut T`) as `&T`, or
+/// "what is NULL".
+///
+/// SAFETY contract: a non-NULL `p` points to a live `T` (a handle the
+/// library handed out and the caller has not freed) for as long as the
+/// reference is used, which is the rest of the export.
+macro_rules! handle {
+    ($p:expr, $what:literal) => {{
+        let p = $p;
+        // SAFETY: a non-NULL handle is live for the call (the macro's contract).
+        let r = unsafe { p.as_ref() };
+        r.ok_or_else(|| $crate::error::Error::InvalidArgument(String::from(concat!($what, " is NULL"))))?
+    }};
+}
+
+/// `ctx!(ctx)`: the context as `&rdev_context`, or "context is NULL".
+///
+/// SAFETY contract: `handle!`'s: a non-NULL `ctx` came from
+/// `rdev_context_new` and is not freed during the call.
+macro_rules! ctx {
+    ($p:expr) => {
+        handle!($p, "context")
+    };
+}
+
+/// `opt_ctx!(ctx)`: `Some(&rdev_context)`, or `None` for a NULL `ctx`
+/// (for the exports that take NULL to mean "no context: the environment's
+/// settings").
+///
+/// SAFETY contract: `ctx!`'s, for a non-NULL `ctx`.
+macro_rules! opt_ctx {
+    ($p:expr) => {{
+        let p: *const $crate::ffi::rdev_context = $p;
+        // SAFETY: a non-NULL ctx is a live context (the macro's contract).
+        unsafe { p.as_ref() }
+    }};
+}
+
+/// `text!(p, len, "what")`: the string of `len` bytes at `p` as `&str`:
+/// "" when `len` is 0 (`p` may then be NULL), "what is NULL" when `p` is
+/// NULL with `len > 0`, "what is not UTF-8" when it is not.
+///
+/// SAFETY contract: a non-NULL `p` has `len` readable bytes, unchanged
+/// while the export runs.
+macro_rules! text {
+    ($p:expr, $len:expr, $what:literal) => {{
+        let (p, len) = ($p, $len);
+        // SAFETY: `len` readable bytes at a non-NULL `p` (the macro's contract).
+        let r = unsafe { $crate::ffi::str_arg(p, len, $what) };
+        r?
+    }};
+}
+
+/// `bytes!(p, len, "what")`: the `len` bytes at `p` as `&[u8]`: empty when
+/// `len` is 0 (`p` may then be NULL), "what is NULL" when `p` is NULL with
+/// `len > 0`.
+///
+/// SAFETY contract: a non-NULL `p` has `len` readable bytes, unchanged for
+/// as long as the slice is used (the export says how long: the call, or
+/// until its completion).
+macro_rules! bytes {
+    ($p:expr, $len:expr, $what:literal) => {{
+        let (p, len): (*const u8, usize) = ($p, $len);
+        if p.is_null() && len > 0 {
+            return Err($crate::error::Error::InvalidArgument(String::from(concat!($what, " is NULL"))));
+        }
+        if len == 0 {
+            &[][..]
+        } else {
+            // SAFETY: `len` readable bytes at the non-NULL `p` (the macro's contract).
+            unsafe { std::slice::from_raw_parts(p, len) }
+        }
+    }};
+}
+
+/// `meta!(meta)`: the tensor's `rdev_tensor_meta` as a `TensorMeta`, or
+/// "meta is NULL", "meta.dims is NULL" (with `ndims > 0`), or
+/// "N dimensions (TensorFlow allows 254)".
+///
+/// SAFETY contract: a non-NULL `meta` points to a valid struct whose
+/// `dims` has `ndims` readable entries during the call.
+macro_rules! meta {
+    ($p:expr) => {{
+        let p = $p;
+        // SAFETY: a valid struct at a non-NULL `meta` (the macro's contract).
+        let r = unsafe { $crate::ffi::meta_arg(p) };
+        r?
+    }};
+}
+
+/// `out!(p)`: the out-parameter `p` (`*mut T`) as `&mut MaybeUninit<T>`,
+/// to `write` once the call has succeeded, or "p is NULL" (named after the
+/// parameter).
+///
+/// SAFETY contract: a non-NULL `p` points to writable room for a `T`
+/// (initialized or not), that nothing else touches during the call.
+macro_rules! out {
+    ($p:ident) => {{
+        let p = $p;
+        if p.is_null() {
+            return Err($crate::error::Error::InvalidArgument(String::from(concat!(stringify!($p), " is NULL"))));
+        }
+        // SAFETY: non-NULL, room for a T (the macro's contract).
+        unsafe { $crate::ffi::uninit_mut(p) }
+    }};
+}
+
+/// `opt_out!(p)`: an out-parameter the caller may leave NULL: `None` then
+/// (the value is not wanted), else `out!`'s `&mut MaybeUninit<T>`.
+///
+/// SAFETY contract: `out!`'s, for a non-NULL `p`.
+macro_rules! opt_out {
+    ($p:ident) => {{
+        let p = $p;
+        // SAFETY: room for a T at a non-NULL `p` (the macro's contract).
+        (!p.is_null()).then(|| unsafe { $crate::ffi::uninit_mut(p) })
+    }};
+}
+
+/// `callback!(cb, "what")`: a callback the export needs, or "what is NULL".
+/// No unsafe here: calling it later is where the caller's contract (a
+/// function callable from the threads the export names, with its user
+/// data) comes in.
+macro_rules! callback {
+    ($cb:expr, $what:literal) => {
+        match $cb {
+            Some(f) => f,
+            None => return Err($crate::error::Error::InvalidArgument(String::from(concat!($what, " is NULL")))),
+        }
+    };
+}
+
 pub mod buffer;
 mod collective;
 mod introspect;
@@ -220,6 +361,10 @@ impl Payload for RawPayload {
     }
 }
 
+/// `text!`'s check: the string of `len` bytes at `p`.
+///
+/// # Safety
+/// A non-NULL `p` has `len` readable bytes, unchanged while the result is used.
 unsafe fn str_arg<'a>(p: *const c_char, len: usize, what: &str) -> Result<&'a str, Error> {
     if p.is_null() && len > 0 {
         return Err(Error::InvalidArgument(format!("{what} is NULL")));
@@ -232,9 +377,14 @@ unsafe fn str_arg<'a>(p: *const c_char, len: usize, what: &str) -> Result<&'a st
     std::str::from_utf8(b).map_err(|_| Error::InvalidArgument(format!("{what} is not UTF-8")))
 }
 
-unsafe fn ctx_arg<'a>(ctx: *const rdev_context) -> Result<&'a rdev_context, Error> {
-    // SAFETY: a non-NULL ctx comes from rdev_context_new and is not freed.
-    unsafe { ctx.as_ref() }.ok_or_else(|| Error::InvalidArgument("context is NULL".into()))
+/// `out!`'s view of an out-parameter: room for a `T`, initialized or not.
+///
+/// # Safety
+/// `p` is non-NULL and points to writable room for a `T` that nothing else
+/// touches while the result is used.
+unsafe fn uninit_mut<'a, T>(p: *mut T) -> &'a mut std::mem::MaybeUninit<T> {
+    // SAFETY: per the function contract; MaybeUninit<T> has T's layout.
+    unsafe { &mut *p.cast::<std::mem::MaybeUninit<T>>() }
 }
 
 fn call_send_cb(cb: rdev_send_done_cb, ud: UserData, r: Result<(), Error>) {
@@ -261,16 +411,12 @@ pub unsafe extern "C" fn rdev_context_new(
     out: *mut *mut rdev_context,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let task = unsafe { str_arg(task, task_len, "task") }?;
-        let addr = unsafe { str_arg(addr, addr_len, "addr") }?;
-        if out.is_null() {
-            return Err(Error::InvalidArgument("out is NULL".into()));
-        }
+        let task = text!(task, task_len, "task");
+        let addr = text!(addr, addr_len, "addr");
+        let out = out!(out);
         let cfg = Config::from_env()?;
         let node = Node::new(cfg, task, addr)?;
-        // SAFETY: out checked non-NULL.
-        unsafe { *out = Box::into_raw(Box::new(rdev_context { node })) };
+        out.write(Box::into_raw(Box::new(rdev_context { node })));
         Ok(())
     })
 }
@@ -318,29 +464,31 @@ pub unsafe extern "C" fn rdev_send(
     userdata: *mut c_void,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
-        let key = unsafe { str_arg(key, key_len, "key") }?;
-        let meta = unsafe { meta_arg(meta) }?;
-        if data.is_null() && len > 0 {
-            return Err(Error::InvalidArgument("data is NULL".into()));
-        }
+        let c = ctx!(ctx);
+        let peer = text!(peer, peer_len, "peer");
+        let key = text!(key, key_len, "key");
+        let meta = meta!(meta);
+        // Valid until `cb` runs, not only during the call: kept as a pointer.
+        let data = bytes!(data, len, "data");
         let ud = UserData(userdata);
         c.node.send(
             peer,
             key,
             step_id,
             meta,
-            PAYLOADS.boxed(RawPayload { ptr: data, len }),
+            PAYLOADS.boxed(RawPayload { ptr: data.as_ptr(), len: data.len() }),
             SEND_DONES.boxed(SendCb { cb, ud }),
         )
     })
 }
 
+/// `meta!`'s check: the tensor's meta, its rank and dims.
+///
+/// # Safety
+/// A non-NULL `meta` points to a valid struct with `ndims` readable
+/// entries at `dims`.
 unsafe fn meta_arg(meta: *const rdev_tensor_meta) -> Result<TensorMeta, Error> {
-    // SAFETY: a non-NULL meta points to a valid struct.
-    let m = unsafe { meta.as_ref() }.ok_or_else(|| Error::InvalidArgument("meta is NULL".into()))?;
+    let m = handle!(meta, "meta");
     if m.ndims > 254 {
         return Err(Error::InvalidArgument(format!("{} dimensions (TensorFlow allows 254)", m.ndims)));
     }
@@ -418,13 +566,10 @@ unsafe fn recv_as(
     inline: bool,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
-        let key = unsafe { str_arg(key, key_len, "key") }?;
-        let Some(cb) = cb else {
-            return Err(Error::InvalidArgument("callback is NULL".into()));
-        };
+        let c = ctx!(ctx);
+        let peer = text!(peer, peer_len, "peer");
+        let key = text!(key, key_len, "key");
+        let cb = callback!(cb, "callback");
         c.node.recv(peer, key, step_id, RECV_DONES.boxed(RecvCb { cb, ud: UserData(userdata), inline }));
         Ok(())
     })
@@ -435,8 +580,7 @@ unsafe fn recv_as(
 #[no_mangle]
 pub unsafe extern "C" fn rdev_step_done(ctx: *const rdev_context, step_id: u64) -> rdev_status {
     boundary(|| {
-        // SAFETY: ctx per contract.
-        unsafe { ctx_arg(ctx) }?.node.step_done(step_id);
+        ctx!(ctx).node.step_done(step_id);
         Ok(())
     })
 }
@@ -450,8 +594,7 @@ pub unsafe extern "C" fn rdev_step_done(ctx: *const rdev_context, step_id: u64) 
 #[no_mangle]
 pub unsafe extern "C" fn rdev_step_idle(ctx: *const rdev_context, step_id: u64) -> rdev_status {
     boundary(|| {
-        // SAFETY: ctx per contract.
-        unsafe { ctx_arg(ctx) }?.node.step_idle(step_id);
+        ctx!(ctx).node.step_idle(step_id);
         Ok(())
     })
 }
@@ -461,8 +604,7 @@ pub unsafe extern "C" fn rdev_step_idle(ctx: *const rdev_context, step_id: u64) 
 #[no_mangle]
 pub unsafe extern "C" fn rdev_step_active(ctx: *const rdev_context, step_id: u64) -> rdev_status {
     boundary(|| {
-        // SAFETY: ctx per contract.
-        unsafe { ctx_arg(ctx) }?.node.step_active(step_id);
+        ctx!(ctx).node.step_active(step_id);
         Ok(())
     })
 }
@@ -484,9 +626,8 @@ pub unsafe extern "C" fn rdev_abort_step(
     propagate: bool,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let m = unsafe { str_arg(msg, msg_len, "msg") }?;
+        let c = ctx!(ctx);
+        let m = text!(msg, msg_len, "msg");
         c.node.abort_step_caused(step_id, code, Error::Aborted(m.to_string()), propagate);
         Ok(())
     })
@@ -510,10 +651,9 @@ pub unsafe extern "C" fn rdev_cancel_recv(
     msg_len: usize,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let key = unsafe { str_arg(key, key_len, "key") }?;
-        let m = unsafe { str_arg(msg, msg_len, "msg") }?;
+        let c = ctx!(ctx);
+        let key = text!(key, key_len, "key");
+        let m = text!(msg, msg_len, "msg");
         c.node.cancel_recv(key, step_id, Error::Aborted(m.to_string()));
         Ok(())
     })
@@ -523,9 +663,8 @@ pub unsafe extern "C" fn rdev_cancel_recv(
 #[no_mangle]
 pub unsafe extern "C" fn rdev_abort_all(ctx: *const rdev_context, msg: *const c_char, msg_len: usize) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let m = unsafe { str_arg(msg, msg_len, "msg") }?;
+        let c = ctx!(ctx);
+        let m = text!(msg, msg_len, "msg");
         c.node.abort_all(Error::Aborted(m.to_string()));
         Ok(())
     })
@@ -535,9 +674,8 @@ pub unsafe extern "C" fn rdev_abort_all(ctx: *const rdev_context, msg: *const c_
 #[no_mangle]
 pub unsafe extern "C" fn rdev_abort_peer(ctx: *const rdev_context, peer: *const c_char, peer_len: usize) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let p = unsafe { str_arg(peer, peer_len, "peer") }?;
+        let c = ctx!(ctx);
+        let p = text!(peer, peer_len, "peer");
         c.node.abort_peer(p);
         Ok(())
     })

@@ -5,8 +5,7 @@
 use std::ffi::{c_char, c_void};
 use std::sync::Arc;
 
-use super::{boundary, ctx_arg, rdev_context, status, str_arg, UserData};
-use crate::error::Error;
+use super::{boundary, rdev_context, status, UserData};
 use crate::node::rpc::Server;
 use crate::stats::Stats;
 use status::rdev_status;
@@ -96,15 +95,11 @@ unsafe fn call_as(
     inline: bool,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
-        let Some(cb) = cb else { return Err(Error::InvalidArgument("callback is NULL".into())) };
-        if body.is_null() && body_len > 0 {
-            return Err(Error::InvalidArgument("body is NULL".into()));
-        }
-        // SAFETY: body_len bytes are readable at body (checked non-NULL).
-        let body = if body_len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(body, body_len) } };
+        let c = ctx!(ctx);
+        let peer = text!(peer, peer_len, "peer");
+        let cb = callback!(cb, "callback");
+        let body = bytes!(body, body_len, "body");
+        let out_id = opt_out!(out_id);
         let ud = UserData(userdata);
         let done = Box::new(move |code: u32, reply: Vec<u8>| {
             let ud = ud;
@@ -117,9 +112,8 @@ unsafe fn call_as(
         } else {
             c.node.rpc_call(peer, method, body, timeout, done)
         }?;
-        if !out_id.is_null() {
-            // SAFETY: non-NULL out-param.
-            unsafe { *out_id = id };
+        if let Some(out_id) = out_id {
+            out_id.write(id);
         }
         Ok(())
     })
@@ -130,8 +124,7 @@ unsafe fn call_as(
 #[no_mangle]
 pub unsafe extern "C" fn rdev_call_cancel(ctx: *const rdev_context, id: u64) -> rdev_status {
     boundary(|| {
-        // SAFETY: ctx per contract.
-        unsafe { ctx_arg(ctx) }?.node.rpc_cancel(id);
+        ctx!(ctx).node.rpc_cancel(id);
         Ok(())
     })
 }
@@ -163,8 +156,7 @@ impl Server for CServer {
 #[no_mangle]
 pub unsafe extern "C" fn rdev_serve(ctx: *const rdev_context, call: rdev_serve_call_cb, cancel: rdev_serve_cancel_cb, userdata: *mut c_void) -> rdev_status {
     boundary(|| {
-        // SAFETY: ctx per contract.
-        let c = unsafe { ctx_arg(ctx) }?;
+        let c = ctx!(ctx);
         let server = call.map(|call| Arc::new(CServer { call, cancel, ud: userdata as usize }) as Arc<dyn Server>);
         c.node.rpc_serve(server);
         Ok(())
@@ -180,8 +172,7 @@ pub unsafe extern "C" fn rdev_serve(ctx: *const rdev_context, call: rdev_serve_c
 #[no_mangle]
 pub unsafe extern "C" fn rdev_serve_inline(ctx: *const rdev_context, method: u32) -> rdev_status {
     boundary(|| {
-        // SAFETY: ctx per contract.
-        unsafe { ctx_arg(ctx) }?.node.rpc_serve_inline(method)
+        ctx!(ctx).node.rpc_serve_inline(method)
     })
 }
 
@@ -190,13 +181,8 @@ pub unsafe extern "C" fn rdev_serve_inline(ctx: *const rdev_context, method: u32
 #[no_mangle]
 pub unsafe extern "C" fn rdev_serve_reply(ctx: *const rdev_context, handle: u64, code: u32, body: *const u8, body_len: usize) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        if body.is_null() && body_len > 0 {
-            return Err(Error::InvalidArgument("body is NULL".into()));
-        }
-        // SAFETY: body_len bytes readable at body.
-        let body = if body_len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(body, body_len) } };
+        let c = ctx!(ctx);
+        let body = bytes!(body, body_len, "body");
         c.node.rpc_reply(handle, code, body);
         Ok(())
     })
