@@ -282,12 +282,12 @@ struct RecvCb {
     cb: unsafe extern "C" fn(*mut c_void, rdev_status, *const c_char, usize, *mut rdev_buffer),
     ud: UserData,
     /// `rdev_recv_inline`: a success may run on the event thread.
-    inline: bool,
+    on_event_thread: bool,
 }
 
 impl Complete<Result<Lease, Error>> for RecvCb {
-    fn inline_ok(&self) -> bool {
-        self.inline
+    fn event_thread_ok(&self) -> bool {
+        self.on_event_thread
     }
 
     fn complete(self: Box<Self>, r: Result<Lease, Error>) {
@@ -526,14 +526,17 @@ pub unsafe extern "C" fn rdev_recv(
 
 /// `rdev_recv`, for a callback fit to run on the transport's event thread
 /// (the thread that saw the tensor land: shm progress or reader thread,
-/// verbs completion thread): a successful receive's `cb` then runs there,
-/// which saves a thread wake-up per tensor; a failed one still runs on
-/// `rdev-callbacks`, the calling thread, or where `rdev_recv` says. The
-/// caller promises that `cb` returns promptly (microseconds: no waiting,
-/// no I/O, no copy of the tensor) and calls only the functions that never
-/// block (`rdev_send`, `rdev_recv*`, `rdev_buffer_release`,
-/// `rdev_step_done`, `rdev_step_idle`, `rdev_step_active`,
-/// `rdev_abort_step`, `rdev_cancel_recv`, and
+/// verbs completion thread). "Inline" in this name, `rdev_call_inline`'s
+/// and `rdev_serve_inline`'s means exactly that: on the event thread,
+/// without the hop to `rdev-callbacks` (it has nothing to do with the
+/// `inline_tensors` counter, which counts streamed tensors). A successful
+/// receive's `cb` then runs there, which saves a thread wake-up per tensor;
+/// a failed one still runs on `rdev-callbacks`, the calling thread, or
+/// where `rdev_recv` says. The caller promises that `cb` returns promptly
+/// (microseconds: no waiting, no I/O, no copy of the tensor) and calls only
+/// the functions that never block (`rdev_send`, `rdev_recv*`,
+/// `rdev_buffer_release`, `rdev_step_done`, `rdev_step_idle`,
+/// `rdev_step_active`, `rdev_abort_step`, `rdev_cancel_recv`, and
 /// `rdev_context_free`): it delays every other completion that thread
 /// handles while it runs.
 #[no_mangle]
@@ -551,8 +554,8 @@ pub unsafe extern "C" fn rdev_recv_inline(
     unsafe { recv_as(ctx, peer, peer_len, key, key_len, step_id, cb, userdata, true) }
 }
 
-/// `rdev_recv` and `rdev_recv_inline`: `inline` says where a successful
-/// completion may run.
+/// `rdev_recv` and `rdev_recv_inline`: `on_event_thread` says whether a
+/// successful completion may run on the event thread.
 #[allow(clippy::too_many_arguments)]
 unsafe fn recv_as(
     ctx: *const rdev_context,
@@ -563,14 +566,14 @@ unsafe fn recv_as(
     step_id: u64,
     cb: rdev_recv_done_cb,
     userdata: *mut c_void,
-    inline: bool,
+    on_event_thread: bool,
 ) -> rdev_status {
     boundary(|| {
         let c = ctx!(ctx);
         let peer = text!(peer, peer_len, "peer");
         let key = text!(key, key_len, "key");
         let cb = callback!(cb, "callback");
-        c.node.recv(peer, key, step_id, RECV_DONES.boxed(RecvCb { cb, ud: UserData(userdata), inline }));
+        c.node.recv(peer, key, step_id, RECV_DONES.boxed(RecvCb { cb, ud: UserData(userdata), on_event_thread }));
         Ok(())
     })
 }
