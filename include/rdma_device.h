@@ -140,8 +140,8 @@ typedef void (*rdev_call_done_cb)(void *userdata,
 
 // A call from a peer (`rdev_serve`): answer it exactly once with
 // `rdev_serve_reply(handle, ...)`, from any thread. `body` is valid
-// during the call. Runs on `rdev-callbacks`, or for a method made inline
-// (`rdev_serve_inline`) on the event thread that read the call.
+// during the call. Runs on `rdev-callbacks`, or, for a method declared
+// with `rdev_serve_inline`, on the event thread that read the call.
 typedef void (*rdev_serve_call_cb)(void *userdata,
                                    uint64_t handle,
                                    uint32_t method,
@@ -235,14 +235,17 @@ enum rdev_status rdev_recv(const struct rdev_context *ctx,
 
 // `rdev_recv`, for a callback fit to run on the transport's event thread
 // (the thread that saw the tensor land: shm progress or reader thread,
-// verbs completion thread): a successful receive's `cb` then runs there,
-// which saves a thread wake-up per tensor; a failed one still runs on
-// `rdev-callbacks`, the calling thread, or where `rdev_recv` says. The
-// caller promises that `cb` returns promptly (microseconds: no waiting,
-// no I/O, no copy of the tensor) and calls only the functions that never
-// block (`rdev_send`, `rdev_recv*`, `rdev_buffer_release`,
-// `rdev_step_done`, `rdev_step_idle`, `rdev_step_active`,
-// `rdev_abort_step`, `rdev_cancel_recv`, and
+// verbs completion thread). "Inline" in this name, `rdev_call_inline`'s
+// and `rdev_serve_inline`'s means exactly that: on the event thread,
+// without the hop to `rdev-callbacks` (it has nothing to do with the
+// `inline_tensors` counter, which counts streamed tensors). A successful
+// receive's `cb` then runs there, which saves a thread wake-up per tensor;
+// a failed one still runs on `rdev-callbacks`, the calling thread, or
+// where `rdev_recv` says. The caller promises that `cb` returns promptly
+// (microseconds: no waiting, no I/O, no copy of the tensor) and calls only
+// the functions that never block (`rdev_send`, `rdev_recv*`,
+// `rdev_buffer_release`, `rdev_step_done`, `rdev_step_idle`,
+// `rdev_step_active`, `rdev_abort_step`, `rdev_cancel_recv`, and
 // `rdev_context_free`): it delays every other completion that thread
 // handles while it runs.
 enum rdev_status rdev_recv_inline(const struct rdev_context *ctx,
@@ -430,12 +433,12 @@ enum rdev_status rdev_call(const struct rdev_context *ctx,
                            uint64_t *out_id);
 
 // `rdev_call`, for a callback fit to run on the transport's event thread
-// (the thread that read the reply): a successful reply of at most 64 KiB
-// then runs `cb` there, one thread wake-up sooner; failures, deadlines,
-// cancellations and larger replies still run it on `rdev-callbacks`. The
-// caller promises what `rdev_recv_inline` asks: `cb` returns within
-// microseconds, waits for nothing and calls only functions that never
-// block.
+// (the thread that read the reply; "inline" as in `rdev_recv_inline`): a
+// successful reply of at most 64 KiB then runs `cb` there, one thread
+// wake-up sooner; failures, deadlines, cancellations and larger replies
+// still run it on `rdev-callbacks`. The caller promises what
+// `rdev_recv_inline` asks: `cb` returns within microseconds, waits for
+// nothing and calls only functions that never block.
 enum rdev_status rdev_call_inline(const struct rdev_context *ctx,
                                   const char *peer,
                                   size_t peer_len,
@@ -461,11 +464,12 @@ enum rdev_status rdev_serve(const struct rdev_context *ctx,
                             void *userdata);
 
 // Serve calls of `method` (below 64) on the transport's event thread that
-// read them instead of `rdev-callbacks`, one thread wake-up sooner: for a
-// method whose `call` callback returns within microseconds, waits for
-// nothing and calls only functions that never block (it delays every
-// other message that thread handles meanwhile); its `rdev_serve_reply`
-// may then come from inside the callback. Lasts as long as the context.
+// read them ("inline" as in `rdev_recv_inline`) instead of
+// `rdev-callbacks`, one thread wake-up sooner: for a method whose `call`
+// callback returns within microseconds, waits for nothing and calls only
+// functions that never block (it delays every other message that thread
+// handles meanwhile); its `rdev_serve_reply` may then come from inside the
+// callback. Lasts as long as the context.
 enum rdev_status rdev_serve_inline(const struct rdev_context *ctx, uint32_t method);
 
 // Answer served call `handle`: `code` 0 with the response `body`, or an
@@ -480,7 +484,8 @@ enum rdev_status rdev_serve_reply(const struct rdev_context *ctx,
 void rdev_record_worker_rpc_over_grpc(void);
 
 // Count a peer's per-step worker RPC served on the transport's thread that
-// read it (`worker_rpcs_served_inline`).
+// read it (`worker_rpcs_served_inline`; "inline" as in
+// `rdev_serve_inline`).
 void rdev_record_worker_rpc_served_inline(void);
 
 // Count a peer's per-step worker RPC handed to TensorFlow's compute pool

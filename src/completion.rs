@@ -27,7 +27,7 @@ pub trait Complete<T>: Send {
     /// and calls only the library's non-blocking functions (`rdev_recv_inline`).
     /// A failed one still goes to `rdev-callbacks` (its handling may start
     /// a fallback). False by default.
-    fn inline_ok(&self) -> bool {
+    fn event_thread_ok(&self) -> bool {
         false
     }
 }

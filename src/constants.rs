@@ -88,8 +88,9 @@ pub const MAGIC: u32 = 0x5244_4556;
 
 /// Wire protocol version: both handshakes carry it; a mismatch is refused
 /// with a clear error instead of misparsing. 3: streamed tensors (chunk
-/// headers, `Stream*` messages) replace the inline messages. 4: each
-/// published slot carries the key its sender writes it with. 5: `Ping`.
+/// headers, `Stream*` messages) replace the `Inline` messages (a tensor
+/// cut into chunks carried by control messages). 4: each published slot
+/// carries the key its sender writes it with. 5: `Ping`.
 /// 6: `Call`, `Reply`, `CallCancel` (worker RPCs over the transport).
 /// 8: `Call` and `Reply` parts carry their index. 9: the receiver opens
 /// each connection with a nonce that the token proof covers. 10: `Abort`

@@ -10,6 +10,10 @@
 //!   `rdev-stream-N`; the verbs backend's `rdev-verbs-setup`,
 //!   `rdev-verbs-copy` and `rdev-verbs-dereg`).
 //!
+//! Not here: the shm backend's copy helpers (`rdev-copy-N`,
+//! fabric/shm/copy.rs), which all work on the one copy under way instead
+//! of taking jobs from a queue (that module says why).
+//!
 //! What both guarantee:
 //! - a fixed number of threads, named `name` when there is one and
 //!   `name-0`, `name-1`, … when there are more;

@@ -1,5 +1,6 @@
 //! Counters a user reads to see what the transport is doing: how many
-//! tensors and bytes went by push, by the inline path and by stock gRPC
+//! tensors and bytes went by push, streamed in chunks (`inline_tensors`,
+//! named after the `Inline` messages that streams replaced) and by stock gRPC
 //! (with reasons), per-peer transports, arena use. Process-wide: a process
 //! normally hosts one TensorFlow server; tests with several contexts in one
 //! process see their sum.
@@ -47,7 +48,7 @@ counters! {
     protocol {
         tensors_pushed: "tensors written one-sided into a receiver's slot",
         bytes_pushed: "payload bytes of those tensors",
-        tensors_received: "tensors handed to a receiver (push or inline)",
+        tensors_received: "tensors handed to a receiver (pushed or streamed)",
         bytes_received: "payload bytes of those tensors",
         inline_tensors: "tensors streamed in chunks instead of one slot (larger than a slot the receiver can place, arena full, rank > 24, edge out of slots)",
         inline_bytes: "payload bytes of those tensors",

@@ -199,37 +199,37 @@ impl Server for Where {
 }
 
 #[test]
-fn inline_methods_are_served_and_inline_calls_complete_on_the_event_thread_failures_and_large_replies_do_not() {
-    use rdma_device::node::rpc::INLINE_REPLY_MAX;
+fn methods_served_and_calls_completed_on_the_event_thread_run_there_failures_and_large_replies_do_not() {
+    use rdma_device::node::rpc::EVENT_THREAD_REPLY_MAX;
     let (a, b, _ta, tb, _echo, _cancelled) = pair();
     let srv = Arc::new(Where { node: Mutex::new(Some(Arc::downgrade(&b))), seen: Mutex::new(Vec::new()) });
-    b.rpc_serve_inline(1).unwrap();
-    let e = b.rpc_serve_inline(64).unwrap_err();
+    b.rpc_serve_on_event_thread(1).unwrap();
+    let e = b.rpc_serve_on_event_thread(64).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     b.rpc_serve(Some(srv.clone()));
     a.connect(&tb).unwrap();
-    // (method, body length, inline caller) -> (code, did done run on the event thread)
-    let run = |method: u32, len: usize, inline: bool| {
+    // (method, body length, caller fit for the event thread) -> (code, did done run on the event thread)
+    let run = |method: u32, len: usize, on_event_thread: bool| {
         let (tx, rx) = mpsc::channel();
         let done = Box::new(move |code: u32, reply: Vec<u8>| {
             let _ = tx.send((code, reply.len(), rdma_device::fabric::on_event_thread()));
         });
         let body = pattern(len as u64, len);
-        if inline {
-            a.rpc_call_inline(&tb, method, &body, None, done).unwrap();
+        if on_event_thread {
+            a.rpc_call_on_event_thread(&tb, method, &body, None, done).unwrap();
         } else {
             a.rpc_call(&tb, method, &body, None, done).unwrap();
         }
         rx.recv_timeout(Duration::from_secs(10)).expect("the call completes")
     };
-    // Served inline (method 1) and completed inline: both on event threads.
+    // Served (method 1) and completed on the event thread: both there.
     assert_eq!(run(1, 100, true), (0, 100, true));
     // A plain call of the same method: its done on rdev-callbacks.
     assert_eq!(run(1, 100, false), (0, 100, false));
-    // A method not declared inline: served on rdev-callbacks.
+    // A method not served on the event thread: on rdev-callbacks.
     assert_eq!(run(5, 100, true), (0, 100, true));
-    // A reply larger than INLINE_REPLY_MAX, an error: on rdev-callbacks.
-    assert_eq!(run(1, INLINE_REPLY_MAX + 1, true), (0, INLINE_REPLY_MAX + 1, false));
+    // A reply larger than EVENT_THREAD_REPLY_MAX, an error: on rdev-callbacks.
+    assert_eq!(run(1, EVENT_THREAD_REPLY_MAX + 1, true), (0, EVENT_THREAD_REPLY_MAX + 1, false));
     assert_eq!(run(3, 10, true), (3, 12, false));
     let seen = srv.seen.lock().unwrap().clone();
     assert_eq!(seen, vec![(1, true), (1, true), (5, false), (1, true), (3, false)]);

@@ -1,5 +1,5 @@
 //! Two or three nodes in one process exchanging tensors over shm: the
-//! protocol end to end (placement, credits, re-placement, inline, aborts).
+//! protocol end to end (placement, credits, re-placement, streaming, aborts).
 
 mod common;
 
@@ -92,7 +92,7 @@ fn growing_shrinking_and_dead_tensors() {
 }
 
 #[test]
-fn arena_too_small_falls_back_inline() {
+fn arena_too_small_falls_back_to_streaming() {
     let mut cfg = small_config();
     cfg.arena_bytes = 1 << 20;
     let (a, b, ta, tb) = pair(cfg);
@@ -245,7 +245,7 @@ fn full_arena_reclaims_idle_edges() {
 fn receiver_keeping_tensors_never_blocks_the_sender() {
     // An application that holds on to every received tensor (as eager
     // mirrors or ClusterCoordinator results do): the edge grows slots, and
-    // past the per-edge limit the tensors take the inline path.
+    // past the per-edge limit the tensors are streamed.
     let (a, b, ta, tb) = pair(small_config());
     let mut kept = Vec::new();
     for step in 1..=80u64 {
@@ -257,7 +257,7 @@ fn receiver_keeping_tensors_never_blocks_the_sender() {
     }
     let (ca, cb) = (a.counters(), b.counters());
     assert!(ca.tensors_pushed >= 60, "{ca:?}");
-    assert!(ca.inline_tensors > 0, "past {} slots the edge goes inline: {ca:?}", rdma_device::constants::MAX_SLOTS_PER_EDGE);
+    assert!(ca.inline_tensors > 0, "past {} slots the edge streams: {ca:?}", rdma_device::constants::MAX_SLOTS_PER_EDGE);
     assert_eq!(cb.tensors_received, 80);
     drop(kept);
     // Once released (credits travel asynchronously), slots carry pushes again.
@@ -287,7 +287,7 @@ fn held_slots_stay_intact_while_other_steps_run() {
         held.push((step, l));
     }
     let c = a.counters();
-    assert_eq!((c.tensors_pushed, c.inline_tensors), (max, 16), "the edge grows to {max} slots, then goes inline: {c:?}");
+    assert_eq!((c.tensors_pushed, c.inline_tensors), (max, 16), "the edge grows to {max} slots, then streams: {c:?}");
     assert_eq!(held.iter().filter(|(_, l)| l.in_place()).count() as u64, max, "pushed tensors are in place in their slots");
     for step in 1..=200u64 {
         let data = pattern(5000 + step, 8192);
@@ -305,7 +305,7 @@ fn held_slots_stay_intact_while_other_steps_run() {
     }
     let c = a.counters();
     // "busy" pushes all 200 (its slots come back with every release); the
-    // held edge has no free slot left, so its 20 further tensors go inline.
+    // held edge has no free slot left, so its 20 further tensors are streamed.
     assert_eq!((c.tensors_pushed, c.inline_tensors), (max + 200, 16 + 20), "{c:?}");
     assert_eq!(b.counters().tensors_received, held_n + 220);
 }

@@ -1,5 +1,6 @@
 """ctypes declarations of the C ABI (include/rdma_device.h) that the
-endpoint API uses, and the mapping of ``rdev_status`` to Python exceptions.
+endpoint API and the doctor's pair test use (their one home), and the
+mapping of ``rdev_status`` to Python exceptions.
 
 Only librdma_device.so is loaded here: nothing of TensorFlow. Every
 function gets its ``argtypes``/``restype`` once, so a wrong call fails in
@@ -116,6 +117,8 @@ _SIGNATURES = {
                                       _c.c_uint64, _c.POINTER(_c.c_void_p)]),
     "rdev_wait": (_c.c_int, [_c.c_void_p, _c.c_uint64, _c.POINTER(_c.c_void_p)]),
     "rdev_waiter_free": (None, [_c.c_void_p]),
+    "rdev_place_edge": (_c.c_int, [_c.c_void_p, _c.c_char_p, _c.c_size_t, _c.c_char_p, _c.c_size_t,
+                                   _c.c_uint64, _c.c_uint64, _c.POINTER(_c.c_bool)]),
     "rdev_request_placement": (_c.c_int, [_c.c_void_p, _c.c_char_p, _c.c_size_t, _c.c_char_p,
                                           _c.c_size_t, _c.c_char_p, _c.c_size_t, _c.c_uint64,
                                           _c.c_uint64, _c.POINTER(_c.c_bool)]),

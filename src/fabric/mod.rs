@@ -125,7 +125,7 @@ impl TransportKind {
 
 /// One write: its source memory and its completion. The backend owns it
 /// from [`Endpoint::write`] until it calls `complete`, exactly once, on
-/// any thread, possibly before `write` returns (shm completes inline); the
+/// any thread, possibly before `write` returns (shm completes within the call); the
 /// callee must not block for long. The segments stay valid and unchanged
 /// until then (verbs may read them with the NIC).
 pub trait WriteOp: Send {

@@ -6,7 +6,7 @@
 
 use std::ffi::c_char;
 
-use super::{boundary, str_arg};
+use super::boundary;
 use crate::error::Error;
 use crate::stats::Stats;
 use super::status::rdev_status;
@@ -36,8 +36,7 @@ pub unsafe extern "C" fn rdev_record_collective(
     reason_len: usize,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per contract.
-        let r = unsafe { str_arg(reason, reason_len, "reason") }?;
+        let r = text!(reason, reason_len, "reason");
         // A u32, not the enum: C may pass any value, and an out-of-range
         // Rust enum is undefined behaviour.
         use rdev_collective_event::*;

@@ -3,7 +3,7 @@
 
 use std::ffi::c_char;
 
-use super::{boundary, status, str_arg, LAST_ERROR};
+use super::{boundary, status, LAST_ERROR};
 use crate::config::Config;
 use crate::error::Error;
 use crate::stats::Stats;
@@ -13,17 +13,15 @@ use status::rdev_status;
 #[no_mangle]
 pub unsafe extern "C" fn rdev_record_fallback(bytes: u64, reason: *const c_char, reason_len: usize) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per contract.
-        let r = unsafe { str_arg(reason, reason_len, "reason") }?;
+        let r = text!(reason, reason_len, "reason");
         Stats::global().record_fallback(bytes, r);
         Ok(())
     })
 }
 
 unsafe fn write_out(s: &str, buf: *mut c_char, cap: usize, out_len: *mut usize) -> Result<(), Error> {
-    if !out_len.is_null() {
-        // SAFETY: out_len non-NULL per check.
-        unsafe { *out_len = s.len() };
+    if let Some(out_len) = opt_out!(out_len) {
+        out_len.write(s.len());
     }
     if buf.is_null() || cap < s.len() + 1 {
         return Err(Error::ResourceExhausted(format!("buffer of {cap} bytes; {} needed", s.len() + 1)));

@@ -19,6 +19,8 @@
 #![allow(non_camel_case_types)]
 #![allow(clippy::missing_safety_doc)] // each function documents its contract in the header
 
+#[macro_use]
+mod args;
 pub mod buffer;
 mod collective;
 mod introspect;
@@ -40,7 +42,7 @@ use crate::completion::{Complete, Recycler, KEPT};
 use crate::config::Config;
 use crate::error::Error;
 use crate::node::{Lease, Node};
-use crate::rendezvous::{Dims, Payload, TensorMeta};
+use crate::rendezvous::Payload;
 pub use status::rdev_status;
 pub use introspect::rdev_last_error;
 pub use wait::{rdev_recv_waitable, rdev_wait, rdev_waiter, rdev_waiter_free};
@@ -141,12 +143,12 @@ struct RecvCb {
     cb: unsafe extern "C" fn(*mut c_void, rdev_status, *const c_char, usize, *mut rdev_buffer),
     ud: UserData,
     /// `rdev_recv_inline`: a success may run on the event thread.
-    inline: bool,
+    on_event_thread: bool,
 }
 
 impl Complete<Result<Lease, Error>> for RecvCb {
-    fn inline_ok(&self) -> bool {
-        self.inline
+    fn event_thread_ok(&self) -> bool {
+        self.on_event_thread
     }
 
     fn complete(self: Box<Self>, r: Result<Lease, Error>) {
@@ -220,23 +222,6 @@ impl Payload for RawPayload {
     }
 }
 
-unsafe fn str_arg<'a>(p: *const c_char, len: usize, what: &str) -> Result<&'a str, Error> {
-    if p.is_null() && len > 0 {
-        return Err(Error::InvalidArgument(format!("{what} is NULL")));
-    }
-    if len == 0 {
-        return Ok("");
-    }
-    // SAFETY: the caller passes `len` readable bytes at `p`.
-    let b = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) };
-    std::str::from_utf8(b).map_err(|_| Error::InvalidArgument(format!("{what} is not UTF-8")))
-}
-
-unsafe fn ctx_arg<'a>(ctx: *const rdev_context) -> Result<&'a rdev_context, Error> {
-    // SAFETY: a non-NULL ctx comes from rdev_context_new and is not freed.
-    unsafe { ctx.as_ref() }.ok_or_else(|| Error::InvalidArgument("context is NULL".into()))
-}
-
 fn call_send_cb(cb: rdev_send_done_cb, ud: UserData, r: Result<(), Error>) {
     let Some(cb) = cb else { return };
     let (st, msg) = match r {
@@ -261,16 +246,12 @@ pub unsafe extern "C" fn rdev_context_new(
     out: *mut *mut rdev_context,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let task = unsafe { str_arg(task, task_len, "task") }?;
-        let addr = unsafe { str_arg(addr, addr_len, "addr") }?;
-        if out.is_null() {
-            return Err(Error::InvalidArgument("out is NULL".into()));
-        }
+        let task = text!(task, task_len, "task");
+        let addr = text!(addr, addr_len, "addr");
+        let out = out!(out);
         let cfg = Config::from_env()?;
         let node = Node::new(cfg, task, addr)?;
-        // SAFETY: out checked non-NULL.
-        unsafe { *out = Box::into_raw(Box::new(rdev_context { node })) };
+        out.write(Box::into_raw(Box::new(rdev_context { node })));
         Ok(())
     })
 }
@@ -318,41 +299,22 @@ pub unsafe extern "C" fn rdev_send(
     userdata: *mut c_void,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
-        let key = unsafe { str_arg(key, key_len, "key") }?;
-        let meta = unsafe { meta_arg(meta) }?;
-        if data.is_null() && len > 0 {
-            return Err(Error::InvalidArgument("data is NULL".into()));
-        }
+        let c = ctx!(ctx);
+        let peer = text!(peer, peer_len, "peer");
+        let key = text!(key, key_len, "key");
+        let meta = meta!(meta);
+        // Valid until `cb` runs, not only during the call: kept as a pointer.
+        let data = bytes!(data, len, "data");
         let ud = UserData(userdata);
         c.node.send(
             peer,
             key,
             step_id,
             meta,
-            PAYLOADS.boxed(RawPayload { ptr: data, len }),
+            PAYLOADS.boxed(RawPayload { ptr: data.as_ptr(), len: data.len() }),
             SEND_DONES.boxed(SendCb { cb, ud }),
         )
     })
-}
-
-unsafe fn meta_arg(meta: *const rdev_tensor_meta) -> Result<TensorMeta, Error> {
-    // SAFETY: a non-NULL meta points to a valid struct.
-    let m = unsafe { meta.as_ref() }.ok_or_else(|| Error::InvalidArgument("meta is NULL".into()))?;
-    if m.ndims > 254 {
-        return Err(Error::InvalidArgument(format!("{} dimensions (TensorFlow allows 254)", m.ndims)));
-    }
-    let dims = if m.ndims == 0 {
-        Dims::new()
-    } else if m.dims.is_null() {
-        return Err(Error::InvalidArgument("meta.dims is NULL".into()));
-    } else {
-        // SAFETY: ndims entries are readable at dims.
-        Dims::from_slice(unsafe { std::slice::from_raw_parts(m.dims, m.ndims as usize) })
-    };
-    Ok(TensorMeta { dtype: m.dtype, flags: m.flags, dims })
 }
 
 /// Receive the tensor `(key, step_id)` from `peer`. Never blocks. If this
@@ -378,14 +340,17 @@ pub unsafe extern "C" fn rdev_recv(
 
 /// `rdev_recv`, for a callback fit to run on the transport's event thread
 /// (the thread that saw the tensor land: shm progress or reader thread,
-/// verbs completion thread): a successful receive's `cb` then runs there,
-/// which saves a thread wake-up per tensor; a failed one still runs on
-/// `rdev-callbacks`, the calling thread, or where `rdev_recv` says. The
-/// caller promises that `cb` returns promptly (microseconds: no waiting,
-/// no I/O, no copy of the tensor) and calls only the functions that never
-/// block (`rdev_send`, `rdev_recv*`, `rdev_buffer_release`,
-/// `rdev_step_done`, `rdev_step_idle`, `rdev_step_active`,
-/// `rdev_abort_step`, `rdev_cancel_recv`, and
+/// verbs completion thread). "Inline" in this name, `rdev_call_inline`'s
+/// and `rdev_serve_inline`'s means exactly that: on the event thread,
+/// without the hop to `rdev-callbacks` (it has nothing to do with the
+/// `inline_tensors` counter, which counts streamed tensors). A successful
+/// receive's `cb` then runs there, which saves a thread wake-up per tensor;
+/// a failed one still runs on `rdev-callbacks`, the calling thread, or
+/// where `rdev_recv` says. The caller promises that `cb` returns promptly
+/// (microseconds: no waiting, no I/O, no copy of the tensor) and calls only
+/// the functions that never block (`rdev_send`, `rdev_recv*`,
+/// `rdev_buffer_release`, `rdev_step_done`, `rdev_step_idle`,
+/// `rdev_step_active`, `rdev_abort_step`, `rdev_cancel_recv`, and
 /// `rdev_context_free`): it delays every other completion that thread
 /// handles while it runs.
 #[no_mangle]
@@ -403,8 +368,8 @@ pub unsafe extern "C" fn rdev_recv_inline(
     unsafe { recv_as(ctx, peer, peer_len, key, key_len, step_id, cb, userdata, true) }
 }
 
-/// `rdev_recv` and `rdev_recv_inline`: `inline` says where a successful
-/// completion may run.
+/// `rdev_recv` and `rdev_recv_inline`: `on_event_thread` says whether a
+/// successful completion may run on the event thread.
 #[allow(clippy::too_many_arguments)]
 unsafe fn recv_as(
     ctx: *const rdev_context,
@@ -415,17 +380,14 @@ unsafe fn recv_as(
     step_id: u64,
     cb: rdev_recv_done_cb,
     userdata: *mut c_void,
-    inline: bool,
+    on_event_thread: bool,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
-        let key = unsafe { str_arg(key, key_len, "key") }?;
-        let Some(cb) = cb else {
-            return Err(Error::InvalidArgument("callback is NULL".into()));
-        };
-        c.node.recv(peer, key, step_id, RECV_DONES.boxed(RecvCb { cb, ud: UserData(userdata), inline }));
+        let c = ctx!(ctx);
+        let peer = text!(peer, peer_len, "peer");
+        let key = text!(key, key_len, "key");
+        let cb = callback!(cb, "callback");
+        c.node.recv(peer, key, step_id, RECV_DONES.boxed(RecvCb { cb, ud: UserData(userdata), on_event_thread }));
         Ok(())
     })
 }
@@ -435,8 +397,7 @@ unsafe fn recv_as(
 #[no_mangle]
 pub unsafe extern "C" fn rdev_step_done(ctx: *const rdev_context, step_id: u64) -> rdev_status {
     boundary(|| {
-        // SAFETY: ctx per contract.
-        unsafe { ctx_arg(ctx) }?.node.step_done(step_id);
+        ctx!(ctx).node.step_done(step_id);
         Ok(())
     })
 }
@@ -450,8 +411,7 @@ pub unsafe extern "C" fn rdev_step_done(ctx: *const rdev_context, step_id: u64) 
 #[no_mangle]
 pub unsafe extern "C" fn rdev_step_idle(ctx: *const rdev_context, step_id: u64) -> rdev_status {
     boundary(|| {
-        // SAFETY: ctx per contract.
-        unsafe { ctx_arg(ctx) }?.node.step_idle(step_id);
+        ctx!(ctx).node.step_idle(step_id);
         Ok(())
     })
 }
@@ -461,8 +421,7 @@ pub unsafe extern "C" fn rdev_step_idle(ctx: *const rdev_context, step_id: u64) 
 #[no_mangle]
 pub unsafe extern "C" fn rdev_step_active(ctx: *const rdev_context, step_id: u64) -> rdev_status {
     boundary(|| {
-        // SAFETY: ctx per contract.
-        unsafe { ctx_arg(ctx) }?.node.step_active(step_id);
+        ctx!(ctx).node.step_active(step_id);
         Ok(())
     })
 }
@@ -484,9 +443,8 @@ pub unsafe extern "C" fn rdev_abort_step(
     propagate: bool,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let m = unsafe { str_arg(msg, msg_len, "msg") }?;
+        let c = ctx!(ctx);
+        let m = text!(msg, msg_len, "msg");
         c.node.abort_step_caused(step_id, code, Error::Aborted(m.to_string()), propagate);
         Ok(())
     })
@@ -510,10 +468,9 @@ pub unsafe extern "C" fn rdev_cancel_recv(
     msg_len: usize,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let key = unsafe { str_arg(key, key_len, "key") }?;
-        let m = unsafe { str_arg(msg, msg_len, "msg") }?;
+        let c = ctx!(ctx);
+        let key = text!(key, key_len, "key");
+        let m = text!(msg, msg_len, "msg");
         c.node.cancel_recv(key, step_id, Error::Aborted(m.to_string()));
         Ok(())
     })
@@ -523,9 +480,8 @@ pub unsafe extern "C" fn rdev_cancel_recv(
 #[no_mangle]
 pub unsafe extern "C" fn rdev_abort_all(ctx: *const rdev_context, msg: *const c_char, msg_len: usize) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let m = unsafe { str_arg(msg, msg_len, "msg") }?;
+        let c = ctx!(ctx);
+        let m = text!(msg, msg_len, "msg");
         c.node.abort_all(Error::Aborted(m.to_string()));
         Ok(())
     })
@@ -535,9 +491,8 @@ pub unsafe extern "C" fn rdev_abort_all(ctx: *const rdev_context, msg: *const c_
 #[no_mangle]
 pub unsafe extern "C" fn rdev_abort_peer(ctx: *const rdev_context, peer: *const c_char, peer_len: usize) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let p = unsafe { str_arg(peer, peer_len, "peer") }?;
+        let c = ctx!(ctx);
+        let p = text!(peer, peer_len, "peer");
         c.node.abort_peer(p);
         Ok(())
     })

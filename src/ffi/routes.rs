@@ -7,9 +7,8 @@
 use std::ffi::c_char;
 
 use super::status::rdev_status;
-use super::{boundary, ctx_arg, rdev_context, set_last_error, str_arg};
+use super::{boundary, rdev_context, set_last_error};
 use crate::config::Config;
-use crate::error::Error;
 use crate::fabric::TransportKind;
 use crate::node::RouteNow;
 
@@ -70,16 +69,12 @@ fn settings_of(cfg: &Config) -> rdev_settings {
 #[no_mangle]
 pub unsafe extern "C" fn rdev_settings_get(ctx: *const rdev_context, out: *mut rdev_settings) -> rdev_status {
     boundary(|| {
-        if out.is_null() {
-            return Err(Error::InvalidArgument("out is NULL".into()));
-        }
-        // SAFETY: ctx is NULL or a live context per contract.
-        let s = match unsafe { ctx.as_ref() } {
+        let out = out!(out);
+        let s = match opt_ctx!(ctx) {
             Some(c) => settings_of(c.node.config()),
             None => settings_of(&Config::from_env()?),
         };
-        // SAFETY: out checked non-NULL.
-        unsafe { *out = s };
+        out.write(s);
         Ok(())
     })
 }
@@ -99,13 +94,10 @@ pub unsafe extern "C" fn rdev_context_add_peer(
     out: *mut rdev_transport,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let task = unsafe { str_arg(task, task_len, "task") }?;
-        let addr = unsafe { str_arg(addr, addr_len, "addr") }?;
-        if out.is_null() {
-            return Err(Error::InvalidArgument("out is NULL".into()));
-        }
+        let c = ctx!(ctx);
+        let task = text!(task, task_len, "task");
+        let addr = text!(addr, addr_len, "addr");
+        let out = out!(out);
         let choice = c.node.add_peer(task, addr);
         let t = match choice.transport {
             Some(TransportKind::Shm) => rdev_transport::RDEV_TRANSPORT_SHM,
@@ -115,8 +107,7 @@ pub unsafe extern "C" fn rdev_context_add_peer(
                 rdev_transport::RDEV_TRANSPORT_NONE
             }
         };
-        // SAFETY: out checked non-NULL.
-        unsafe { *out = t };
+        out.write(t);
         Ok(())
     })
 }
@@ -135,10 +126,9 @@ pub unsafe extern "C" fn rdev_context_set_peer(
     addr_len: usize,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let task = unsafe { str_arg(task, task_len, "task") }?;
-        let addr = unsafe { str_arg(addr, addr_len, "addr") }?;
+        let c = ctx!(ctx);
+        let task = text!(task, task_len, "task");
+        let addr = text!(addr, addr_len, "addr");
         c.node.set_peer(task, addr);
         Ok(())
     })
@@ -152,12 +142,9 @@ pub unsafe extern "C" fn rdev_context_set_peer(
 #[no_mangle]
 pub unsafe extern "C" fn rdev_route(ctx: *const rdev_context, peer: *const c_char, peer_len: usize, out: *mut rdev_route_kind) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
-        if out.is_null() {
-            return Err(Error::InvalidArgument("out is NULL".into()));
-        }
+        let c = ctx!(ctx);
+        let peer = text!(peer, peer_len, "peer");
+        let out = out!(out);
         let r = match c.node.route(peer)? {
             RouteNow::Pending => rdev_route_kind::RDEV_ROUTE_PENDING,
             RouteNow::Device(TransportKind::Shm) => rdev_route_kind::RDEV_ROUTE_SHM,
@@ -167,8 +154,7 @@ pub unsafe extern "C" fn rdev_route(ctx: *const rdev_context, peer: *const c_cha
                 rdev_route_kind::RDEV_ROUTE_GRPC
             }
         };
-        // SAFETY: out checked non-NULL.
-        unsafe { *out = r };
+        out.write(r);
         Ok(())
     })
 }
@@ -181,11 +167,9 @@ pub unsafe extern "C" fn rdev_route(ctx: *const rdev_context, peer: *const c_cha
 #[no_mangle]
 pub unsafe extern "C" fn rdev_grpc_fallback(ctx: *const rdev_context, peer: *const c_char, peer_len: usize, why: *const c_char, why_len: usize) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
-        let why = unsafe { str_arg(why, why_len, "why") }?;
-        // SAFETY: ctx is NULL or a live context per contract.
-        match unsafe { ctx.as_ref() } {
+        let peer = text!(peer, peer_len, "peer");
+        let why = text!(why, why_len, "why");
+        match opt_ctx!(ctx) {
             Some(c) => c.node.grpc_fallback(peer, why),
             None if Config::from_env()?.strict => Err(crate::node::strict_refusal(peer, why)),
             None => Ok(()),
@@ -210,14 +194,13 @@ pub unsafe extern "C" fn rdev_place_edge(
     placed: *mut bool,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
-        let key = unsafe { str_arg(key, key_len, "key") }?;
+        let c = ctx!(ctx);
+        let peer = text!(peer, peer_len, "peer");
+        let key = text!(key, key_len, "key");
+        let placed = opt_out!(placed);
         let ok = c.node.place_ahead(peer, key, bytes, std::time::Duration::from_millis(timeout_ms))?;
-        if !placed.is_null() {
-            // SAFETY: non-NULL out-param.
-            unsafe { *placed = ok };
+        if let Some(placed) = placed {
+            placed.write(ok);
         }
         Ok(())
     })
@@ -243,15 +226,14 @@ pub unsafe extern "C" fn rdev_request_placement(
     placed: *mut bool,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let sender = unsafe { str_arg(sender, sender_len, "sender") }?;
-        let receiver = unsafe { str_arg(receiver, receiver_len, "receiver") }?;
-        let key = unsafe { str_arg(key, key_len, "key") }?;
+        let c = ctx!(ctx);
+        let sender = text!(sender, sender_len, "sender");
+        let receiver = text!(receiver, receiver_len, "receiver");
+        let key = text!(key, key_len, "key");
+        let placed = opt_out!(placed);
         let ok = c.node.request_placement(sender, receiver, key, bytes, std::time::Duration::from_millis(timeout_ms))?;
-        if !placed.is_null() {
-            // SAFETY: non-NULL out-param.
-            unsafe { *placed = ok };
+        if let Some(placed) = placed {
+            placed.write(ok);
         }
         Ok(())
     })
@@ -262,9 +244,8 @@ pub unsafe extern "C" fn rdev_request_placement(
 #[no_mangle]
 pub unsafe extern "C" fn rdev_connect_peer(ctx: *const rdev_context, peer: *const c_char, peer_len: usize) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
+        let c = ctx!(ctx);
+        let peer = text!(peer, peer_len, "peer");
         c.node.connect(peer)
     })
 }

@@ -5,8 +5,7 @@
 use std::ffi::{c_char, c_void};
 use std::sync::Arc;
 
-use super::{boundary, ctx_arg, rdev_context, status, str_arg, UserData};
-use crate::error::Error;
+use super::{boundary, rdev_context, status, UserData};
 use crate::node::rpc::Server;
 use crate::stats::Stats;
 use status::rdev_status;
@@ -21,8 +20,8 @@ pub type rdev_call_done_cb = Option<unsafe extern "C" fn(userdata: *mut c_void, 
 
 /// A call from a peer (`rdev_serve`): answer it exactly once with
 /// `rdev_serve_reply(handle, ...)`, from any thread. `body` is valid
-/// during the call. Runs on `rdev-callbacks`, or for a method made inline
-/// (`rdev_serve_inline`) on the event thread that read the call.
+/// during the call. Runs on `rdev-callbacks`, or, for a method declared
+/// with `rdev_serve_inline`, on the event thread that read the call.
 #[allow(non_camel_case_types)]
 pub type rdev_serve_call_cb = Option<unsafe extern "C" fn(userdata: *mut c_void, handle: u64, method: u32, body: *const u8, body_len: usize)>;
 
@@ -56,12 +55,12 @@ pub unsafe extern "C" fn rdev_call(
 }
 
 /// `rdev_call`, for a callback fit to run on the transport's event thread
-/// (the thread that read the reply): a successful reply of at most 64 KiB
-/// then runs `cb` there, one thread wake-up sooner; failures, deadlines,
-/// cancellations and larger replies still run it on `rdev-callbacks`. The
-/// caller promises what `rdev_recv_inline` asks: `cb` returns within
-/// microseconds, waits for nothing and calls only functions that never
-/// block.
+/// (the thread that read the reply; "inline" as in `rdev_recv_inline`): a
+/// successful reply of at most 64 KiB then runs `cb` there, one thread
+/// wake-up sooner; failures, deadlines, cancellations and larger replies
+/// still run it on `rdev-callbacks`. The caller promises what
+/// `rdev_recv_inline` asks: `cb` returns within microseconds, waits for
+/// nothing and calls only functions that never block.
 #[no_mangle]
 pub unsafe extern "C" fn rdev_call_inline(
     ctx: *const rdev_context,
@@ -79,8 +78,8 @@ pub unsafe extern "C" fn rdev_call_inline(
     unsafe { call_as(ctx, peer, peer_len, method, body, body_len, timeout_ms, cb, userdata, out_id, true) }
 }
 
-/// `rdev_call` and `rdev_call_inline`: `inline` says where a successful
-/// reply may complete.
+/// `rdev_call` and `rdev_call_inline`: `on_event_thread` says whether a
+/// successful reply may complete on the event thread.
 #[allow(clippy::too_many_arguments)]
 unsafe fn call_as(
     ctx: *const rdev_context,
@@ -93,18 +92,14 @@ unsafe fn call_as(
     cb: rdev_call_done_cb,
     userdata: *mut c_void,
     out_id: *mut u64,
-    inline: bool,
+    on_event_thread: bool,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
-        let Some(cb) = cb else { return Err(Error::InvalidArgument("callback is NULL".into())) };
-        if body.is_null() && body_len > 0 {
-            return Err(Error::InvalidArgument("body is NULL".into()));
-        }
-        // SAFETY: body_len bytes are readable at body (checked non-NULL).
-        let body = if body_len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(body, body_len) } };
+        let c = ctx!(ctx);
+        let peer = text!(peer, peer_len, "peer");
+        let cb = callback!(cb, "callback");
+        let body = bytes!(body, body_len, "body");
+        let out_id = opt_out!(out_id);
         let ud = UserData(userdata);
         let done = Box::new(move |code: u32, reply: Vec<u8>| {
             let ud = ud;
@@ -112,14 +107,13 @@ unsafe fn call_as(
             unsafe { cb(ud.0, code, reply.as_ptr(), reply.len()) };
         });
         let timeout = (timeout_ms > 0).then(|| std::time::Duration::from_millis(timeout_ms));
-        let id = if inline {
-            c.node.rpc_call_inline(peer, method, body, timeout, done)
+        let id = if on_event_thread {
+            c.node.rpc_call_on_event_thread(peer, method, body, timeout, done)
         } else {
             c.node.rpc_call(peer, method, body, timeout, done)
         }?;
-        if !out_id.is_null() {
-            // SAFETY: non-NULL out-param.
-            unsafe { *out_id = id };
+        if let Some(out_id) = out_id {
+            out_id.write(id);
         }
         Ok(())
     })
@@ -130,8 +124,7 @@ unsafe fn call_as(
 #[no_mangle]
 pub unsafe extern "C" fn rdev_call_cancel(ctx: *const rdev_context, id: u64) -> rdev_status {
     boundary(|| {
-        // SAFETY: ctx per contract.
-        unsafe { ctx_arg(ctx) }?.node.rpc_cancel(id);
+        ctx!(ctx).node.rpc_cancel(id);
         Ok(())
     })
 }
@@ -163,8 +156,7 @@ impl Server for CServer {
 #[no_mangle]
 pub unsafe extern "C" fn rdev_serve(ctx: *const rdev_context, call: rdev_serve_call_cb, cancel: rdev_serve_cancel_cb, userdata: *mut c_void) -> rdev_status {
     boundary(|| {
-        // SAFETY: ctx per contract.
-        let c = unsafe { ctx_arg(ctx) }?;
+        let c = ctx!(ctx);
         let server = call.map(|call| Arc::new(CServer { call, cancel, ud: userdata as usize }) as Arc<dyn Server>);
         c.node.rpc_serve(server);
         Ok(())
@@ -172,16 +164,16 @@ pub unsafe extern "C" fn rdev_serve(ctx: *const rdev_context, call: rdev_serve_c
 }
 
 /// Serve calls of `method` (below 64) on the transport's event thread that
-/// read them instead of `rdev-callbacks`, one thread wake-up sooner: for a
-/// method whose `call` callback returns within microseconds, waits for
-/// nothing and calls only functions that never block (it delays every
-/// other message that thread handles meanwhile); its `rdev_serve_reply`
-/// may then come from inside the callback. Lasts as long as the context.
+/// read them ("inline" as in `rdev_recv_inline`) instead of
+/// `rdev-callbacks`, one thread wake-up sooner: for a method whose `call`
+/// callback returns within microseconds, waits for nothing and calls only
+/// functions that never block (it delays every other message that thread
+/// handles meanwhile); its `rdev_serve_reply` may then come from inside the
+/// callback. Lasts as long as the context.
 #[no_mangle]
 pub unsafe extern "C" fn rdev_serve_inline(ctx: *const rdev_context, method: u32) -> rdev_status {
     boundary(|| {
-        // SAFETY: ctx per contract.
-        unsafe { ctx_arg(ctx) }?.node.rpc_serve_inline(method)
+        ctx!(ctx).node.rpc_serve_on_event_thread(method)
     })
 }
 
@@ -190,13 +182,8 @@ pub unsafe extern "C" fn rdev_serve_inline(ctx: *const rdev_context, method: u32
 #[no_mangle]
 pub unsafe extern "C" fn rdev_serve_reply(ctx: *const rdev_context, handle: u64, code: u32, body: *const u8, body_len: usize) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        if body.is_null() && body_len > 0 {
-            return Err(Error::InvalidArgument("body is NULL".into()));
-        }
-        // SAFETY: body_len bytes readable at body.
-        let body = if body_len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(body, body_len) } };
+        let c = ctx!(ctx);
+        let body = bytes!(body, body_len, "body");
         c.node.rpc_reply(handle, code, body);
         Ok(())
     })
@@ -209,7 +196,8 @@ pub extern "C" fn rdev_record_worker_rpc_over_grpc() {
 }
 
 /// Count a peer's per-step worker RPC served on the transport's thread that
-/// read it (`worker_rpcs_served_inline`).
+/// read it (`worker_rpcs_served_inline`; "inline" as in
+/// `rdev_serve_inline`).
 #[no_mangle]
 pub extern "C" fn rdev_record_worker_rpc_served_inline() {
     Stats::add(&Stats::global().c.worker_rpcs_served_inline, 1);

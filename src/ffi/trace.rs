@@ -5,7 +5,7 @@
 use std::ffi::{c_char, CString};
 use std::sync::atomic::AtomicI32;
 
-use super::{boundary, status, str_arg};
+use super::{boundary, status};
 use crate::error::Error;
 use crate::trace;
 use status::rdev_status;
@@ -46,9 +46,8 @@ pub unsafe extern "C" fn rdev_trace_span(
     key_len: usize,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let name = unsafe { str_arg(name, name_len, "name") }?;
-        let key = if key.is_null() { None } else { Some(unsafe { str_arg(key, key_len, "key") }?) };
+        let name = text!(name, name_len, "name");
+        let key = if key.is_null() { None } else { Some(text!(key, key_len, "key")) };
         trace::record_external(name, start_ns, end_ns, step_id, bytes, key);
         Ok(())
     })
@@ -61,20 +60,15 @@ pub unsafe extern "C" fn rdev_trace_span(
 #[no_mangle]
 pub unsafe extern "C" fn rdev_trace_take_json(process: *const c_char, process_len: usize, out_json: *mut *mut c_char, out_len: *mut usize) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let process = unsafe { str_arg(process, process_len, "process") }?;
-        if out_json.is_null() {
-            return Err(Error::InvalidArgument("out_json is NULL".into()));
-        }
+        let process = text!(process, process_len, "process");
+        let out_json = out!(out_json);
+        let out_len = opt_out!(out_len);
         let json = trace::take_chrome_json(process);
         let len = json.len();
         let c = CString::new(json).map_err(|_| Error::Internal("trace JSON holds a NUL".into()))?;
-        // SAFETY: out-params checked (out_len may be NULL).
-        unsafe {
-            *out_json = c.into_raw();
-            if !out_len.is_null() {
-                *out_len = len;
-            }
+        out_json.write(c.into_raw());
+        if let Some(out_len) = out_len {
+            out_len.write(len);
         }
         Ok(())
     })
@@ -103,7 +97,7 @@ pub type rdev_trace_sink_cb = Option<unsafe extern "C" fn(name: *const c_char, n
 #[no_mangle]
 pub unsafe extern "C" fn rdev_trace_attach_tf(level: *const i32, sink: rdev_trace_sink_cb) -> rdev_status {
     boundary(|| {
-        let Some(sink) = sink else { return Err(Error::InvalidArgument("sink is NULL".into())) };
+        let sink = callback!(sink, "sink");
         if level.is_null() {
             return Err(Error::InvalidArgument("level is NULL".into()));
         }

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::{boundary, ctx_arg, rdev_buffer, rdev_context, str_arg, status, BUFFERS};
+use super::{boundary, rdev_buffer, rdev_context, status, BUFFERS};
 use crate::completion::Complete;
 use crate::error::Error;
 use crate::node::{Lease, Poller};
@@ -77,17 +77,14 @@ pub unsafe extern "C" fn rdev_recv_waitable(
     out: *mut *mut rdev_waiter,
 ) -> rdev_status {
     boundary(|| {
-        // SAFETY: arguments per the documented contract.
-        let c = unsafe { ctx_arg(ctx) }?;
-        let peer = unsafe { str_arg(peer, peer_len, "peer") }?;
-        let key = unsafe { str_arg(key, key_len, "key") }?;
-        if out.is_null() {
-            return Err(Error::InvalidArgument("out is NULL".into()));
-        }
+        let c = ctx!(ctx);
+        let peer = text!(peer, peer_len, "peer");
+        let key = text!(key, key_len, "key");
+        let out = out!(out);
         let cell = Arc::new(Cell::default());
         c.node.recv(peer, key, step_id, Box::new(WaitDone(cell.clone())));
-        // SAFETY: non-NULL out-param; the handle is the caller's now.
-        unsafe { *out = Box::into_raw(Box::new(rdev_waiter { cell, poller: c.node.poller() })) };
+        // The handle is the caller's now.
+        out.write(Box::into_raw(Box::new(rdev_waiter { cell, poller: c.node.poller() })));
         Ok(())
     })
 }
@@ -102,11 +99,8 @@ pub unsafe extern "C" fn rdev_recv_waitable(
 #[no_mangle]
 pub unsafe extern "C" fn rdev_wait(w: *const rdev_waiter, timeout_ms: u64, out: *mut *mut rdev_buffer) -> rdev_status {
     boundary(|| {
-        // SAFETY: a live handle from rdev_recv_waitable, per contract.
-        let w = unsafe { w.as_ref() }.ok_or_else(|| Error::InvalidArgument("waiter is NULL".into()))?;
-        if out.is_null() {
-            return Err(Error::InvalidArgument("out is NULL".into()));
-        }
+        let w = handle!(w, "waiter");
+        let out = out!(out);
         // Capped so the deadline's arithmetic cannot overflow.
         let limit = Duration::from_millis(timeout_ms.min(u64::MAX / 4));
         let start = Instant::now();
@@ -135,8 +129,8 @@ pub unsafe extern "C" fn rdev_wait(w: *const rdev_waiter, timeout_ms: u64, out: 
                 // Released by an application thread (the endpoint API's):
                 // it sends the credit itself.
                 lease.credit_from_releasing_thread();
-                // SAFETY: non-NULL out-param; the buffer is the caller's now.
-                unsafe { *out = Box::into_raw(BUFFERS.boxed(rdev_buffer { lease: Some(lease) })) };
+                // The buffer is the caller's now.
+                out.write(Box::into_raw(BUFFERS.boxed(rdev_buffer { lease: Some(lease) })));
                 Ok(())
             }
         }

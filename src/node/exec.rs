@@ -155,9 +155,10 @@ impl Inner {
             // A receive whose completion only wakes a waiting thread
             // (`Complete::runs_anywhere`), or whose callback the
             // application declared fit for an event thread
-            // (`rdev_recv_inline`, on success), is delivered here: one
+            // (`Complete::event_thread_ok`: `rdev_recv_inline`, on success),
+            // is delivered here: one
             // thread wake-up less between the tensor landing and its user.
-            let waiter = matches!(&a, Action::Deliver { done, result } if done.runs_anywhere() || (result.is_ok() && done.inline_ok()));
+            let waiter = matches!(&a, Action::Deliver { done, result } if done.runs_anywhere() || (result.is_ok() && done.event_thread_ok()));
             if on_event_thread
                 && !waiter
                 && (copies || matches!(a, Action::Write { .. } | Action::Deliver { .. } | Action::SendDone { .. } | Action::StreamAlloc { .. }))

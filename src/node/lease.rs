@@ -1,5 +1,5 @@
 //! A received tensor handed to the application: its bytes in place in the
-//! arena (or in a buffer, for the inline path); dropping it gives the slot
+//! arena (or in a buffer, for a streamed tensor); dropping it gives the slot
 //! back to the sender.
 //!
 //! A lease in place holds an `Arc` of the arena, so the mapping outlives

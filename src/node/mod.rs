@@ -15,7 +15,7 @@
 //! only non-blocking functions): a successful receive's
 //! (`rdev_recv_inline`; TensorFlow's receive `done` for host memory), a
 //! successful small call reply's (`rdev_call_inline`) and the serving of
-//! a call of a method declared inline (`rdev_serve_inline`; TensorFlow's
+//! a call of a method declared fit (`rdev_serve_inline`; TensorFlow's
 //! RunGraph and CleanupGraph).
 //! Callbacks run on the calling thread or on `rdev-callbacks`, and must
 //! not call the blocking functions below.
@@ -26,7 +26,7 @@
 //! |---|---|---|---|
 //! | `Node::send` | any (TF executor threads) | no network: a first send to a peer is queued while `rdev-connect` connects; on a live link a write of `WRITE_ENGINE_MIN` (64 KiB) or more is posted to `rdev-write` (engine.rs) and `send` returns; a smaller one (the copy into the receiver's slot on shm) runs on the caller, which then pushes the doorbell ring or, when it is full, queues the write and returns | a small copy |
 //! | tensor writes of 64 KiB or more | `rdev-write` (2 per node, queued) | the copy (shm) or registration and post (verbs); a full ring queues it | the copy |
-//! | `Node::rpc_call`, `rpc_reply`, `rpc_cancel` (worker RPCs, rpc.rs) | the caller (TF's master; for replies, the thread that finished the call: an executor thread, or the event thread of a call served inline) | nothing: one control message per 64 KiB of body, as below | — |
+//! | `Node::rpc_call`, `rpc_reply`, `rpc_cancel` (worker RPCs, rpc.rs) | the caller (TF's master; for replies, the thread that finished the call: an executor thread, or the event thread of a call served there) | nothing: one control message per 64 KiB of body, as below | — |
 //! | dropping a received tensor (`Lease`) | any (TF threads) | nothing: its slot's credit is posted (shm: queued for `rdev-shm-send`, no I/O on the releasing thread; verbs: a post) | — |
 //! | `Node::recv`, `step_done`, `step_idle`, `step_active`, `abort_*` | any | nothing | — |
 //! | `Node::connect` | the shim's pool | the connection | RDMA_DEVICE_CONNECT_TIMEOUT_MS (1.5 s for a lost peer) |
@@ -39,7 +39,7 @@
 //! | shm writes whose doorbell ring is full (8192 entries: only when the receiver's progress thread has stopped) | `rdev-shm-send` (one per process) | ring space, polled every millisecond | 10 s, then the write fails with Timeout |
 //! | shm control messages the socket did not take at once | `rdev-shm-send` | socket space (poll) | `CONTROL_SEND_TIMEOUT_MS` (10 s) without progress, then the link fails |
 //! | shm/verbs progress threads | own threads | events (sleep on the doorbell / CQ channel) | woken by events or shutdown |
-//! | callbacks and writes released by events | `rdev-callbacks` (one per node, queued); a successful `rdev_recv_inline` receive's callback, a successful small `rdev_call_inline` reply's and a call of a method served inline (`rdev_serve_inline`) on the event thread itself | what the callback does; a write as `send` on a live link | as `send` |
+//! | callbacks and writes released by events | `rdev-callbacks` (one per node, queued); a successful `rdev_recv_inline` receive's callback, a successful small `rdev_call_inline` reply's and a call of a method served on the event thread (`rdev_serve_inline`) on the event thread itself | what the callback does; a write as `send` on a live link | as `send` |
 //! | probing links with work waiting on their peer (`Msg::Ping`, keepalive.rs); failing calls past their deadline | `rdev-keepalive` (one per node) | nothing: a control message, as below | — |
 //! | granting a placed slot to its sender (`NodeGranter` → `Listener::grant`, under the protocol lock) | whichever thread placed it (an event thread included) | nothing: shm maps the window's pages; verbs allocates a memory window and queues its bind on the sender's QP ahead of the Publish (ordered by the send queue, never awaited; see `fabric::verbs::mw`); a new 64 MiB arena extent the window needs is registered on `rdev-verbs-setup` and the bind waits for it in the QP's queue (`fabric::no_blocking` marks the lock; debug builds assert no registration runs under it) | — |
 //!
@@ -407,9 +407,9 @@ impl Node {
 
     /// `rpc_call` for a `done` fit to run on the event thread that reads
     /// the reply (it returns within microseconds and never waits): a
-    /// successful reply of at most `rpc::INLINE_REPLY_MAX` bytes runs it
-    /// there, one thread wake-up sooner; anything else as `rpc_call`.
-    pub fn rpc_call_inline(&self, peer: &str, method: u32, body: &[u8], timeout: Option<std::time::Duration>, done: rpc::CallDone) -> Result<u64> {
+    /// successful reply of at most `rpc::EVENT_THREAD_REPLY_MAX` bytes runs
+    /// it there, one thread wake-up sooner; anything else as `rpc_call`.
+    pub fn rpc_call_on_event_thread(&self, peer: &str, method: u32, body: &[u8], timeout: Option<std::time::Duration>, done: rpc::CallDone) -> Result<u64> {
         self.inner.rpc_call(peer, method, body, timeout, true, done)
     }
 
@@ -424,12 +424,12 @@ impl Node {
         self.inner.rpc_serve(server)
     }
 
-    /// Hand calls of `method` (below `rpc::INLINE_METHODS`) to the server
-    /// on the event thread that read them, not on `rdev-callbacks`: for a
+    /// Hand calls of `method` (below `rpc::EVENT_THREAD_METHODS`) to the
+    /// server on the event thread that read them, not on `rdev-callbacks`: for a
     /// method whose `Server::call` returns within microseconds and never
     /// waits (it delays everything else that thread handles meanwhile).
-    pub fn rpc_serve_inline(&self, method: u32) -> Result<()> {
-        self.inner.rpc_serve_inline(method)
+    pub fn rpc_serve_on_event_thread(&self, method: u32) -> Result<()> {
+        self.inner.rpc_serve_on_event_thread(method)
     }
 
     /// Answer served call `handle`: `code` 0 with `body`, or an error code

@@ -493,8 +493,8 @@ impl crate::completion::Complete<Result<crate::rendezvous::Received>> for ToLeas
         self.done.as_ref().is_some_and(|d| d.runs_anywhere())
     }
 
-    fn inline_ok(&self) -> bool {
-        self.done.as_ref().is_some_and(|d| d.inline_ok())
+    fn event_thread_ok(&self) -> bool {
+        self.done.as_ref().is_some_and(|d| d.event_thread_ok())
     }
 
     fn complete(mut self: Box<Self>, res: Result<crate::rendezvous::Received>) {

@@ -24,14 +24,15 @@
 //!   answers later, from any thread, with [`Inner::rpc_reply`]; a call whose
 //!   link is lost, or that its caller cancelled, is cancelled there
 //!   (`Server::cancel`) and its reply, if any, goes nowhere.
-//! - Inline, one thread wake-up fewer at each end: a method the server
-//!   declared fit (`rpc_serve_inline`: its `call` returns within
-//!   microseconds and never waits) is handed to it on the event thread
-//!   that read the call's last part; a caller that declared its `done` fit
-//!   (`rpc_call(.., inline: true, ..)`) gets a successful reply of at most
-//!   `INLINE_REPLY_MAX` bytes on the event thread that read it. Failures,
-//!   cancellations, deadlines and larger replies still run on
-//!   `rdev-callbacks`.
+//! - On the event thread, one thread wake-up fewer at each end: a method
+//!   the server declared fit (`rpc_serve_on_event_thread`: its `call`
+//!   returns within microseconds and never waits) is handed to it on the
+//!   event thread that read the call's last part; a caller that declared
+//!   its `done` fit (`rpc_call(.., on_event_thread: true, ..)`) gets a
+//!   successful reply of at most `EVENT_THREAD_REPLY_MAX` bytes on the
+//!   event thread that read it. Failures, cancellations, deadlines and
+//!   larger replies still run on `rdev-callbacks`. (The C ABI calls this
+//!   "inline": `rdev_serve_inline`, `rdev_call_inline`.)
 //! - Pacing: a body's first `DIRECT_PARTS` parts leave from the thread
 //!   that makes the call or the reply; the rest from the node's pacing
 //!   thread (pace.rs), each only while fewer than `PACE_BACKLOG` messages
@@ -85,12 +86,13 @@ pub const MAX_PARTIAL_BYTES: usize = 4 * MAX_CALL_BYTES;
 /// its link (a caller sends its parts back to back; checked by
 /// `rdev-keepalive` with the deadlines).
 pub const PARTIAL_CALL_TIMEOUT: Duration = Duration::from_secs(60);
-/// Largest reply handed to an inline caller on the event thread (a larger
+/// Largest reply handed to a caller on the event thread that read it (a larger
 /// one, e.g. a RunGraph response carrying fetched tensors, is parsed on
 /// `rdev-callbacks`, not on the thread that reads the link).
-pub const INLINE_REPLY_MAX: usize = 64 << 10;
-/// Method ids a server may declare inline (`rpc_serve_inline`): below this.
-pub const INLINE_METHODS: u32 = 64;
+pub const EVENT_THREAD_REPLY_MAX: usize = 64 << 10;
+/// Method ids a server may have served on the event thread
+/// (`rpc_serve_on_event_thread`): below this.
+pub const EVENT_THREAD_METHODS: u32 = 64;
 /// Parts of one body (a call's or a reply's) sent on the thread that makes
 /// the call or the reply; the rest go from the node's pacing thread
 /// (`rdev-rpc-pace`), as the link's backlog allows.
@@ -159,7 +161,7 @@ struct Outgoing {
     link: ConnId,
     done: CallDone,
     /// A successful reply may complete on the event thread.
-    inline: bool,
+    on_event_thread: bool,
     deadline: Option<Instant>,
     /// Reply parts so far, and how many.
     reply: Vec<u8>,
@@ -175,7 +177,7 @@ pub(crate) struct Rpc {
     served: Mutex<Served>,
     server: RwLock<Option<Arc<dyn Server>>>,
     /// Bit m: calls of method m are served on the event thread.
-    inline_methods: AtomicU64,
+    event_thread_methods: AtomicU64,
     /// Bodies whose remaining parts the pacing thread sends.
     paced: Mutex<Vec<Paced>>,
 }
@@ -190,7 +192,7 @@ impl Rpc {
     }
 
     /// Call `method` on `peer` with `body`; `done` runs exactly once (see
-    /// the module docs; `inline`: a successful small reply may run it on
+    /// the module docs; `on_event_thread`: a successful small reply may run it on
     /// the event thread). `Err`: the call could not start over the
     /// transport (`done` dropped uncalled; make it another way). `Ok`:
     /// `done` runs, even when the link is lost while the parts go out.
@@ -200,7 +202,7 @@ impl Rpc {
     /// or `fail_all`. Only when this function removed it before any part
     /// left may it return `Err`.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn call(&self, w: &dyn Wire, peer: &str, method: u32, body: &[u8], timeout: Option<Duration>, inline: bool, done: CallDone) -> Result<u64> {
+    pub(crate) fn call(&self, w: &dyn Wire, peer: &str, method: u32, body: &[u8], timeout: Option<Duration>, on_event_thread: bool, done: CallDone) -> Result<u64> {
         let Some(link) = w.call_link(peer) else {
             return Err(Error::NotViable(format!("no connection with {peer} yet")));
         };
@@ -210,7 +212,7 @@ impl Rpc {
         part_index(body.len() / CALL_PART_BYTES.max(1))?;
         let id = self.new_id();
         let deadline = timeout.map(|t| Instant::now() + t);
-        self.out.lock().insert(id, Outgoing { link, done, inline, deadline, reply: Vec::new(), reply_parts: 0 });
+        self.out.lock().insert(id, Outgoing { link, done, on_event_thread, deadline, reply: Vec::new(), reply_parts: 0 });
         // From here `done` is registered: a panic must not unwind past this
         // function with it there (the caller would take the error as "not
         // started", free what `done` uses and go another way).
@@ -342,16 +344,16 @@ impl Rpc {
     /// Serve calls of `method` on the event thread that read them (the
     /// server promises its `call` for it returns within microseconds and
     /// never waits).
-    pub(crate) fn serve_inline(&self, method: u32) -> Result<()> {
-        if method >= INLINE_METHODS {
-            return Err(Error::InvalidArgument(format!("method {method}: only methods below {INLINE_METHODS} can be served inline")));
+    pub(crate) fn serve_on_event_thread(&self, method: u32) -> Result<()> {
+        if method >= EVENT_THREAD_METHODS {
+            return Err(Error::InvalidArgument(format!("method {method}: only methods below {EVENT_THREAD_METHODS} can be served inline")));
         }
-        self.inline_methods.fetch_or(1 << method, Ordering::Relaxed);
+        self.event_thread_methods.fetch_or(1 << method, Ordering::Relaxed);
         Ok(())
     }
 
-    fn served_inline(&self, method: u32) -> bool {
-        method < INLINE_METHODS && self.inline_methods.load(Ordering::Relaxed) & (1 << method) != 0
+    fn served_on_event_thread(&self, method: u32) -> bool {
+        method < EVENT_THREAD_METHODS && self.event_thread_methods.load(Ordering::Relaxed) & (1 << method) != 0
     }
 
     /// A `Call`, `Reply` or `CallCancel` arrived on `link` (an event
@@ -392,7 +394,7 @@ impl Rpc {
                     srv.call(handle, method, body);
                     crate::trace::end("serve", t, 0, n, None);
                 };
-                if self.served_inline(method) {
+                if self.served_on_event_thread(method) {
                     serve();
                 } else {
                     w.later(Box::new(serve));
@@ -431,13 +433,13 @@ impl Rpc {
         }
         let Some(o) = out.remove(&id) else { return Ok(()) };
         drop(out);
-        let inline = o.inline && code == 0 && o.reply.len() <= INLINE_REPLY_MAX;
+        let here = o.on_event_thread && code == 0 && o.reply.len() <= EVENT_THREAD_REPLY_MAX;
         let done = move || {
             let (t, n) = (crate::trace::start(), o.reply.len() as u64);
             (o.done)(code, o.reply);
             crate::trace::end("call done", t, 0, n, None);
         };
-        if inline {
+        if here {
             done();
         } else {
             w.later(Box::new(done));
@@ -547,8 +549,8 @@ impl Inner {
     pub(super) fn rpc_fail_paced(&self) {
         self.rpc.fail_paced(self)
     }
-    pub(super) fn rpc_call(&self, peer: &str, method: u32, body: &[u8], timeout: Option<Duration>, inline: bool, done: CallDone) -> Result<u64> {
-        self.rpc.call(self, peer, method, body, timeout, inline, done)
+    pub(super) fn rpc_call(&self, peer: &str, method: u32, body: &[u8], timeout: Option<Duration>, on_event_thread: bool, done: CallDone) -> Result<u64> {
+        self.rpc.call(self, peer, method, body, timeout, on_event_thread, done)
     }
     pub(super) fn rpc_cancel(&self, id: u64) {
         self.rpc.cancel(self, id)
@@ -559,8 +561,8 @@ impl Inner {
     pub(super) fn rpc_serve(&self, server: Option<Arc<dyn Server>>) {
         self.rpc.serve(server)
     }
-    pub(super) fn rpc_serve_inline(&self, method: u32) -> Result<()> {
-        self.rpc.serve_inline(method)
+    pub(super) fn rpc_serve_on_event_thread(&self, method: u32) -> Result<()> {
+        self.rpc.serve_on_event_thread(method)
     }
     pub(super) fn on_call_msg(&self, link: ConnId, msg: &[u8]) -> Result<()> {
         self.rpc.on_msg(self, link, msg)

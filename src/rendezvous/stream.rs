@@ -46,8 +46,9 @@
 //! - Last resort, when not even stream slots fit the arena: the chunks
 //!   travel as `StreamData` messages, produced one at a time from the
 //!   payload and acknowledged (`StreamAck`), at most `STREAM_MSG_WINDOW`
-//!   unacknowledged per stream (the old inline path built every message up
-//!   front and posted them all, which on verbs overran the queue at ~1 GiB).
+//!   unacknowledged per stream (the `Inline` messages of protocol version
+//!   2, which streams replaced, were all built up front and posted at once,
+//!   which on verbs overran the queue at ~1 GiB).
 //!
 //! Ending early: the receiver discards the streams of a finished or
 //! aborted step and says `StreamCancel` (the sender fails its `done`); a

@@ -32,7 +32,7 @@ pub(super) struct TxEdge {
     pub(super) slots: Vec<(SlotDesc, bool)>,
     awaiting_publish: bool,
     /// Sizes at or above this are streamed (the receiver had no room).
-    inline_from: Option<u64>,
+    stream_from: Option<u64>,
     /// A `More` request is out.
     more_pending: bool,
     /// The receiver cannot add slots: while none is free, stream.
@@ -61,10 +61,10 @@ impl TxLink {
         let mut o = format!("outstanding {}{}", self.outstanding, self.streams.describe());
         for (k, e) in &self.edges {
             o.push_str(&format!(
-                "\n  edge {k} id {:?} awaiting {} inline_from {:?} pending steps {:?} slots {:?}",
+                "\n  edge {k} id {:?} awaiting {} stream_from {:?} pending steps {:?} slots {:?}",
                 e.edge_id,
                 e.awaiting_publish,
-                e.inline_from,
+                e.stream_from,
                 e.pending.iter().map(|p| (p.step, p.payload.bytes().len())).collect::<Vec<_>>(),
                 e.slots.iter().map(|(s, f)| (s.id, s.gen, s.capacity, *f)).collect::<Vec<_>>()
             ));
@@ -216,8 +216,8 @@ impl Rendezvous {
                 break;
             }
             let len = front.payload.bytes().len() as u64;
-            let goes_inline = front.meta.dims.len() > MAX_DIMS || e.inline_from.is_some_and(|n| len >= n);
-            if goes_inline {
+            let streams = front.meta.dims.len() > MAX_DIMS || e.stream_from.is_some_and(|n| len >= n);
+            if streams {
                 let p = take_front(e, &mut t.queued, &mut t.requests, &mut self.tally);
                 acts.extend(t.streams.begin(link, key, p, &mut self.tally));
                 continue;
@@ -307,7 +307,7 @@ impl Rendezvous {
         e.slots = slots.into_iter().map(|s| (s, true)).collect();
         e.awaiting_publish = false;
         e.more_pending = false;
-        e.inline_from = None;
+        e.stream_from = None;
         acts.extend(self.pump(link, &key));
         Ok(acts)
     }
@@ -341,7 +341,7 @@ impl Rendezvous {
         if let Some(e) = t.edges.get_mut(key.as_str()) {
             log::info!("receiver has no arena room for {need} bytes of {key}; streaming it");
             e.awaiting_publish = false;
-            e.inline_from = Some(need);
+            e.stream_from = Some(need);
         }
         Ok(self.pump(link, &key))
     }
@@ -368,7 +368,7 @@ impl Rendezvous {
         match t.edges.get(key) {
             None => Placement::None,
             Some(e) if e.awaiting_publish => Placement::Pending,
-            Some(e) if e.inline_from.is_some() && e.slots.is_empty() => Placement::NoSpace,
+            Some(e) if e.stream_from.is_some() && e.slots.is_empty() => Placement::NoSpace,
             Some(e) => Placement::Placed(e.slots.iter().map(|(s, _)| s.capacity).max().unwrap_or(0)),
         }
     }

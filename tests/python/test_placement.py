@@ -4,7 +4,7 @@ A TF1 graph with static shapes has every cross-task edge placed on its
 receiver while the graph is registered, so its first step already moves
 every tensor with one push and no negotiation; tensors whose size changes
 every step are re-placed; an arena too small for the graph still trains,
-through the chunked inline path. Results are bit-identical to stock gRPC.
+through the streamed path. Results are bit-identical to stock gRPC.
 """
 
 import pytest
@@ -106,7 +106,7 @@ def test_changing_shapes_and_small_arena_match_grpc(arena, log_dir, plugin_built
     assert got["digest"] == want["digest"]
     assert counters["fallback_tensors"] == 0, counters
     if arena:
-        # Multi-MB tensors cannot fit a 1 MiB arena: chunked inline path.
+        # Multi-MB tensors cannot fit a 1 MiB arena: streamed in chunks.
         assert counters["inline_tensors"] > 0, counters
     else:
         # Sizes change every step: edges were re-placed as they grew.

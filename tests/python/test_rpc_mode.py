@@ -38,6 +38,6 @@ def test_rpc_mode_matches_grpc_and_requests_every_tensor(role, grpc_reference, r
     assert received > 0
     assert delta("fallback_tensors") == 0
     # One request per tensor: every received tensor was asked for, and
-    # every request was answered (inline tensors included).
+    # every request was answered (streamed tensors included).
     assert sent == served == received, (sent, served, received)
 

@@ -256,7 +256,7 @@ def soak(args):
         print(f"  RSS (3 tasks): start {res['rss_mb_start']} MiB, at step {base_at} {res['rss_mb_baseline']} MiB, "
               f"end {res['rss_mb_end']} MiB, growth after the baseline {res['rss_growth_pct']}% "
               f"(private memory alone: {res['rss_anon_growth_pct']}%)")
-        print(f"  transport: pushed {res['tensors_pushed']}, inline {res['inline_tensors']}, "
+        print(f"  transport: pushed {res['tensors_pushed']}, streamed {res['inline_tensors']}, "
               f"fallback {res['fallback_tensors']}, arena in use at the end {res['arena_bytes_in_use_end']} B")
         if "kill" in res:
             k = res["kill"]

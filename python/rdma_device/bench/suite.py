@@ -57,7 +57,7 @@ def _config_rows(rdma_device):
 
 def _transport_count(stats):
     """(tensors, bytes) the transport carried, summed over tasks (received,
-    whether pushed or inline, plus fallbacks to gRPC)."""
+    whether pushed or streamed, plus fallbacks to gRPC)."""
     t = b = 0
     for st in stats.values():
         c = st.get("counters", {})

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from rdma_device import _loader
+from rdma_device import _capi
 from rdma_device._units import size_label
 from rdma_device.doctor.checks import FAIL, NA, OK, check, print_results
 
@@ -34,15 +34,6 @@ SIZES = [1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [1 << 10, 64 << 10, 1 << 20, 4 << 20]
 DT_UINT8 = 4
 BUFFER_BUDGET = 256 << 20  # distinct payloads per size, so a stale slot shows
-
-SEND_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
-RECV_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-
-
-class Meta(ctypes.Structure):
-    _fields_ = [("dtype", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("ndims", ctypes.c_uint32),
-                ("dims", ctypes.POINTER(ctypes.c_int64))]
-
 
 class Op:
     """One send or receive: its callback fills it in, waiters wait on it."""
@@ -62,7 +53,7 @@ def _take(userdata):
         return _ops.pop(userdata, None)
 
 
-@SEND_CB
+@_capi.SEND_DONE
 def _on_sent(userdata, status, msg, msg_len):
     op = _take(userdata)
     if op is not None:
@@ -70,7 +61,7 @@ def _on_sent(userdata, status, msg, msg_len):
         op.done.set()
 
 
-@RECV_CB
+@_capi.RECV_DONE
 def _on_recv(userdata, status, msg, msg_len, buf):
     op = _take(userdata)
     if op is not None:
@@ -78,7 +69,7 @@ def _on_recv(userdata, status, msg, msg_len, buf):
         op.msg = ctypes.string_at(msg, msg_len).decode("utf-8", "replace") if msg else ""
         op.done.set()
     elif buf:
-        _lib().rdev_buffer_release(buf)
+        _capi.lib().rdev_buffer_release(buf)
 
 
 def _register():
@@ -89,43 +80,20 @@ def _register():
     return key, op
 
 
-def _lib():
-    lib = _loader._core_lib()
-    if not getattr(lib, "_pair_typed", False):
-        vp, cp, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
-        for name, args, res in (
-                ("rdev_context_new", [cp, sz, cp, sz, ctypes.POINTER(vp)], ctypes.c_int),
-                ("rdev_context_free", [vp], None),
-                ("rdev_context_add_peer", [vp, cp, sz, cp, sz, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
-                ("rdev_connect_peer", [vp, cp, sz], ctypes.c_int),
-                ("rdev_place_edge", [vp, cp, sz, cp, sz, ctypes.c_uint64, ctypes.c_uint64,
-                                     ctypes.POINTER(ctypes.c_bool)], ctypes.c_int),
-                ("rdev_send", [vp, cp, sz, cp, sz, ctypes.c_uint64, ctypes.POINTER(Meta), vp, sz, SEND_CB, vp],
-                 ctypes.c_int),
-                ("rdev_recv", [vp, cp, sz, cp, sz, ctypes.c_uint64, RECV_CB, vp], ctypes.c_int),
-                ("rdev_step_done", [vp, ctypes.c_uint64], ctypes.c_int),
-                ("rdev_buffer_data", [vp], vp), ("rdev_buffer_len", [vp], sz),
-                ("rdev_buffer_release", [vp], None)):
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, res
-        lib._pair_typed = True
-    return lib
-
-
 class TransportError(RuntimeError):
     pass
 
 
 def _ok(rc, what):
     if rc != 0:
-        raise TransportError(f"{what}: {_loader._status_str(rc)}: {_loader._last_error()}")
+        raise TransportError(f"{what}: {_capi.status_str(rc)}: {_capi.last_error()}")
 
 
 class Context:
     """One task's transport, as a TensorFlow server of the job would hold."""
 
     def __init__(self, task, addr):
-        self.lib, self.task = _lib(), task
+        self.lib, self.task = _capi.lib(), task
         out = ctypes.c_void_p()
         _ok(self.lib.rdev_context_new(task.encode(), len(task), addr.encode(), len(addr), ctypes.byref(out)),
             f"transport context at {addr}")
@@ -136,7 +104,7 @@ class Context:
         tr = ctypes.c_int(0)
         _ok(self.lib.rdev_context_add_peer(self.ptr, task.encode(), len(task), addr.encode(), len(addr),
                                            ctypes.byref(tr)), f"peer {addr}")
-        return TRANSPORTS.get(tr.value, "?"), ("" if tr.value else _loader._last_error())
+        return TRANSPORTS.get(tr.value, "?"), ("" if tr.value else _capi.last_error())
 
     def connect(self, peer):
         _ok(self.lib.rdev_connect_peer(self.ptr, peer.encode(), len(peer)), "connect")
@@ -149,7 +117,7 @@ class Context:
 
     def send(self, peer, key, step, arr):
         dims = (ctypes.c_int64 * 1)(arr.nbytes)
-        meta = Meta(DT_UINT8, 0, 1, dims)
+        meta = _capi.TensorMeta(DT_UINT8, 0, 1, dims)
         ud, op = _register()
         rc = self.lib.rdev_send(self.ptr, peer.encode(), len(peer), key.encode(), len(key), step,
                                 ctypes.byref(meta), arr.ctypes.data, arr.nbytes, _on_sent, ud)
@@ -179,7 +147,7 @@ def wait(op, deadline, what):
     if not op.done.wait(max(0.0, deadline - time.monotonic())):
         raise TransportError(f"{what}: no completion before the deadline")
     if op.status != 0:
-        raise TransportError(f"{what}: {_loader._status_str(op.status)}: {op.msg}")
+        raise TransportError(f"{what}: {_capi.status_str(op.status)}: {op.msg}")
     return op
 
 
@@ -399,7 +367,7 @@ def verbs_reach(peer_addr, my_ip):
 
 
 def _read_maps():
-    _loader._core_lib()
+    _capi.lib()
     with open("/proc/self/maps") as f:
         return f.read()
 

@@ -19,6 +19,15 @@
 //! completion; the board's and the spare jobs' locks, each held for a
 //! field update. A job is reused once no helper holds it, so a steady
 //! stream of large writes allocates nothing.
+//!
+//! Why the helpers are not a `crate::pool::Pool`: a pool hands each job
+//! to one of its threads from a FIFO queue, while here every helper joins
+//! the one copy under way (a broadcast of the newest job, not a queue).
+//! Queued instead, a copy would need one entry per helper, entries of
+//! copies long done would wait for helpers that woke late (and keep those
+//! jobs' `Arc`s, so that no spare is free and each write allocates), and
+//! the helpers would be named `rdev-copy-0..` rather than from 1 (the
+//! sender is copier 0).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};

@@ -277,7 +277,7 @@ pub(crate) fn run_actions(sh: &Arc<Shared>, c: &Arc<Conn>, acts: Vec<Action>) {
 fn run_now(sh: &Arc<Shared>, c: &Arc<Conn>, acts: Vec<Action>) {
     for a in acts {
         match a {
-            // Inline on any thread: a registration the write held that
+            // Run here, on any thread: a registration the write held that
             // is dropped here goes to rdev-verbs-dereg on its own (`Mr`).
             Action::WriteDone(f) => f.run(),
             Action::Imm(imm) => c.events.on_write_imm(c.id, imm),
