@@ -120,6 +120,23 @@ typedef void (*rdev_recv_done_cb)(void *userdata,
                                   size_t msg_len,
                                   struct rdev_buffer *buf);
 
+// Everything the accessors above say about a buffer, in one call (a
+// binding that pays per call, such as Python's ctypes, reads one struct
+// instead of seven calls).
+typedef struct rdev_buffer_desc {
+  // As `rdev_buffer_data`.
+  const uint8_t *data;
+  // As `rdev_buffer_len`.
+  size_t len;
+  // As `rdev_buffer_dims`: `ndims` dimensions, valid until release.
+  const int64_t *dims;
+  uint32_t dtype;
+  uint32_t flags;
+  uint32_t ndims;
+  // As `rdev_buffer_in_place`.
+  bool in_place;
+} rdev_buffer_desc;
+
 // Records one span into TensorFlow's profiler on the calling thread:
 // `name` (`name_len` bytes, TraceMe's `name#k=v,...#` form, valid during
 // the call), start and end in `rdev_trace_now`'s clock.
@@ -329,6 +346,10 @@ const int64_t *rdev_buffer_dims(const struct rdev_buffer *buf);
 // true when the bytes sit in the receive arena (written there by the
 // sender, zero-copy), false when they came through the chunked path.
 bool rdev_buffer_in_place(const struct rdev_buffer *buf);
+
+// Fill `out` with what the accessors say of `buf`; false (and `out`
+// untouched) when `buf` or `out` is NULL or `buf` was released.
+bool rdev_buffer_describe(const struct rdev_buffer *buf, struct rdev_buffer_desc *out);
 
 // Release a buffer: its slot goes back to the sender. NULL is a no-op.
 // Release each buffer once: a second release of a buffer that was not

@@ -70,6 +70,19 @@ fn a_waited_receive_times_out_then_gets_its_tensor_once() {
     // SAFETY: a buffer the wait handed us.
     let got = unsafe { std::slice::from_raw_parts(rdev_buffer_data(buf), rdev_buffer_len(buf)) };
     assert_eq!(checksum(got), checksum(&data));
+    // One call says what the accessors say.
+    let mut d = std::mem::MaybeUninit::<rdev_buffer_desc>::uninit();
+    // SAFETY: a live buffer and a writable struct, read only once filled.
+    let d = unsafe {
+        assert!(rdev_buffer_describe(buf, d.as_mut_ptr()));
+        d.assume_init()
+    };
+    // SAFETY: as above.
+    unsafe {
+        assert_eq!((d.data, d.len, d.dtype, d.flags, d.ndims, d.in_place), (rdev_buffer_data(buf), rdev_buffer_len(buf), rdev_buffer_dtype(buf), rdev_buffer_flags(buf), rdev_buffer_ndims(buf), rdev_buffer_in_place(buf)));
+        assert_eq!(std::slice::from_raw_parts(d.dims, d.ndims as usize), &[4096]);
+    }
+    assert!(!unsafe { rdev_buffer_describe(std::ptr::null(), std::ptr::null_mut()) });
     // Taken once.
     let (st, again) = wait(w, 0);
     assert_eq!(st, rdev_status::RDEV_INVALID_ARGUMENT);

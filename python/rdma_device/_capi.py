@@ -91,6 +91,13 @@ class TensorMeta(ctypes.Structure):
                 ("ndims", ctypes.c_uint32), ("dims", ctypes.POINTER(ctypes.c_int64))]
 
 
+class BufferDesc(ctypes.Structure):
+    """``rdev_buffer_desc``: a received buffer, described in one call."""
+    _fields_ = [("data", ctypes.c_void_p), ("len", ctypes.c_size_t),
+                ("dims", ctypes.POINTER(ctypes.c_int64)), ("dtype", ctypes.c_uint32),
+                ("flags", ctypes.c_uint32), ("ndims", ctypes.c_uint32), ("in_place", ctypes.c_bool)]
+
+
 # Completion callbacks. They run on the calling thread or on the library's
 # `rdev-callbacks` thread; the objects below live as long as the module, so
 # a callback can never outlive its trampoline.
@@ -135,6 +142,7 @@ _SIGNATURES = {
     "rdev_buffer_dims": (_c.POINTER(_c.c_int64), [_c.c_void_p]),
     "rdev_buffer_in_place": (_c.c_bool, [_c.c_void_p]),
     "rdev_buffer_release": (None, [_c.c_void_p]),
+    "rdev_buffer_describe": (_c.c_bool, [_c.c_void_p, _c.POINTER(BufferDesc)]),
     "rdev_status_str": (_c.c_char_p, [_c.c_int]),
     "rdev_last_error": (_c.c_size_t, [_c.c_char_p, _c.c_size_t]),
 }

@@ -256,27 +256,26 @@ class Received:
     every slot of the edge is held."""
 
     def __init__(self, peer, slot, seq, lease, expect):
-        lib = _capi.lib()
-        ptr = lease.ptr
-        flags = lib.rdev_buffer_flags(ptr)
-        if flags:
+        d = _capi.BufferDesc()
+        if not _capi.lib().rdev_buffer_describe(lease.ptr, ctypes.byref(d)):
+            raise _capi.error(_capi.INTERNAL, f"{peer}/{slot} #{seq}: the buffer was released")
+        if d.flags:
             raise _capi.error(_capi.PROTOCOL, f"{peer}/{slot} #{seq}: a tensor with flags "
-                                              f"{flags:#x} (a dead or serialized TensorFlow "
+                                              f"{d.flags:#x} (a dead or serialized TensorFlow "
                                               "tensor) is not an array")
-        dtype = _dtypes.from_code(lib.rdev_buffer_dtype(ptr))
-        ndims = lib.rdev_buffer_ndims(ptr)
+        dtype = _dtypes.from_code(d.dtype)
+        ndims = d.ndims
         if dtype is None or ndims > 64:
             raise _capi.error(_capi.PROTOCOL, f"{peer}/{slot} #{seq}: dtype code "
-                                              f"{lib.rdev_buffer_dtype(ptr)} with {ndims} dims "
+                                              f"{d.dtype} with {ndims} dims "
                                               "is not an array this API sends")
-        dims = lib.rdev_buffer_dims(ptr)
-        shape = tuple(int(dims[i]) for i in range(ndims))
-        length = lib.rdev_buffer_len(ptr)
+        shape = tuple(d.dims[:ndims]) if ndims else ()
+        length = d.len
         want = dtype.itemsize
-        for d in shape:
-            if d < 0:
+        for dim in shape:
+            if dim < 0:
                 raise _capi.error(_capi.PROTOCOL, f"{peer}/{slot} #{seq}: negative dim in {shape}")
-            want *= d
+            want *= dim
         if want != length:
             raise _capi.error(_capi.PROTOCOL, f"{peer}/{slot} #{seq}: {length} bytes for a "
                                               f"{dtype}{list(shape)} array of {want} bytes")
@@ -286,11 +285,11 @@ class Received:
                               f"{list(expect[1])}, the peer sent {dtype}{list(shape)}")
         self.peer, self.slot, self.seq = peer, slot, seq
         self.dtype, self.shape, self.nbytes = dtype, shape, length
-        self.in_place = bool(lib.rdev_buffer_in_place(ptr))
+        self.in_place = bool(d.in_place)
         if length == 0:
             alias = np.empty(shape, dtype)  # no bytes: nothing to lend
         else:
-            raw = (ctypes.c_char * length).from_address(lib.rdev_buffer_data(ptr))
+            raw = (ctypes.c_char * length).from_address(d.data)
             raw._lease = lease  # every view's base chain ends here
             alias = np.frombuffer(raw, dtype=np.uint8).view(dtype).reshape(shape)
         self._alias = alias  # writable: only for legacy DLPack consumers (see __dlpack__)

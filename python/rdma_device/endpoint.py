@@ -142,6 +142,7 @@ class _Slot:
         self.seq = 0  # next sequence number to send or to post a receive for
         self.lock = threading.Lock()
         self.expect = None  # receiver: (dtype, shape) it was placed for
+        self.meta = None  # sender: (code, shape, TensorMeta) of the last send
         self.waiting = None  # receiver: a receive that outlived its caller's deadline
 
     def step(self):
@@ -394,12 +395,20 @@ class Endpoint:
                                                                _name("slot name", slot))))
             s.peer = peer.encode()
         p, key = s.peer, s.key
-        dims = (_capi.ctypes.c_int64 * max(1, arr.ndim))(*arr.shape)
-        meta = _capi.TensorMeta(code, 0, arr.ndim, dims)
+        m = s.meta
+        if m is None or m[0] != code or m[1] != arr.shape:
+            # The library copies the meta during rdev_send: one per shape
+            # serves every send of it (the dims array lives in the meta's
+            # `_dims`).
+            dims = (_capi.ctypes.c_int64 * max(1, arr.ndim))(*arr.shape)
+            meta = _capi.TensorMeta(code, 0, arr.ndim, dims)
+            meta._dims = dims
+            m = s.meta = (code, arr.shape, meta)
+        meta = m[2]
         data = arr.ctypes.data if arr.nbytes else None
         with s.lock:  # one sequence number per successful rdev_send
             fut = Future(f"send {peer}/{slot} #{s.seq}")
-            token = _ops.register(_ops._Op(fut, (arr, dims, meta), self))
+            token = _ops.register(_ops._Op(fut, arr, self))
             ctx = self._enter()
             try:
                 st = self._lib.rdev_send(ctx, p, len(p), key, len(key), s.step(),

@@ -59,6 +59,48 @@ pub unsafe extern "C" fn rdev_buffer_in_place(buf: *const rdev_buffer) -> bool {
     unsafe { lease(buf) }.is_some_and(|l| l.in_place())
 }
 
+/// Everything the accessors above say about a buffer, in one call (a
+/// binding that pays per call, such as Python's ctypes, reads one struct
+/// instead of seven calls).
+#[repr(C)]
+pub struct rdev_buffer_desc {
+    /// As `rdev_buffer_data`.
+    pub data: *const u8,
+    /// As `rdev_buffer_len`.
+    pub len: usize,
+    /// As `rdev_buffer_dims`: `ndims` dimensions, valid until release.
+    pub dims: *const i64,
+    pub dtype: u32,
+    pub flags: u32,
+    pub ndims: u32,
+    /// As `rdev_buffer_in_place`.
+    pub in_place: bool,
+}
+
+/// Fill `out` with what the accessors say of `buf`; false (and `out`
+/// untouched) when `buf` or `out` is NULL or `buf` was released.
+#[no_mangle]
+pub unsafe extern "C" fn rdev_buffer_describe(buf: *const rdev_buffer, out: *mut rdev_buffer_desc) -> bool {
+    // SAFETY: buf per contract.
+    let Some(l) = (unsafe { lease(buf) }) else { return false };
+    if out.is_null() {
+        return false;
+    }
+    let m = l.meta();
+    let d = rdev_buffer_desc {
+        data: if l.is_empty() { std::ptr::null() } else { l.as_ptr() },
+        len: l.len(),
+        dims: m.dims.as_ptr(),
+        dtype: m.dtype,
+        flags: m.flags,
+        ndims: m.dims.len() as u32,
+        in_place: l.in_place(),
+    };
+    // SAFETY: out checked non-NULL; the caller's writable struct.
+    unsafe { out.write(d) };
+    true
+}
+
 /// Release a buffer: its slot goes back to the sender. NULL is a no-op.
 /// Release each buffer once: a second release of a buffer that was not
 /// handed out again is refused with an error in the log (it would
