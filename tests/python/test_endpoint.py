@@ -8,6 +8,7 @@ loopback ports; every wait has a deadline and a hang is a failure.
 
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -333,8 +334,9 @@ def test_bench_py_smoke(tmp_path):
 
 
 def test_param_server_example_runs_bit_identical():
-    """examples/param_server.py, small: both transports train the same
-    weights bit for bit."""
+    """examples/param_server.py, small: every transport (ours, the
+    shared_memory+pipe baseline, the Pipe baseline) trains the same weights
+    bit for bit, and each has its row and its ratio in the output."""
     import rdma_device
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -345,3 +347,10 @@ def test_param_server_example_runs_bit_identical():
                          env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "bit-identical across transports: True" in out.stdout, out.stdout
+    for base in ("shared_memory+pipe", "pipe"):
+        assert f"rdma_device = {base}: True" in out.stdout, out.stdout
+        assert re.search(rf"ratio \({re.escape(base)} step / rdma_device step\): \d+\.\d+", out.stdout), \
+            out.stdout
+    for t in ("rdma_device", "shared_memory+pipe", "pipe"):
+        assert re.search(rf"^ +{re.escape(t)}: median step +\d+\.\d+ ms, CPU +\d+\.\d+ ms/step",
+                         out.stdout, re.M), out.stdout
