@@ -222,6 +222,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=60, help="counted steps per transport")
     ap.add_argument("--block", type=int, default=5, help="steps per block before switching")
     ap.add_argument("--lr", type=float, default=1e-7)
+    ap.add_argument("--json", action="store_true",
+                    help="also print one JSON row per baseline (for `python -m rdma_device.bench report`)")
     args = ap.parse_args(argv)
     ports = free_ports(2)
     cfg = {"params": parse_size(args.params), "batch": args.batch, "steps": args.steps,
@@ -280,6 +282,17 @@ def main(argv=None):
     s = ps["stats"]
     print(f"  ps transport counters: pushed {s['tensors_pushed']} / {s['bytes_pushed']} bytes, "
           f"received {s['tensors_received']} / {s['bytes_received']} bytes")
+    if args.json:
+        import json
+
+        cpu = {t: statistics.median(a + b for a, b in zip(ps["cpu"][t], wk["cpu"][t])) for t in TRANSPORTS}
+        for t in BASELINES:
+            # ratio: the baseline's step over ours (above 1: ours faster).
+            print(json.dumps({"params": cfg["params"], "bytes": cfg["params"] * 4, "baseline": t,
+                              "ours_step_ms": med[OURS] * 1e3, "baseline_step_ms": med[t] * 1e3,
+                              "ratio": med[t] / med[OURS], "ours_cpu_ms": cpu[OURS] * 1e3,
+                              "baseline_cpu_ms": cpu[t] * 1e3, "identical": ps["identical"][t],
+                              "pushed": s["tensors_pushed"], "received": s["tensors_received"]}))
     return 0 if same else 1
 
 
