@@ -210,14 +210,13 @@ def _expect(conn, timeout=WAIT):
 
 
 def main(argv=None):
-    from multiprocessing import shared_memory
-
-    from rdma_device._cluster import free_ports
-    from rdma_device._units import human_bytes, parse_size
+    from rdma_device._units import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", default="4M", help="float32 weights (K/M suffix; default 4M = 16 MiB)")
+    ap.add_argument("--params", default="4M",
+                    help="float32 weights (K/M suffix; default 4M = 16 MiB); several, comma-separated, "
+                         "run one after the other")
     ap.add_argument("--batch", type=int, default=4, help="examples per gradient")
     ap.add_argument("--steps", type=int, default=60, help="counted steps per transport")
     ap.add_argument("--block", type=int, default=5, help="steps per block before switching")
@@ -225,8 +224,22 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true",
                     help="also print one JSON row per baseline (for `python -m rdma_device.bench report`)")
     args = ap.parse_args(argv)
+    ok = True
+    for params in args.params.split(","):
+        ok = run(args, parse_size(params.strip())) and ok
+    return 0 if ok else 1
+
+
+def run(args, params):
+    """One comparison with ``params`` weights; True when the weights of
+    every transport came out bit-identical."""
+    from multiprocessing import shared_memory
+
+    from rdma_device._cluster import free_ports
+    from rdma_device._units import human_bytes
+
     ports = free_ports(2)
-    cfg = {"params": parse_size(args.params), "batch": args.batch, "steps": args.steps,
+    cfg = {"params": params, "batch": args.batch, "steps": args.steps,
            "block": args.block, "lr": args.lr,
            "addr": {"ps": f"127.0.0.1:{ports[0]}", "worker": f"127.0.0.1:{ports[1]}"}}
     ctx = mp.get_context("spawn")
@@ -293,7 +306,7 @@ def main(argv=None):
                               "ratio": med[t] / med[OURS], "ours_cpu_ms": cpu[OURS] * 1e3,
                               "baseline_cpu_ms": cpu[t] * 1e3, "identical": ps["identical"][t],
                               "pushed": s["tensors_pushed"], "received": s["tensors_received"]}))
-    return 0 if same else 1
+    return same
 
 
 if __name__ == "__main__":

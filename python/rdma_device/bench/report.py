@@ -4,8 +4,10 @@ on the current tree, N runs each in randomised interleaved order.
     python -m rdma_device.bench report [--runs 3] [--out DIR] [--only fabric,train]
     python -m rdma_device.bench report --quick --out DIR     (CI: minutes; README untouched)
 
-Runs `rdma-device-bench fabric` and `python -m rdma_device.bench` transfer,
-train, allreduce, suite and soak as subprocesses, each with `--json`; the
+Runs `rdma-device-bench fabric`, `python -m rdma_device.bench` transfer,
+train, allreduce, suite, soak, py (the endpoint API against shared
+memory + a pipe and gloo) and py --rpc (against PyTorch RPC), and `examples/param_server.py` (the endpoint
+API's parameter server) as subprocesses, each with `--json`; the
 order of all (benchmark, run) pairs is shuffled with a recorded seed, so
 no benchmark always runs first, or on a machine warmed by the same
 neighbour. Writes DIR/report.json (machine, date, commit, order, every
@@ -27,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from rdma_device.bench import report_tables
+from rdma_device.bench import report_endpoint, report_tables
 
 # name -> (full arguments, quick arguments); the README quotes the full ones.
 PY_BENCHES = {
@@ -39,16 +41,33 @@ PY_BENCHES = {
     "suite": (["suite", "--quick", "--json"],
               ["suite", "--quick", "--json", "--workloads", "wide_deep", "--workers", "2", "--reps", "2",
                "--block", "2", "--no-sweep", "--mwms-workers", ""]),
+    "py": (["py", "--json"], ["py", "--json", "--quick", "--no-gloo", "--plot", ""]),
+    # PyTorch RPC apart: its threads poll while it is up and change the
+    # other baselines' numbers (see pybench.py).
+    "py_rpc": (["py", "--json", "--rpc", "--no-gloo"],
+               ["py", "--json", "--quick", "--rpc", "--no-gloo", "--plot", ""]),
 }
-ORDER = ("fabric", "transfer", "train", "allreduce", "suite", "soak")
+# The endpoint API's parameter server is an example script, not a bench
+# command: run from the checkout.
+EXAMPLES = {
+    "param_server": (["param_server.py", "--json", "--params", "4M,64K"],
+                     ["param_server.py", "--json", "--params", "64K", "--steps", "10"]),
+}
+# The plots of `bench py` runs, as docs/endpoint.md shows them.
+PLOTS = {"py": "endpoint_py.png", "py_rpc": "endpoint_py_rpc.png"}
+ORDER = ("fabric", "transfer", "train", "allreduce", "suite", "soak", "py", "py_rpc", "param_server")
+RENDER = {**report_tables.RENDER, **report_endpoint.RENDER}
 
 
 def command(name, quick):
     """The command one run of `name` is, as the README quotes it."""
     if name == "fabric":
         return "rdma-device-bench fabric --transport shm --json" + (" --quick" if quick else "")
+    if name in EXAMPLES:
+        return "python examples/" + " ".join(EXAMPLES[name][1 if quick else 0])
     args = [a if a else "''" for a in PY_BENCHES[name][1 if quick else 0]]
-    return "python -m rdma_device.bench " + " ".join(args) + (" --out DIR" if name == "suite" else "")
+    plot = f" --plot DIR/{PLOTS[name]}" if name in PLOTS and not quick else ""
+    return "python -m rdma_device.bench " + " ".join(args) + (" --out DIR" if name == "suite" else "") + plot
 
 
 def repo_root():
@@ -162,9 +181,16 @@ def _argv(name, quick, run_dir, root):
             raise FileNotFoundError("rdma-device-bench not found: build it with `cargo build --release --bins`"
                                     " or set RDMA_DEVICE_BENCH_BIN")
         return [binary, "fabric", "--transport", "shm", "--json"] + (["--quick"] if quick else [])
+    if name in EXAMPLES:
+        if not root:
+            raise FileNotFoundError(f"{name} runs examples/ from a checkout, and this is not one")
+        script, *rest = EXAMPLES[name][1 if quick else 0]
+        return [sys.executable, os.path.join(root, "examples", script)] + rest
     args = list(PY_BENCHES[name][1 if quick else 0])
     if name == "suite":
         args += ["--out", run_dir]
+    if name in PLOTS and not quick:
+        args += ["--plot", os.path.join(run_dir, PLOTS[name])]
     return [sys.executable, "-m", "rdma_device.bench"] + args
 
 
@@ -360,7 +386,7 @@ def _render(meta, records, names, out, root, args):
         failed = [r["error"] for r in records if r["bench"] == n and "error" in r]
         md.append(f"## {n}\n")
         if ok:
-            tables[n] = report_tables.RENDER[n](ok)
+            tables[n] = RENDER[n](ok)
             md.append(_header(meta, n, len(ok), records) + "\n\n" + tables[n] + "\n")
         for e in failed:
             md.append(f"- a run failed: {e}\n")
@@ -415,12 +441,14 @@ def _rewrite_readme(root, meta, tables, records, out):
     os.makedirs(docs, exist_ok=True)
     if os.path.exists(os.path.join(out, "fabric.png")):
         shutil.copy(os.path.join(out, "fabric.png"), docs)
-    suites = [r for r in records if r["bench"] == "suite" and "error" not in r]
-    if suites:
-        last = os.path.join(out, "raw", f"suite-{suites[-1]['run']}")
-        for f in os.listdir(last):
-            if f.endswith(".png"):
-                shutil.copy(os.path.join(last, f), docs)
+    for n in ("suite", *PLOTS):
+        ok = [r for r in records if r["bench"] == n and "error" not in r]
+        if ok:
+            # The plots of the benchmark's last run.
+            last = os.path.join(out, "raw", f"{n}-{ok[-1]['run']}")
+            for f in os.listdir(last):
+                if f.endswith(".png"):
+                    shutil.copy(os.path.join(last, f), docs)
     print(f"bench report: the generated regions of README.md and docs/*.md, and {docs}, rewritten")
 
 
