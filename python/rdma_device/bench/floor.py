@@ -47,8 +47,17 @@ def _placement(tf, session, op):
             if n.op not in ("_Send", "_Recv", "_HostSend", "_HostRecv")}
 
 
-def _plain_config(tf):
+def _own_state(tf):
+    """A session whose variables are its own: the tasks drop them when it
+    closes (each floor holds a copy of every tensor that crosses tasks, and
+    the next workload's copies have the same names)."""
     cfg = tf.compat.v1.ConfigProto()
+    cfg.isolate_session_state = True
+    return cfg
+
+
+def _plain_config(tf):
+    cfg = _own_state(tf)
     opts = cfg.graph_options.optimizer_options
     opts.opt_level = tf.compat.v1.OptimizerOptions.L0
     opts.do_common_subexpression_elimination = False
@@ -159,7 +168,7 @@ def build_floor(tf, graph, init, op, cluster):
             with tf.device(task):
                 targets.append(tf.group(*ops, name="floor_step_" + "_".join(
                     task.replace(":", "").strip("/").split("/"))))
-    sess = tf.compat.v1.Session(cluster.target(), graph=g)
+    sess = tf.compat.v1.Session(cluster.target(), graph=g, config=_own_state(tf))
     try:
         sess.run(g.get_operation_by_name(init.name))
         _assign_in_batches(sess, assigns)
