@@ -166,7 +166,7 @@ def run_workload(tf, name, n, modes, clusters, floor_cluster, args):
             "samples_per_s": round(workloads.samples_per_step(name, n) / step[mode] * 1e3, 2),
             "step_ms": round(step[mode], 3), "floor_ms": round(floor_ms, 3),
             "comm_ms": round(max(step[mode] - floor_ms, 0.0), 3),
-            "headroom_captured": _round(headroom_captured(step["grpc"], step[mode], floor_ms))
+            "headroom_captured": _round(headroom_captured(step["grpc"], step[mode], floor_ms), 4)
             if mode not in ("grpc", "floor") else None,
             "tensors_per_step": round(dt, 2), "bytes_per_step": int(db),
             "avg_tensor_bytes": int(db / dt) if dt else 0,
@@ -182,7 +182,7 @@ def run_workload(tf, name, n, modes, clusters, floor_cluster, args):
     return rows
 
 
-def _round(x, digits=3):
+def _round(x, digits):
     return None if x is None else round(x, digits)
 
 
