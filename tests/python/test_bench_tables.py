@@ -1,33 +1,80 @@
-"""The report's suite table: ratios are per run (never of medians), and the
-ceiling column is stock gRPC's step over the compute-only step of the same
-run: the ratio a transport that moved every tensor for free would reach."""
+"""The report's suite table: ratios are per run (never of medians); the
+floor columns are the floor's step, stock gRPC's step over it and each
+transport mode's headroom captured, (grpc − mode) / (grpc − floor), per
+run; the sentences under the table are counted from its cells. And
+`bench report --check`, the soak table, the stale-build refusal."""
 
 import os
+import re
 
 from rdma_device.bench import report_tables
 
-
-def _rows(grpc, ours, compute):
-    return [{"workload": "w", "workers": 2, "mode": "grpc", "step_ms": grpc, "compute_ms": compute},
-            {"workload": "w", "workers": 2, "mode": "grpc+rdma_device", "step_ms": ours, "compute_ms": compute}]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_suite_table_has_per_run_ratios_and_the_compute_ceiling():
+def _rows(grpc, ours, floor, workload="w", workers=2):
+    return [{"workload": workload, "workers": workers, "mode": m, "step_ms": ms}
+            for m, ms in (("grpc", grpc), ("grpc+rdma_device", ours), ("floor", floor)) if ms is not None]
+
+
+def _cells(line):
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_suite_table_has_per_run_ratios_the_floor_and_the_headroom_captured():
     runs = [_rows(30.0, 20.0, 10.0), _rows(40.0, 20.0, 20.0), _rows(36.0, 24.0, 12.0)]
     table = report_tables.suite_md(runs).splitlines()
     assert table[0].startswith("| workload | workers | step ms grpc / grpc+rdma_device |")
-    assert "ceiling vs grpc" in table[0]
-    cells = [c.strip() for c in table[2].strip("|").split("|")]
+    head, cells = _cells(table[0]), _cells(table[2])
     # step medians: grpc 36, ours 20; vs grpc per run 1.5, 2.0, 1.5
     assert cells[:4] == ["w", "2", "36.0 / 20.0", "**1.50** (1.50–2.00)"]
-    # compute-only median 12; ceilings per run 3.0, 2.0, 3.0
-    assert cells[4:] == ["12.0", "3.00 (2.00–3.00)"]
+    # floor median 12; grpc / floor per run 3.0, 2.0, 3.0; headroom
+    # captured per run 10/20, 20/20, 12/24: median 50%, where the medians'
+    # (36 − 20) / (36 − 12) would say 67%
+    assert head[4:] == ["floor step ms", "grpc / floor (median, range)",
+                        "headroom captured by grpc+rdma_device (median, range)"]
+    assert cells[4:] == ["12.0", "3.00 (2.00–3.00)", "50% (50%–100%)"]
 
 
-def test_a_run_without_compute_only_steps_leaves_the_ceiling_empty():
-    rows = [dict(r, compute_ms=0) for r in _rows(30.0, 20.0, 10.0)]
-    cells = [c.strip() for c in report_tables.suite_md([rows]).splitlines()[2].strip("|").split("|")]
-    assert cells[4:] == ["—", "—"]
+def test_a_run_without_a_floor_leaves_its_columns_empty():
+    # An older run (it had a compute-only step instead, not a floor).
+    rows = [dict(r, compute_ms=10.0) for r in _rows(30.0, 20.0, None)]
+    cells = _cells(report_tables.suite_md([rows]).splitlines()[2])
+    assert cells[4:] == ["—", "—", "—"]
+
+
+def test_the_sentences_under_the_suite_table_are_counted_from_it():
+    run = (_rows(30.0, 20.0, 10.0, "a", 1) + _rows(24.0, 20.0, 12.0, "a", 2)
+           + _rows(25.98, 20.0, 15.0, "b", 4) + _rows(9.0, 10.0, 11.0, "c", 2))
+    text = report_tables.suite_md([run])
+    lines = text.splitlines()
+    # The table shows 25.98 / 20 as 1.30; the count uses the unrounded
+    # 1.299, below the goal.
+    assert _cells(lines[4])[3] == "**1.30** (1.30–1.30)"
+    claims = [line for line in lines if line.startswith("- ")]
+    assert claims[0] == ("- grpc+rdma_device's step was shorter than stock gRPC's on 3 of the 4 rows, and at least "
+                         "1.3× shorter on 1 of the 4; not on a with 2 workers (1.200); b with 4 workers (1.299); "
+                         "c with 2 workers (0.900).")
+    assert claims[1] == "- vs grpc: 0.90–1.50 over the 4 rows (a 1.20–1.50, b 1.30, c 0.90)."
+    # Headroom: a 1: 10/20, a 2: 4/12, b 4: 5.98/10.98; c has none (gRPC
+    # below its floor).
+    assert "grpc+rdma_device, (grpc − grpc+rdma_device) / (grpc − floor): 33–54% over the 3 rows " \
+           "(a 33–50%, b 54%)." in text
+    assert claims[-1] == "- No headroom measured on 1 row (stock gRPC's step not above the floor's): c 2."
+
+
+def test_no_document_counts_suite_rows_by_hand():
+    # "holds on 11 of the 17 rows": such counts are written by the report,
+    # inside its generated blocks, where they follow the table.
+    generated = re.compile(r"<!-- report:(\S+) begin -->.*?<!-- report:\1 end -->", re.S)
+    count = re.compile(r"\b\d+ of (the )?\d+ (rows|workloads)\b")
+    docs = [os.path.join(ROOT, "README.md")] + [
+        os.path.join(ROOT, d, f) for d in ("docs", os.path.join("docs", "eval"))
+        for f in sorted(os.listdir(os.path.join(ROOT, d))) if f.endswith(".md")]
+    for path in docs:
+        with open(path) as f:
+            prose = generated.sub("", f.read())
+        assert not count.findall(prose), (path, [m.group(0) for m in count.finditer(prose)])
 
 
 def _git(root, *args):
@@ -54,7 +101,6 @@ def test_check_lists_blocks_made_before_a_code_change_or_from_too_few_runs(tmp_p
     """`bench report --check`: a block is stale when code changed after its
     stamped commit, or when it came from fewer than 3 runs; documentation
     changes alone keep it fresh."""
-    import os
     from rdma_device.bench import report
 
     root = str(tmp_path)

@@ -1,10 +1,12 @@
 """The evaluation suite's plumbing, in a tiny configuration: one workload,
 two workers, a few steps, a one-size transfer sweep. No speed is asserted
 (speed belongs to benchmarks); what is asserted is what a reader of the
-outputs relies on: every mode has a row with every key, its throughput is
-its batch over its step, the breakdown's traced steps are like the timed
-ones, the transport's counters saw the tensors the partition graphs say
-cross tasks, and the summary and the colour plots are written.
+outputs relies on: every mode and the floor have a row with every key,
+its throughput is its batch over its step, the floor moved no tensor and
+each transport mode's headroom captured is the one its row's median steps
+give, the breakdown's traced steps are like the timed ones, the
+transport's counters saw the tensors the partition graphs say cross tasks,
+and the summary and the colour plots are written.
 """
 
 import json
@@ -16,7 +18,7 @@ import time
 import rdma_device
 from rdma_device.bench import suite
 
-KEYS = {"workload", "mode", "workers", "samples_per_s", "step_ms", "compute_ms", "comm_ms",
+KEYS = {"workload", "mode", "workers", "samples_per_s", "step_ms", "floor_ms", "comm_ms", "headroom_captured",
         "tensors_per_step", "bytes_per_step", "avg_tensor_bytes", "cpu_s_per_step"}
 
 
@@ -32,16 +34,18 @@ def test_suite_tiny(tmp_path, plugin_built):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())
     modes = [m for m, *_ in suite.modes_available()]
-    assert sorted(r["mode"] for r in rows) == sorted(modes)
+    assert sorted(r["mode"] for r in rows) == sorted(modes + ["floor"])
     for r in rows:
         assert KEYS <= set(r), KEYS - set(r)
         assert r["workload"] == "wide_deep" and r["workers"] == 2
-        assert r["step_ms"] > 0 and r["compute_ms"] > 0 and r["cpu_s_per_step"] > 0
+        assert r["step_ms"] > 0 and r["floor_ms"] > 0 and r["cpu_s_per_step"] > 0
         # Throughput is the step's samples over the step: wide & deep
         # trains on a batch of 256 per worker, each worker its own, so
         # 512 samples a step here (rounding: step_ms to 1 µs, samples/s
         # to 0.01).
         assert abs(r["samples_per_s"] * r["step_ms"] / 1e3 - 2 * 256) < 0.05, r
+        if r["mode"] == "floor":
+            continue
         # wide & deep moves embedding rows, dense weights and IndexedSlices
         # gradients between the ps and each worker: dozens of tensors.
         assert r["tensors_per_step"] >= 10, r
@@ -55,6 +59,27 @@ def test_suite_tiny(tmp_path, plugin_built):
     ours = next(r for r in rows if r["mode"] == "grpc+rdma_device")
     assert ours["tensors_source"] == "transport counters"
     assert ours["tensors_per_step"] >= graph["tensors_per_step"], (ours, graph)
+    # The floor ran on grpc+rdma_device and its counters saw no tensor:
+    # its tasks read from their own copies the tensors the partition graphs
+    # say cross tasks.
+    low = next(r for r in rows if r["mode"] == "floor")
+    assert low["tensors_source"] == "transport counters" and low["tensors_per_step"] == 0, low
+    assert (low["copied_tensors"], low["copied_bytes"]) == (graph["tensors_per_step"], graph["bytes_per_step"])
+    # Every row's floor is the floor row's step; the headroom captured of a
+    # transport mode is (grpc − mode) / (grpc − floor) of the rows' median
+    # steps (each rounded to 1 µs here), none where gRPC was not above
+    # the floor; grpc and the floor have none.
+    summary = (out / "summary.md").read_text()
+    for r in rows:
+        assert r["floor_ms"] == low["step_ms"], r
+        if r["mode"] in ("grpc", "floor"):
+            assert r["headroom_captured"] is None, r
+        elif graph["step_ms"] > low["step_ms"] + 0.01:
+            want = (graph["step_ms"] - r["step_ms"]) / (graph["step_ms"] - low["step_ms"])
+            assert abs(r["headroom_captured"] - want) < 1e-3 + 2e-3 / (graph["step_ms"] - low["step_ms"]), (r, want)
+            assert f"| {r['headroom_captured'] * 100:.0f}% |" in summary
+        else:
+            assert r["headroom_captured"] is None, r
     # The breakdown of the transport modes comes from recorded spans: every
     # traced step had its partitions and its tensors' spans. (Its
     # components add up to the traced step by construction: the
@@ -65,7 +90,7 @@ def test_suite_tiny(tmp_path, plugin_built):
     # block, the timeline off), within a factor of 2 either way.
     for r in rows:
         b = r["breakdown"]
-        if r["mode"] == "grpc":
+        if r["mode"] in ("grpc", "floor"):  # not traced
             assert b is None, r
             continue
         assert b is not None and b["steps"] == 2, r
@@ -85,6 +110,7 @@ def test_suite_tiny(tmp_path, plugin_built):
     assert mwms[0]["collective_mb_per_step"] >= 2 * mwms[0]["weights_mib"] * 2**20 / 1e6 * 0.99, mwms
     summary = (out / "summary.md").read_text()
     assert "MultiWorkerMirroredStrategy" in summary
+    assert "| wide_deep | 2 | floor |" in summary
     assert "| wide_deep | 2 | grpc+rdma_device |" in summary
     pngs = sorted(f for f in os.listdir(out) if f.endswith(".png"))
     assert len(pngs) >= 5, pngs

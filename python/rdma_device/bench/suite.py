@@ -20,6 +20,14 @@ receiver-placed slots), ``rpc`` (``grpc+rdma_device`` with
 ``RDMA_DEVICE_MODE=rpc``: the receiver requests each tensor when its Recv
 runs, one round trip, then the sender writes it exactly as in push; listed
 only when the installed transport knows that setting).
+
+Beside them, the floor (``floor``): the same step with every tensor kept
+on the task that produced it, run on a ``grpc+rdma_device`` cluster of its
+own (its RunGraph calls take that mode's channel), interleaved with the
+modes. A transport mode's ``headroom_captured`` is (grpc − mode) /
+(grpc − floor) of the median steps. (It replaces an earlier compute-only
+run on stock gRPC with every variable on its worker, which did not average
+on the ps and put the pipeline's stages on one worker.)
 """
 
 import json
@@ -33,6 +41,7 @@ from rdma_device import _quiet
 from rdma_device._cluster import LocalCluster, cpu_seconds, timed_block
 from rdma_device.bench import workloads
 from rdma_device.bench.progress import Progress
+from rdma_device.bench.report_tables import headroom_captured
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -104,27 +113,29 @@ def _steps(sess, op, n):
         sess.run(op)
 
 
-def run_workload(tf, name, n, modes, clusters, compute_cluster, args):
-    """Interleaved blocks of every mode and of the compute-only layout for
-    one (workload, workers). Returns one row per mode."""
+def run_workload(tf, name, n, modes, clusters, floor_cluster, args):
+    """Interleaved blocks of every mode and of the floor for one (workload,
+    workers). Returns one row per mode, then the floor's row."""
+    from rdma_device.bench import floor
+
     runs = {}
     for mode, *_ in modes:
-        g, init, op, _ = workloads.build(tf, name, clusters[mode], n, "ps", args.quick)
+        g, init, op, _ = workloads.build(tf, name, clusters[mode], n, args.quick)
         s = tf.compat.v1.Session(clusters[mode].target(), graph=g)
         s.run(init)
         runs[mode] = (s, op)
-    g, init, op, _ = workloads.build(tf, name, compute_cluster, n, "local", args.quick)
-    s = tf.compat.v1.Session(compute_cluster.target(), graph=g)
-    s.run(init)
-    runs["compute"] = (s, op)
+    g, init, op, _ = workloads.build(tf, name, floor_cluster, n, args.quick)
+    fl = floor.build_floor(tf, g, init, op, floor_cluster)
+    runs["floor"] = (fl.session, fl.targets)
+    own = dict(clusters, floor=floor_cluster)  # CPU and counters: the running mode's tasks only
     sizes = cross_task_tensors(tf, *runs["grpc"])
     for s, op in runs.values():
         _steps(s, op, args.warmup)
-    before = {m: _transport_count(clusters[m].stats()) for m, *_ in modes if m != "grpc"}
+    counted = [m for m in runs if m != "grpc"]  # the clusters with the transport's counters
+    before = {m: _transport_count(own[m].stats()) for m in counted}
     steps_run = {m: 0 for m in runs}
     times = {m: [] for m in runs}
     cpu = {m: 0.0 for m in runs}
-    own = dict(clusters, compute=compute_cluster)  # CPU counted on the running mode's tasks only
     # Each repetition runs every mode's block in a new random order: no
     # mode always runs right after another (a cache or a CPU frequency
     # left by it would favour or handicap the same mode every time).
@@ -134,35 +145,45 @@ def run_workload(tf, name, n, modes, clusters, compute_cluster, args):
             s, op = runs[m]
             cpu[m] += timed_block(s, op, [own[m]], args.block, times[m])
             steps_run[m] += args.block + 1
-    after = {m: _transport_count(clusters[m].stats()) for m in before}
+    after = {m: _transport_count(own[m].stats()) for m in counted}
     # Then a few traced steps per transport mode: the measured breakdown.
-    parts = {m: traced_breakdown(clusters[m], *runs[m], args.block) for m in before}
+    parts = {m: traced_breakdown(clusters[m], *runs[m], args.block) for m, *_ in modes if m != "grpc"}
     for s, _ in runs.values():
         s.close()
-    compute_ms = statistics.median(times["compute"])
+    step = {m: statistics.median(v) for m, v in times.items()}
+    floor_ms = step["floor"]
     rows = []
     graph_t, graph_b = len(sizes), sum(sizes)
-    for mode, *_ in modes:
-        step = statistics.median(times[mode])
+    for mode in [m for m, *_ in modes] + ["floor"]:
         if mode in before:
             dt = (after[mode][0] - before[mode][0]) / steps_run[mode]
             db = (after[mode][1] - before[mode][1]) / steps_run[mode]
             src = "transport counters"
         else:
             dt, db, src = graph_t, graph_b, "graph analysis"
-        rows.append({
+        row = {
             "workload": name, "mode": mode, "workers": n,
-            "samples_per_s": round(workloads.samples_per_step(name, n) / step * 1e3, 2),
-            "step_ms": round(step, 3), "compute_ms": round(compute_ms, 3),
-            "comm_ms": round(max(step - compute_ms, 0.0), 3),
+            "samples_per_s": round(workloads.samples_per_step(name, n) / step[mode] * 1e3, 2),
+            "step_ms": round(step[mode], 3), "floor_ms": round(floor_ms, 3),
+            "comm_ms": round(max(step[mode] - floor_ms, 0.0), 3),
+            "headroom_captured": _round(headroom_captured(step["grpc"], step[mode], floor_ms), 4)
+            if mode not in ("grpc", "floor") else None,
             "tensors_per_step": round(dt, 2), "bytes_per_step": int(db),
             "avg_tensor_bytes": int(db / dt) if dt else 0,
             "median_tensor_bytes": int(statistics.median(sizes)) if sizes else 0,
             "cpu_s_per_step": round(cpu[mode] / (args.reps * args.block), 5),
             "tensors_source": src, "tensor_sizes": sizes,
             "breakdown": parts.get(mode),
-        })
+        }
+        if mode == "floor":
+            # What each task reads from its own copy instead of receiving.
+            row["copied_tensors"], row["copied_bytes"] = fl.copies, fl.copied_bytes
+        rows.append(row)
     return rows
+
+
+def _round(x, digits):
+    return None if x is None else round(x, digits)
 
 
 def traced_breakdown(cluster, sess, op, n):
@@ -261,7 +282,7 @@ def _run(args, logs, term):
     prog = Progress(len(modes) + 1 + len(todo) + (0 if args.no_sweep else 1)
                     + len(_ints(getattr(args, "mwms_workers", ""))), term)
     clusters = {}
-    compute_cluster = None
+    floor_cluster = None
     rows, sweep, mwms = [], [], []
     t0 = time.time()
     try:
@@ -269,23 +290,25 @@ def _run(args, logs, term):
             clusters[mode] = LocalCluster(proto, {"ps": 1, "worker": max_w}, env=env, log_dir=logs,
                                           name=mode.replace("+", "_"))
             prog.step(f"started the {mode} cluster")
-        compute_cluster = LocalCluster("grpc", {"ps": 1, "worker": max_w}, log_dir=logs, name="compute")
-        prog.step("started the compute-only cluster")
+        # The floor runs under grpc+rdma_device, so that its RunGraph calls
+        # take the same channel as that mode's.
+        floor_cluster = LocalCluster("grpc+rdma_device", {"ps": 1, "worker": max_w}, log_dir=logs, name="floor")
+        prog.step("started the floor cluster")
         for name, n in todo:
-            rows += run_workload(tf, name, n, modes, clusters, compute_cluster, args)
+            rows += run_workload(tf, name, n, modes, clusters, floor_cluster, args)
             prog.step(f"{name}, {n} worker(s)")
         if not args.no_sweep:
             sweep = transfer_sweep(tf, modes, clusters, args)
             prog.step("transfer sweep")
-        for c in list(clusters.values()) + [compute_cluster]:
+        for c in list(clusters.values()) + [floor_cluster]:
             c.close()  # free the CPUs for the MWMS clusters
-        clusters, compute_cluster = {}, None
+        clusters, floor_cluster = {}, None
         for n in _ints(getattr(args, "mwms_workers", "")):
             mwms.append(mwms_workload(n, args, logs))
             prog.step(f"MultiWorkerMirroredStrategy, {n} workers")
     finally:
         prog.close()
-        for c in list(clusters.values()) + [compute_cluster]:
+        for c in list(clusters.values()) + [floor_cluster]:
             if c is not None:
                 c.close()
     return {"rows": rows, "sweep": sweep, "mwms": mwms, "modes": [m for m, *_ in modes],

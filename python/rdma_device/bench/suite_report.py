@@ -10,9 +10,11 @@ import platform
 
 from rdma_device._units import size_label
 
-COLOURS = {"grpc": "#d62728", "grpc+rdma_device": "#1f77b4", "rpc": "#ff7f0e", "memcpy": "#7f7f7f"}
+COLOURS = {"grpc": "#d62728", "grpc+rdma_device": "#1f77b4", "rpc": "#ff7f0e", "memcpy": "#7f7f7f",
+           "floor": "#bcbcbc"}
 LABELS = {"grpc": "stock gRPC", "grpc+rdma_device": "grpc+rdma_device",
-          "rpc": "RPC over the same fabric (RDMA_DEVICE_MODE=rpc)", "memcpy": "memcpy (1 thread)"}
+          "rpc": "RPC over the same fabric (RDMA_DEVICE_MODE=rpc)", "memcpy": "memcpy (1 thread)",
+          "floor": "floor (no tensor crosses tasks)"}
 
 
 def _kib(n):
@@ -27,26 +29,39 @@ def _ratio(a, b):
     return f"{a / b:.2f}" if a and b else "—"
 
 
+def _pct(x):
+    return "—" if x is None else f"{x * 100:.0f}%"
+
+
 def summary_md(res, machine):
     rows, modes = res["rows"], res["modes"]
     out = [f"# rdma_device evaluation suite ({res['date']}, {machine})", "",
-           "Median step times, modes interleaved in blocks in one run. compute = the same step with every "
-           "variable on its worker (no tensor crosses tasks); comm = step − compute. Tensors per step come "
-           "from the transport's counters (rdma_device modes) or from the partition graphs (grpc); "
-           "CPU is the CPU time of the mode's task processes and the client, per counted step.", "",
-           "| workload | workers | mode | samples/s | step ms | compute ms | comm ms | vs grpc | vs rpc "
-           "| tensors/step | MB/step | avg tensor KiB | median KiB | CPU ms/step |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "Median step times, modes interleaved in blocks in one run. floor = the same step with every "
+           "tensor kept on the task that produced it (each task reads its own copy of what it would "
+           "receive), run on grpc+rdma_device; comm = step − floor; headroom captured = (grpc − mode) / "
+           "(grpc − floor). Tensors per step come from the transport's counters (rdma_device modes and "
+           "the floor) or from the partition graphs (grpc); CPU is the CPU time of the mode's task "
+           "processes and the client, per counted step.", "",
+           "| workload | workers | mode | samples/s | step ms | floor ms | comm ms | vs grpc | vs rpc "
+           "| headroom captured | tensors/step | MB/step | avg tensor KiB | median KiB | CPU ms/step |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         base = _by(rows, workload=r["workload"], workers=r["workers"], mode="grpc")
         rpc = _by(rows, workload=r["workload"], workers=r["workers"], mode="rpc")
         out.append(
             f"| {r['workload']} | {r['workers']} | {r['mode']} | {r['samples_per_s']:.1f} | {r['step_ms']:.2f} "
-            f"| {r['compute_ms']:.2f} | {r['comm_ms']:.2f} "
+            f"| {r['floor_ms']:.2f} | {r['comm_ms']:.2f} "
             f"| {_ratio(base[0]['step_ms'], r['step_ms']) if base else '—'} "
             f"| {_ratio(rpc[0]['step_ms'], r['step_ms']) if rpc else '—'} "
+            f"| {_pct(r.get('headroom_captured'))} "
             f"| {r['tensors_per_step']:.1f} | {r['bytes_per_step'] / 1e6:.2f} | {_kib(r['avg_tensor_bytes'])} "
             f"| {_kib(r['median_tensor_bytes'])} | {r['cpu_s_per_step'] * 1e3:.1f} |")
+    floors = _by(rows, mode="floor")
+    if floors:
+        out += ["", "The floor's tasks read " + ", ".join(
+            f"{r['copied_tensors']} tensors ({r['copied_bytes'] / 1e6:.2f} MB) for {r['workload']} with "
+            f"{r['workers']} worker{'s' if r['workers'] != 1 else ''}" for r in floors)
+            + " from copies of their own, each the value it had in one step of the cross-task graph."]
     out += breakdown_md(rows)
     if res.get("sweep"):
         out += ["", "Transfer sweep (ps → worker, consumer `reduce_sum` reads every byte):", "",
@@ -118,14 +133,15 @@ def plots(res, out_dir):
         ns = sorted({r["workers"] for r in _by(rows, workload=w)})
         return 2 if 2 in ns else ns[-1]
 
-    # 1. throughput per workload, by mode
+    # 1. throughput per workload, by mode, and the floor's
     nr, nc = _grid(len(workloads))
     fig, axes = plt.subplots(nr, nc, figsize=(max(4 * nc, 7), 3 * nr), squeeze=False)
+    bars = modes + ["floor"]
     for ax, w in zip(axes.flat, workloads):
         n = at_workers(w)
-        vals = [(_by(rows, workload=w, workers=n, mode=m) or [{"samples_per_s": 0}])[0]["samples_per_s"] for m in modes]
-        ax.bar(range(len(modes)), vals, color=[COLOURS[m] for m in modes])
-        ax.set_xticks(range(len(modes)), [m.replace("grpc+", "grpc+\n") for m in modes], fontsize=8)
+        vals = [(_by(rows, workload=w, workers=n, mode=m) or [{"samples_per_s": 0}])[0]["samples_per_s"] for m in bars]
+        ax.bar(range(len(bars)), vals, color=[COLOURS[m] for m in bars])
+        ax.set_xticks(range(len(bars)), [m.replace("grpc+", "grpc+\n") for m in bars], fontsize=8)
         ax.set_title(f"{w} ({n} workers)", fontsize=10)
         ax.set_ylabel("samples/s")
     for ax in list(axes.flat)[len(workloads):]:
@@ -134,7 +150,7 @@ def plots(res, out_dir):
     save(fig, "throughput.png")
 
     # 2. where the step goes: measured components for the transport modes,
-    # compute + (step - compute) for stock gRPC, which has no spans
+    # floor + (step - floor) for stock gRPC, which has no spans
     from rdma_device.bench.breakdown import COMPONENTS, LABELS as PARTS
 
     part_colours = {"client_master": "#9e9e9e", "dispatch": "#8172b3", "waiting_for_sender": "#dd8452",
@@ -154,8 +170,8 @@ def plots(res, out_dir):
                     ax.bar(x, b[c], bottom=bottom, color=part_colours[c], edgecolor="black", linewidth=0.3)
                     bottom += b[c]
             else:
-                ax.bar(x, r["compute_ms"], color="#2ca02c", edgecolor="black", linewidth=0.3)
-                ax.bar(x, r["comm_ms"], bottom=r["compute_ms"], color="white", edgecolor=COLOURS[m],
+                ax.bar(x, r["floor_ms"], color="#2ca02c", edgecolor="black", linewidth=0.3)
+                ax.bar(x, r["comm_ms"], bottom=r["floor_ms"], color="white", edgecolor=COLOURS[m],
                        hatch="//", linewidth=0.8)
             ax.plot([x - 0.45, x + 0.45], [r["step_ms"]] * 2, color="black", linewidth=1.2)
         ax.set_xticks(range(len(modes)), [m.replace("grpc+", "grpc+\n") for m in modes], fontsize=8)
@@ -167,7 +183,7 @@ def plots(res, out_dir):
 
     handles = [Patch(facecolor=part_colours[c], edgecolor="black", label=PARTS[c]) for c in COMPONENTS]
     handles += [Patch(facecolor="white", edgecolor=COLOURS["grpc"], hatch="//",
-                      label="stock gRPC, untraced: step − one-task compute"),
+                      label="stock gRPC, untraced: step − floor"),
                 Patch(facecolor="black", label="untraced median step (line)")]
     fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=7, frameon=False)
     fig.suptitle("Where a step's time goes: measured from recorded spans (median traced step per component)",

@@ -2,16 +2,13 @@
 2-vCPU machine with ``quick``.
 
 Every workload builds one training step for a cluster with one ``ps`` task
-and ``n`` workers, in one of two layouts:
-
-- ``"ps"``: variables on the PS; each worker computes gradients on its own
-  synthetic batch; gradients are averaged on the PS and applied there
-  (in-graph synchronous SGD). Tensors cross tasks every step: variable
-  reads ps→worker, gradients worker→ps (IndexedSlices for embedding
-  lookups), and for the pipeline activations worker→worker.
-- ``"local"``: the same computation with every variable on the worker that
-  uses it (one copy per worker; the pipeline's stages all on worker 0), so
-  no tensor crosses tasks: the compute-only baseline.
+and ``n`` workers: variables on the PS; each worker computes gradients on
+its own synthetic batch; gradients are averaged on the PS and applied
+there (in-graph synchronous SGD). Tensors cross tasks every step: variable
+reads ps→worker, gradients worker→ps (IndexedSlices for embedding
+lookups), and for the pipeline activations worker→worker. The suite's
+floor (``floor``) is this same step with every tensor kept on the task
+that produced it.
 
 Inputs are generated on the workers (seeded ``tf.random``), so no feed
 travels from the client. Graph construction runs on the client thread.
@@ -182,47 +179,33 @@ def _average(tf, grads):
     return tf.add_n(grads) / len(grads)
 
 
-def _data_parallel(tf, wl, cluster, n, layout, quick):
+def _data_parallel(tf, wl, cluster, n, quick):
     opt = tf.compat.v1.train.GradientDescentOptimizer(0.01)
     ps = cluster.device("ps", 0)
-    losses, tower_grads, shared = [], [], None
-    if layout == "ps":
-        with tf.device(ps), tf.compat.v1.variable_scope("model"):
-            shared = wl.params(tf, quick)
-    applies = []
+    with tf.device(ps), tf.compat.v1.variable_scope("model"):
+        shared = wl.params(tf, quick)
+    names = sorted(shared)
+    losses, tower_grads = [], []
     for i in range(n):
-        dev = cluster.device("worker", i)
-        if layout == "local":
-            with tf.device(dev), tf.compat.v1.variable_scope(f"tower{i}"):
-                params = wl.params(tf, quick)
-        else:
-            params = shared
-        names = sorted(params)
-        with tf.device(dev):
-            loss = wl.loss(tf, params, wl.batch, seed=100 + i)
-            grads = tf.gradients(loss, [params[k] for k in names])
+        with tf.device(cluster.device("worker", i)):
+            loss = wl.loss(tf, shared, wl.batch, seed=100 + i)
+            tower_grads.append(tf.gradients(loss, [shared[k] for k in names]))
         losses.append(loss)
-        if layout == "local":
-            with tf.device(dev):
-                applies.append(opt.apply_gradients(list(zip(grads, [params[k] for k in names]))))
-        else:
-            tower_grads.append(grads)
-    if layout == "ps":
-        names = sorted(shared)
-        with tf.device(ps):
-            avg = [_average(tf, [g[j] for g in tower_grads]) for j in range(len(names))]
-            applies.append(opt.apply_gradients(list(zip(avg, [shared[k] for k in names]))))
-    return tf.group(*applies), tf.add_n(losses) / n
+    with tf.device(ps):
+        avg = [_average(tf, [g[j] for g in tower_grads]) for j in range(len(names))]
+        apply = opt.apply_gradients(list(zip(avg, [shared[k] for k in names])))
+    return tf.group(apply), tf.add_n(losses) / n
 
 
-def _pipeline(tf, cluster, n, layout, quick, batch, micro=4):
-    """n stages, stage s on worker s; micro-batches flow through the stages."""
+def _pipeline(tf, cluster, n, quick, batch, micro=4):
+    """n stages, stage s on worker s (its variables on the PS);
+    micro-batches flow through the stages."""
     width, layers = (768, 2) if quick else (1536, 3)
-    stage_dev = [cluster.device("worker", s if layout == "ps" else 0) for s in range(n)]
-    var_dev = [cluster.device("ps", 0) if layout == "ps" else stage_dev[s] for s in range(n)]
+    stage_dev = [cluster.device("worker", s) for s in range(n)]
+    var_dev = cluster.device("ps", 0)
     params = []
     for s in range(n):
-        with tf.device(var_dev[s]), tf.compat.v1.variable_scope(f"stage{s}"):
+        with tf.device(var_dev), tf.compat.v1.variable_scope(f"stage{s}"):
             params.append([_var(tf, f"w{k}", [width, width], 0.03, 200 + 10 * s + k) for k in range(layers)])
     losses = []
     mb = batch // micro
@@ -244,12 +227,12 @@ def _pipeline(tf, cluster, n, layout, quick, batch, micro=4):
     for s in range(n):
         k = len(params[s])
         pairs = list(zip(grads[s * k:(s + 1) * k], params[s]))
-        with tf.device(var_dev[s]):
+        with tf.device(var_dev):
             applies.append(opt.apply_gradients(pairs))
     return tf.group(*applies), loss
 
 
-def build(tf, name, cluster, n, layout, quick):
+def build(tf, name, cluster, n, quick):
     """A fresh graph with one training step of workload ``name`` on ``n``
     workers. Returns (graph, init_op, train_op, loss)."""
     wl = WORKLOADS[name]
@@ -257,9 +240,9 @@ def build(tf, name, cluster, n, layout, quick):
     with g.as_default():
         tf.compat.v1.set_random_seed(1)
         if name == "pipeline":
-            op, loss = _pipeline(tf, cluster, n, layout, quick, wl.batch)
+            op, loss = _pipeline(tf, cluster, n, quick, wl.batch)
         else:
-            op, loss = _data_parallel(tf, wl, cluster, n, layout, quick)
+            op, loss = _data_parallel(tf, wl, cluster, n, quick)
         init = tf.compat.v1.global_variables_initializer()
     return g, init, op, loss
 
