@@ -109,17 +109,18 @@ def commit(root):
 _SOURCES = ("src", "tf_plugin", "include", "Cargo.toml", "Cargo.lock", "CMakeLists.txt", "build.rs", "cmake")
 
 
-def stale_build(root):
-    """Why the libraries (and the fabric benchmark's binary) this report
-    would measure are older than the checkout's sources, or None: a report
-    must measure the tree it stamps. Compares modification times: the
-    newest tracked source file against the oldest built artefact."""
+def stale_build(root, fabric=True):
+    """Why the libraries (and, with `fabric`, the fabric benchmark's
+    binary) this report would measure are older than the checkout's
+    sources, or None: a report must measure the tree it stamps. Compares
+    modification times: the newest tracked source file against the oldest
+    built artefact."""
     if not root:
         return None
     import rdma_device
 
     built = [os.path.join(rdma_device.lib_dir(), n) for n in ("librdma_device.so", "librdma_device_tf.so")]
-    bench = fabric_binary(root)
+    bench = fabric_binary(root) if fabric else None
     if bench:
         built.append(bench)
     have = [(os.path.getmtime(b), b) for b in built if os.path.exists(b)]
@@ -339,13 +340,13 @@ def report(args):
         meta, records = saved["meta"], saved["records"]
         names = [n for n in ORDER if any(r["bench"] == n for r in records)]
         return _render(meta, records, names, args.render, root, args)
-    stale = None if args.allow_stale_build else stale_build(root)
+    names = [n.strip() for n in args.only.split(",")] if args.only else list(ORDER)
+    stale = None if args.allow_stale_build else stale_build(root, "fabric" in names)
     if stale:
         raise SystemExit(
             f"bench report: the build is older than the tree: {stale}. Rebuild what it measures first "
             f"(pip install --no-build-isolation ./python; cargo build --release --bin rdma-device-bench), "
             f"or pass --allow-stale-build to measure it anyway (the report then says so)")
-    names = [n.strip() for n in args.only.split(",")] if args.only else list(ORDER)
     for n in names:
         if n not in ORDER:
             raise SystemExit(f"unknown benchmark {n!r}; choose from {', '.join(ORDER)}")
@@ -357,7 +358,7 @@ def report(args):
     random.Random(seed).shuffle(jobs)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "commit": commit(root) + (" (build older than the tree: measured anyway)"
-                                       if args.allow_stale_build and stale_build(root) else ""),
+                                       if args.allow_stale_build and stale_build(root, "fabric" in names) else ""),
             "runs": runs, "seed": seed, "quick": bool(args.quick),
             "order": [f"{n}#{i}" for n, i in jobs]}
     print(f"bench report: {len(jobs)} runs in this order: {', '.join(meta['order'])}", flush=True)
