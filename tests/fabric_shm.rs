@@ -27,23 +27,19 @@ fn shm_reaches_only_this_host() {
     assert!(f.reaches("192.0.2.1:1").is_err(), "TEST-NET address is never local");
 }
 
-/// Forwards to a `Recorder`, except that `on_write_imm` blocks the
-/// receiver's progress thread until the gate opens (a stopped receiver).
-struct Gated {
+/// Forwards to a `Recorder`, after running `before_imm` on the thread
+/// that delivers each immediate.
+struct Hooked {
     inner: Arc<rdma_device::fabric::conformance::Recorder>,
-    open: parking_lot::Mutex<bool>,
-    cv: parking_lot::Condvar,
+    before_imm: Box<dyn Fn(u32) + Send + Sync>,
 }
 
-impl rdma_device::fabric::FabricEvents for Gated {
-    fn on_accept(&self, c: u64, h: &[u8], _nonce: &[u8]) -> rdma_device::Result<Vec<u8>> {
-        self.inner.on_accept(c, h, _nonce)
+impl rdma_device::fabric::FabricEvents for Hooked {
+    fn on_accept(&self, c: u64, h: &[u8], nonce: &[u8]) -> rdma_device::Result<Vec<u8>> {
+        self.inner.on_accept(c, h, nonce)
     }
     fn on_write_imm(&self, c: u64, imm: u32) {
-        let mut g = self.open.lock();
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while !*g && !self.cv.wait_until(&mut g, deadline).timed_out() {}
-        drop(g);
+        (self.before_imm)(imm);
         self.inner.on_write_imm(c, imm)
     }
     fn on_message(&self, c: u64, m: &[u8]) {
@@ -51,6 +47,25 @@ impl rdma_device::fabric::FabricEvents for Gated {
     }
     fn on_disconnect(&self, c: u64, why: rdma_device::Error) {
         self.inner.on_disconnect(c, why)
+    }
+}
+
+/// A gate: `wait` blocks (at most 30 s) until `open`.
+#[derive(Default)]
+struct Gate {
+    open: parking_lot::Mutex<bool>,
+    cv: parking_lot::Condvar,
+}
+
+impl Gate {
+    fn wait(&self) {
+        let mut g = self.open.lock();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !*g && !self.cv.wait_until(&mut g, deadline).timed_out() {}
+    }
+    fn open(&self) {
+        *self.open.lock() = true;
+        self.cv.notify_all();
     }
 }
 
@@ -68,7 +83,11 @@ fn a_full_doorbell_ring_queues_writes_instead_of_blocking_the_writer() {
     let fabric = ShmFabric::new(Duration::from_micros(50));
     let arena = Arc::new(Arena::new("ring-full", 1 << 20).unwrap());
     let rec = Recorder::new(b"r", None);
-    let gated = Arc::new(Gated { inner: rec.clone(), open: parking_lot::Mutex::new(false), cv: parking_lot::Condvar::new() });
+    // The receiver's progress thread blocks on its first immediate until
+    // the gate opens (a stopped receiver).
+    let gate = Arc::new(Gate::default());
+    let g = gate.clone();
+    let gated = Arc::new(Hooked { inner: rec.clone(), before_imm: Box::new(move |_| g.wait()) });
     let addr = harness_addr();
     let listener = fabric.listen(&addr, arena.clone(), gated.clone()).unwrap();
     let ep = fabric.connect(&addr, b"h", Recorder::new(b"", None), Duration::from_secs(10), true).unwrap();
@@ -96,8 +115,7 @@ fn a_full_doorbell_ring_queues_writes_instead_of_blocking_the_writer() {
     let early: Vec<_> = rx.try_iter().collect();
     assert!(early.iter().all(|(_, r)| r.is_ok()), "a write failed while queued");
     assert!(early.len() < n as usize, "all {n} writes completed while the receiver took none");
-    *gated.open.lock() = true;
-    gated.cv.notify_all();
+    gate.open();
     let mut done = early.len();
     while done < n as usize {
         let (i, r) = rx.recv_timeout(Duration::from_secs(10)).expect("every write completes once the receiver drains");
@@ -263,30 +281,6 @@ fn a_closing_listeners_refusal_is_retried_and_never_demotes() {
     connect_waiting_for(&fabric, &addr, refusals, "the waiting connect gave up on a closing listener");
 }
 
-/// Forwards to a `Recorder`, and notes which thread delivered each
-/// immediate.
-struct Where {
-    inner: Arc<rdma_device::fabric::conformance::Recorder>,
-    threads: parking_lot::Mutex<Vec<(u32, String, std::time::Instant)>>,
-}
-
-impl rdma_device::fabric::FabricEvents for Where {
-    fn on_accept(&self, c: u64, h: &[u8], nonce: &[u8]) -> rdma_device::Result<Vec<u8>> {
-        self.inner.on_accept(c, h, nonce)
-    }
-    fn on_write_imm(&self, c: u64, imm: u32) {
-        let name = std::thread::current().name().unwrap_or("?").to_string();
-        self.threads.lock().push((imm, name, std::time::Instant::now()));
-        self.inner.on_write_imm(c, imm)
-    }
-    fn on_message(&self, c: u64, m: &[u8]) {
-        self.inner.on_message(c, m)
-    }
-    fn on_disconnect(&self, c: u64, why: rdma_device::Error) {
-        self.inner.on_disconnect(c, why)
-    }
-}
-
 /// Issue 33 (caller-driven progress): while a thread polls the listener,
 /// it delivers the writes that land itself (no event thread wakes for
 /// them, the senders ring no doorbell), and when it stops, a write that
@@ -303,14 +297,20 @@ fn a_polling_thread_delivers_writes_itself_and_hands_the_doorbell_back() {
     let fabric = ShmFabric::new(Duration::ZERO); // the progress thread sleeps as soon as it is idle
     let arena = Arc::new(Arena::new("polling", 1 << 20).unwrap());
     let rec = Recorder::new(b"r", None);
-    let ev = Arc::new(Where { inner: rec.clone(), threads: parking_lot::Mutex::new(Vec::new()) });
+    // Which thread delivered each immediate, and when.
+    let threads = Arc::new(parking_lot::Mutex::new(Vec::<(u32, String, Instant)>::new()));
+    let t = threads.clone();
+    let ev = Arc::new(Hooked {
+        inner: rec.clone(),
+        before_imm: Box::new(move |imm| t.lock().push((imm, std::thread::current().name().unwrap_or("?").to_string(), Instant::now()))),
+    });
     let addr = harness_addr();
     let listener = fabric.listen(&addr, arena.clone(), ev.clone()).unwrap();
     let ep = fabric.connect(&addr, b"h", Recorder::new(b"", None), Duration::from_secs(10), true).unwrap();
     let evs = rec.wait_for("accept", |e| e.iter().any(|x| matches!(x, rdma_device::fabric::conformance::Ev::Accept(..))));
     let conn = evs.iter().find_map(|x| if let rdma_device::fabric::conformance::Ev::Accept(c, _) = x { Some(*c) } else { None }).unwrap();
     let key = listener.grant(conn, 0, arena.len() as u64).unwrap().unwrap();
-    let delivered = |imm: u32| ev.threads.lock().iter().find(|(i, ..)| *i == imm).cloned();
+    let delivered = |imm: u32| threads.lock().iter().find(|(i, ..)| *i == imm).cloned();
     let write = |imm: u32| ep.write_imm(0, key, vec![Box::new(vec![imm as u8; 64])], imm, Box::new(|r: rdma_device::Result<()>| r.unwrap()));
 
     for round in 0..5u32 {
