@@ -282,9 +282,9 @@ def run(args, params):
           f"the same-sized gradient back, batch {cfg['batch']}; {cfg['steps']} counted steps per "
           f"transport in blocks of {cfg['block']}, interleaved")
     med = {t: statistics.median(ps["times"][t]) for t in TRANSPORTS}
+    cpu = {t: statistics.median(a + b for a, b in zip(ps["cpu"][t], wk["cpu"][t])) for t in TRANSPORTS}
     for t in TRANSPORTS:
-        c = statistics.median(a + b for a, b in zip(ps["cpu"][t], wk["cpu"][t]))
-        print(f"  {t:>18}: median step {med[t] * 1e3:8.3f} ms, CPU {c * 1e3:8.3f} ms/step "
+        print(f"  {t:>18}: median step {med[t] * 1e3:8.3f} ms, CPU {cpu[t] * 1e3:8.3f} ms/step "
               f"(both processes)")
     for t in BASELINES:
         print(f"  ratio ({t} step / rdma_device step): {med[t] / med[OURS]:.2f}")
@@ -298,7 +298,6 @@ def run(args, params):
     if args.json:
         import json
 
-        cpu = {t: statistics.median(a + b for a, b in zip(ps["cpu"][t], wk["cpu"][t])) for t in TRANSPORTS}
         for t in BASELINES:
             # ratio: the baseline's step over ours (above 1: ours faster).
             print(json.dumps({"params": cfg["params"], "bytes": cfg["params"] * 4, "baseline": t,

@@ -79,15 +79,9 @@ macro_rules! text {
 macro_rules! bytes {
     ($p:expr, $len:expr, $what:literal) => {{
         let (p, len): (*const u8, usize) = ($p, $len);
-        if p.is_null() && len > 0 {
-            return Err($crate::error::Error::InvalidArgument(String::from(concat!($what, " is NULL"))));
-        }
-        if len == 0 {
-            &[][..]
-        } else {
-            // SAFETY: `len` readable bytes at the non-NULL `p` (the macro's contract).
-            unsafe { std::slice::from_raw_parts(p, len) }
-        }
+        // SAFETY: `len` readable bytes at a non-NULL `p` (the macro's contract).
+        let r = unsafe { $crate::ffi::args::bytes_arg(p, len, $what) };
+        r?
     }};
 }
 
@@ -148,19 +142,29 @@ macro_rules! callback {
     };
 }
 
-/// `text!`'s check: the string of `len` bytes at `p`.
+/// `bytes!`'s check: the `len` bytes at `p` (none when `len` is 0, where
+/// `p` may be NULL).
 ///
 /// # Safety
 /// A non-NULL `p` has `len` readable bytes, unchanged while the result is used.
-pub(super) unsafe fn str_arg<'a>(p: *const c_char, len: usize, what: &str) -> Result<&'a str, Error> {
+pub(super) unsafe fn bytes_arg<'a>(p: *const u8, len: usize, what: &str) -> Result<&'a [u8], Error> {
     if p.is_null() && len > 0 {
         return Err(Error::InvalidArgument(format!("{what} is NULL")));
     }
     if len == 0 {
-        return Ok("");
+        return Ok(&[]);
     }
     // SAFETY: the caller passes `len` readable bytes at `p`.
-    let b = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) };
+    Ok(unsafe { std::slice::from_raw_parts(p, len) })
+}
+
+/// `text!`'s check: `bytes_arg`'s, and UTF-8.
+///
+/// # Safety
+/// As `bytes_arg`.
+pub(super) unsafe fn str_arg<'a>(p: *const c_char, len: usize, what: &str) -> Result<&'a str, Error> {
+    // SAFETY: the caller's contract, passed on.
+    let b = unsafe { bytes_arg(p.cast::<u8>(), len, what) }?;
     std::str::from_utf8(b).map_err(|_| Error::InvalidArgument(format!("{what} is not UTF-8")))
 }
 
