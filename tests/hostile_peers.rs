@@ -523,15 +523,25 @@ fn a_sender_writes_only_the_slots_placed_for_it() {
 /// shares): past `MAX_PLACEMENTS_PER_LINK` queued at once each further
 /// request is answered at once with an error naming the cap, and the node
 /// goes on serving others.
+///
+/// The receiver the requests name is a task that hangs: its socket takes
+/// connections into the backlog and never answers, so every placement waits
+/// for its connect and the requests pile up on any machine. (Towards an
+/// address with no listener each one fails at once, and whether the cap is
+/// reached was a race between this loop and the pool.)
 #[test]
 fn a_flood_of_placement_requests_is_refused_with_the_cap_named() {
     let (a, b, b_addr) = pair();
+    const HUNG: &str = "/job:hung/replica:0/task:0";
+    let hung_addr = format!("localhost:{}", free_port());
+    use rdma_device::fabric::shm::socket;
+    let _hung = socket::listen(&socket::socket_name(&hung_addr).unwrap()).unwrap();
+    b.add_peer(HUNG, &hung_addr);
     let (ep, ev) = evil(&b_addr);
     let t0 = Instant::now();
     let mut sent = 0;
     for req in 0..20_000u64 {
-        // Towards the evil task itself, whose address has no listener.
-        let m = Msg::PlaceFor { req, receiver: EVIL.into(), key: format!("flood{req}"), bytes: 64 };
+        let m = Msg::PlaceFor { req, receiver: HUNG.into(), key: format!("flood{req}"), bytes: 64 };
         if ep.send_msg(&m.encode()).is_err() {
             break;
         }
