@@ -127,6 +127,30 @@ def test_check_lists_blocks_made_before_a_code_change_or_from_too_few_runs(tmp_p
     assert report.check_stale(root) == 1
 
 
+def test_a_change_to_the_reports_own_code_leaves_blocks_fresh(tmp_path):
+    """The report's modules run the command each block names and render
+    it; a change to them alone stales nothing, a benchmark's change does."""
+    from rdma_device.bench import report
+
+    root = str(tmp_path)
+    bench = os.path.join(root, "python", "rdma_device", "bench")
+    os.makedirs(bench)
+    _git(root, "init", "-q")
+    for f in ("report_tables.py", "transfer.py"):
+        open(os.path.join(bench, f), "w").write("1\n")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "one")
+    open(os.path.join(root, "README.md"), "w").write(_block("train", 3, _rev(root)))
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "the block")
+    open(os.path.join(bench, "report_tables.py"), "w").write("2\n")
+    _git(root, "commit", "-qam", "a renderer change")
+    assert report.stale_blocks(root) == []
+    open(os.path.join(bench, "transfer.py"), "w").write("2\n")
+    _git(root, "commit", "-qam", "a benchmark change")
+    assert [(d, n) for d, n, _ in report.stale_blocks(root)] == [("README.md", "train")]
+
+
 def test_the_soak_table_shows_the_steps_it_retried():
     row = {"steps": 10, "tensors": 30, "hops": 60, "lost": 0, "corrupt": 0, "fallback_tensors": 0,
            "retried_steps": 1, "failed_attempts": 2, "rss_growth_pct": 1.0, "rss_anon_growth_pct": 1.0, "seconds": 5}

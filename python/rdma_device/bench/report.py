@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from rdma_device.bench import report_endpoint, report_tables
+from rdma_device.bench import report_endpoint, report_suite, report_tables
 
 # name -> (full arguments, quick arguments); the README quotes the full ones.
 PY_BENCHES = {
@@ -279,8 +279,12 @@ def _fabric_plot(runs, path):
 
 
 # What a generated block's numbers depend on: a commit touching one of
-# these after the block's stamped commit makes the block stale.
-CODE_PATHS = ("src", "tf_plugin", "python", "Cargo.toml", "Cargo.lock", "CMakeLists.txt", "include", "cmake")
+# these after the block's stamped commit makes the block stale. The
+# report's own modules do not count: they run the command each block names
+# in its header and render the tables (`--render` renders a saved run
+# again); the benchmarks and the library they run do.
+CODE_PATHS = ("src", "tf_plugin", "python", "Cargo.toml", "Cargo.lock", "CMakeLists.txt", "include", "cmake",
+              ":(exclude,glob)python/rdma_device/bench/report*.py")
 _STAMP = re.compile(r"\((\d+) runs? per benchmark.*?commit ([0-9a-f]{7,40})\b", re.S)
 
 
@@ -391,6 +395,10 @@ def _render(meta, records, names, out, root, args):
             md.append(_header(meta, n, len(ok), records) + "\n\n" + tables[n] + "\n")
         for e in failed:
             md.append(f"- a run failed: {e}\n")
+        if n == "suite" and ok:
+            for extra, table in report_suite.tables(records, out).items():
+                tables[extra] = table
+                md.append(f"## {extra}\n\n" + _header(meta, n, len(ok), records) + "\n\n" + table + "\n")
     if "fabric" in tables:
         png = _fabric_plot([r["rows"] for r in records if r["bench"] == "fabric" and "error" not in r],
                            os.path.join(out, "fabric.png"))
@@ -426,8 +434,9 @@ def _rewrite_readme(root, meta, tables, records, out):
         with open(path) as f:
             texts[path] = f.read()
     for n, table in tables.items():
-        ok = sum(1 for r in records if r["bench"] == n and "error" not in r)
-        body = _header(meta, n, ok, records) + "\n\n" + table
+        bench = report_suite.EXTRAS.get(n, n)
+        ok = sum(1 for r in records if r["bench"] == bench and "error" not in r)
+        body = _header(meta, bench, ok, records) + "\n\n" + table
         for path, text in texts.items():
             new = report_tables.replace_region(text, n, body)
             if new is not None:
