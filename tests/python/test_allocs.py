@@ -17,6 +17,7 @@ TensorFlow around it and several edges at once)."""
 
 import collections
 import glob
+import json
 import os
 import shutil
 import signal
@@ -266,6 +267,15 @@ def test_allocations_per_step_grpc_vs_rdma_device(counter_lib, log_dir, tmp_path
     print(f"transport library (librdma_device.so) allocations in {STEPS} steps: {core}, besides threads' "
           f"one-time parking records: { {name: sum(c.values()) for name, c in setup.items()} } and serving "
           f"worker RPCs: { {name: sum(c.values()) for name, c in rpc.items()} }")
+    # One line per task for `bench report` (it runs this test with -s).
+    for name, t in rt.items():
+        print(json.dumps({"task": name, "steps": STEPS, "tensors_per_step": r["tensors_per_step"],
+                          "grpc": sum(results[harness.PROTOCOL_GRPC][1][name]["by_lib"].values()) / STEPS,
+                          "rdma_device": sum(t["by_lib"].values()) / STEPS, "shim": sum(t["shim"].values()) / STEPS,
+                          "transport": sum(t["core"].values()) / STEPS,
+                          "transport_rpc": sum(rpc[name].values()) / STEPS,
+                          "transport_setup": sum(setup[name].values()) / STEPS,
+                          "transport_other": core[name] / STEPS}), flush=True)
     # The ps only sends tensors (its variables) and serves the master's
     # worker RPCs: the transport's send path allocates nothing in the
     # steady state, as tests/alloc.rs shows at unit level (the chief's and

@@ -71,3 +71,18 @@ def test_the_blocks_come_from_each_completed_runs_raw_directory(tmp_path):
     assert sorted(tables) == ["suite_breakdown", "suite_sweep"], "no MWMS rows: no block"
     # The failed run's sweep (1 MiB) is not counted.
     assert [_cells(line)[0] for line in tables["suite_sweep"].splitlines()[2:]] == ["64 KiB"]
+
+
+def test_the_allocation_counts_are_a_report_block_from_the_tests_json_rows():
+    from rdma_device.bench import report, report_tables
+
+    assert "allocs" in report.ORDER and report.command("allocs", False) == \
+        "python -m pytest -q -s tests/python/test_allocs.py"
+    argv = report._argv("allocs", False, "/nowhere", "/repo")
+    assert argv[1:] == ["-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "/repo/tests/python/test_allocs.py"]
+    line = ('{"task": "ps", "steps": 50, "tensors_per_step": 8, "grpc": 315.0, "rdma_device": 116.0, "shim": 30.0, '
+            '"transport": 7.0, "transport_rpc": 7.0, "transport_setup": 0.0, "transport_other": 0.0}')
+    rows = report._rows("....\n" + line + "\n1 passed in 60.00s\n")
+    runs = [rows, [dict(rows[0], rdma_device=120.0, shim=32.0)], [dict(rows[0], rdma_device=118.0)]]
+    cells = _cells(report_tables.allocs_md(runs).splitlines()[2])
+    assert cells == ["ps", "315.0", "118.0", "30.0 (30.0–32.0)", "7.0 (7.0–7.0)", "7.00 / 0.00 / 0.00"]

@@ -6,8 +6,9 @@ on the current tree, N runs each in randomised interleaved order.
 
 Runs `rdma-device-bench fabric`, `python -m rdma_device.bench` transfer,
 train, allreduce, suite, soak, py (the endpoint API against shared
-memory + a pipe and gloo) and py --rpc (against PyTorch RPC), and `examples/param_server.py` (the endpoint
-API's parameter server) as subprocesses, each with `--json`; the
+memory + a pipe and gloo) and py --rpc (against PyTorch RPC), `examples/param_server.py` (the endpoint
+API's parameter server) and tests/python/test_allocs.py (allocations per step, with pytest -s) as
+subprocesses, each printing JSON rows; the
 order of all (benchmark, run) pairs is shuffled with a recorded seed, so
 no benchmark always runs first, or on a machine warmed by the same
 neighbour. Writes DIR/report.json (machine, date, commit, order, every
@@ -53,9 +54,12 @@ EXAMPLES = {
     "param_server": (["param_server.py", "--json", "--params", "4M,64K"],
                      ["param_server.py", "--json", "--params", "64K", "--steps", "10"]),
 }
+# Tests whose measurement the documents quote: run with -s from the
+# checkout, they print one JSON row per line.
+TESTS = {"allocs": "tests/python/test_allocs.py"}
 # The plots of `bench py` runs, as docs/endpoint.md shows them.
 PLOTS = {"py": "endpoint_py.png", "py_rpc": "endpoint_py_rpc.png"}
-ORDER = ("fabric", "transfer", "train", "allreduce", "suite", "soak", "py", "py_rpc", "param_server")
+ORDER = ("fabric", "transfer", "train", "allreduce", "suite", "soak", "py", "py_rpc", "param_server", "allocs")
 RENDER = {**report_tables.RENDER, **report_endpoint.RENDER}
 
 
@@ -65,6 +69,8 @@ def command(name, quick):
         return "rdma-device-bench fabric --transport shm --json" + (" --quick" if quick else "")
     if name in EXAMPLES:
         return "python examples/" + " ".join(EXAMPLES[name][1 if quick else 0])
+    if name in TESTS:
+        return f"python -m pytest -q -s {TESTS[name]}"
     args = [a if a else "''" for a in PY_BENCHES[name][1 if quick else 0]]
     plot = f" --plot DIR/{PLOTS[name]}" if name in PLOTS and not quick else ""
     return "python -m rdma_device.bench " + " ".join(args) + (" --out DIR" if name == "suite" else "") + plot
@@ -182,6 +188,10 @@ def _argv(name, quick, run_dir, root):
             raise FileNotFoundError("rdma-device-bench not found: build it with `cargo build --release --bins`"
                                     " or set RDMA_DEVICE_BENCH_BIN")
         return [binary, "fabric", "--transport", "shm", "--json"] + (["--quick"] if quick else [])
+    if name in TESTS:
+        if not root:
+            raise FileNotFoundError(f"{name} runs tests/ from a checkout, and this is not one")
+        return [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", os.path.join(root, TESTS[name])]
     if name in EXAMPLES:
         if not root:
             raise FileNotFoundError(f"{name} runs examples/ from a checkout, and this is not one")

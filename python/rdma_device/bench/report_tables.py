@@ -271,7 +271,23 @@ def suite_claims(agg, modes):
     return out
 
 
-RENDER = {"fabric": fabric_md, "transfer": transfer_md, "train": train_md, "allreduce": allreduce_md,
+def allocs_md(runs):
+    """tests/python/test_allocs.py: heap allocations per step of each task,
+    stock gRPC against grpc+rdma_device, and the shim's and the transport's
+    shares of the latter (the transport's split into serving worker RPCs,
+    threads' one-time set-up and the rest)."""
+    agg = aggregate(runs, lambda r: r["task"])
+    rows = []
+    for task, d in agg.items():
+        rows.append([task, _med(d.get("grpc"), "{:.1f}"), _med(d.get("rdma_device"), "{:.1f}"),
+                     _rng(d.get("shim"), "{:.1f}"), _rng(d.get("transport"), "{:.1f}"),
+                     " / ".join(_med(d.get(f), "{:.2f}") for f in ("transport_rpc", "transport_setup", "transport_other"))])
+    return _table(["task", "grpc", "grpc+rdma_device", "of which the shim (median, range)",
+                   "of which the transport (median, range)", "transport: worker RPCs / thread set-up / other"],
+                  ["---", "---:", "---:", "---:", "---:", "---:"], rows)
+
+
+RENDER = {"allocs": allocs_md, "fabric": fabric_md, "transfer": transfer_md, "train": train_md, "allreduce": allreduce_md,
           "soak": soak_md, "suite": suite_md}
 
 
