@@ -283,7 +283,8 @@ def allocs_md(runs):
                      _rng(d.get("shim"), "{:.1f}"), _rng(d.get("transport"), "{:.1f}"),
                      " / ".join(_med(d.get(f), "{:.2f}") for f in ("transport_rpc", "transport_setup", "transport_other"))])
     return _table(["task", "grpc", "grpc+rdma_device", "of which the shim (median, range)",
-                   "of which the transport (median, range)", "transport: worker RPCs / thread set-up / other"],
+                   "of which the transport (median, range)",
+                   "transport: serving worker RPCs / thread set-up / the rest"],
                   ["---", "---:", "---:", "---:", "---:", "---:"], rows)
 
 
