@@ -86,3 +86,12 @@ def test_the_allocation_counts_are_a_report_block_from_the_tests_json_rows():
     runs = [rows, [dict(rows[0], rdma_device=120.0, shim=32.0)], [dict(rows[0], rdma_device=118.0)]]
     cells = _cells(report_tables.allocs_md(runs).splitlines()[2])
     assert cells == ["ps", "315.0", "118.0", "30.0 (30.0–32.0)", "7.0 (7.0–7.0)", "7.00 / 0.00 / 0.00"]
+
+
+def test_the_report_runs_bench_trace_with_its_trace_file_and_plot_in_the_run_directory():
+    from rdma_device.bench import report
+
+    assert "trace" in report.ORDER and "trace" in report.RENDER
+    argv = report._argv("trace", False, "/run", "/repo")
+    assert argv[3:] == ["trace", "--json", "--out", "/run/trace.json", "--plot", "/run/trace.png"]
+    assert "--out" in report._argv("trace", True, "/run", "/repo"), "the quick run writes no file into the cwd"

@@ -5,7 +5,7 @@ on the current tree, N runs each in randomised interleaved order.
     python -m rdma_device.bench report --quick --out DIR     (CI: minutes; README untouched)
 
 Runs `rdma-device-bench fabric`, `python -m rdma_device.bench` transfer,
-train, allreduce, suite, soak, py (the endpoint API against shared
+train, allreduce, suite, soak, trace (where a step's time goes), py (the endpoint API against shared
 memory + a pipe and gloo) and py --rpc (against PyTorch RPC), `examples/param_server.py` (the endpoint
 API's parameter server) and tests/python/test_allocs.py (allocations per step, with pytest -s) as
 subprocesses, each printing JSON rows; the
@@ -42,6 +42,7 @@ PY_BENCHES = {
     "suite": (["suite", "--quick", "--json"],
               ["suite", "--quick", "--json", "--workloads", "wide_deep", "--workers", "2", "--reps", "2",
                "--block", "2", "--no-sweep", "--mwms-workers", ""]),
+    "trace": (["trace", "--json"], ["trace", "--json", "--sizes", "4K", "--steps", "5", "--blocks", "1"]),
     "py": (["py", "--json"], ["py", "--json", "--quick", "--no-gloo", "--plot", ""]),
     # PyTorch RPC apart: its threads poll while it is up and change the
     # other baselines' numbers (see pybench.py).
@@ -58,8 +59,8 @@ EXAMPLES = {
 # checkout, they print one JSON row per line.
 TESTS = {"allocs": "tests/python/test_allocs.py"}
 # The plots of `bench py` runs, as docs/endpoint.md shows them.
-PLOTS = {"py": "endpoint_py.png", "py_rpc": "endpoint_py_rpc.png"}
-ORDER = ("fabric", "transfer", "train", "allreduce", "suite", "soak", "py", "py_rpc", "param_server", "allocs")
+PLOTS = {"py": "endpoint_py.png", "py_rpc": "endpoint_py_rpc.png", "trace": "trace.png"}
+ORDER = ("fabric", "transfer", "train", "allreduce", "suite", "soak", "trace", "py", "py_rpc", "param_server", "allocs")
 RENDER = {**report_tables.RENDER, **report_endpoint.RENDER}
 
 
@@ -73,7 +74,8 @@ def command(name, quick):
         return f"python -m pytest -q -s {TESTS[name]}"
     args = [a if a else "''" for a in PY_BENCHES[name][1 if quick else 0]]
     plot = f" --plot DIR/{PLOTS[name]}" if name in PLOTS and not quick else ""
-    return "python -m rdma_device.bench " + " ".join(args) + (" --out DIR" if name == "suite" else "") + plot
+    out = {"suite": " --out DIR", "trace": " --out DIR/trace.json"}.get(name, "")
+    return "python -m rdma_device.bench " + " ".join(args) + out + plot
 
 
 def repo_root():
@@ -200,6 +202,8 @@ def _argv(name, quick, run_dir, root):
     args = list(PY_BENCHES[name][1 if quick else 0])
     if name == "suite":
         args += ["--out", run_dir]
+    if name == "trace":
+        args += ["--out", os.path.join(run_dir, "trace.json")]
     if name in PLOTS and not quick:
         args += ["--plot", os.path.join(run_dir, PLOTS[name])]
     return [sys.executable, "-m", "rdma_device.bench"] + args

@@ -288,7 +288,15 @@ def allocs_md(runs):
                   ["---", "---:", "---:", "---:", "---:", "---:"], rows)
 
 
-RENDER = {"allocs": allocs_md, "fabric": fabric_md, "transfer": transfer_md, "train": train_md, "allreduce": allreduce_md,
+def trace_md(runs):
+    """`bench trace`: its own tables (the step per mode over the runs, the
+    first run's median timeline per size and its hand-offs)."""
+    from rdma_device.bench.trace import markdown_tables
+
+    return markdown_tables(runs)
+
+
+RENDER = {"trace": trace_md, "allocs": allocs_md, "fabric": fabric_md, "transfer": transfer_md, "train": train_md, "allreduce": allreduce_md,
           "soak": soak_md, "suite": suite_md}
 
 
