@@ -151,6 +151,28 @@ def test_a_change_to_the_reports_own_code_leaves_blocks_fresh(tmp_path):
     assert [(d, n) for d, n, _ in report.stale_blocks(root)] == [("README.md", "train")]
 
 
+def test_a_block_measured_by_a_test_is_stale_after_a_change_to_that_test(tmp_path):
+    from rdma_device.bench import report
+
+    root = str(tmp_path)
+    tests = os.path.join(root, "tests", "python")
+    os.makedirs(tests)
+    _git(root, "init", "-q")
+    for f in ("test_allocs.py", "test_other.py"):
+        open(os.path.join(tests, f), "w").write("1\n")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "one")
+    open(os.path.join(root, "README.md"), "w").write(_block("allocs", 3, _rev(root)) + _block("train", 3, _rev(root)))
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "the blocks")
+    open(os.path.join(tests, "test_other.py"), "w").write("2\n")
+    _git(root, "commit", "-qam", "another test")
+    assert report.stale_blocks(root) == []
+    open(os.path.join(tests, "test_allocs.py"), "w").write("2\n")
+    _git(root, "commit", "-qam", "the allocation test")
+    assert [(d, n) for d, n, _ in report.stale_blocks(root)] == [("README.md", "allocs")]
+
+
 def test_the_soak_table_shows_the_steps_it_retried():
     row = {"steps": 10, "tensors": 30, "hops": 60, "lost": 0, "corrupt": 0, "fallback_tensors": 0,
            "retried_steps": 1, "failed_attempts": 2, "rss_growth_pct": 1.0, "rss_anon_growth_pct": 1.0, "seconds": 5}

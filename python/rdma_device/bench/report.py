@@ -299,6 +299,9 @@ def _fabric_plot(runs, path):
 # again); the benchmarks and the library they run do.
 CODE_PATHS = ("src", "tf_plugin", "python", "Cargo.toml", "Cargo.lock", "CMakeLists.txt", "include", "cmake",
               ":(exclude,glob)python/rdma_device/bench/report*.py")
+# A block measured by a test also depends on the test and what it runs.
+BLOCK_PATHS = {"allocs": ("tests/python/test_allocs.py", "tests/python/alloc_scenarios.py",
+                          "tests/python/malloc_count", "tests/python/harness.py")}
 _STAMP = re.compile(r"\((\d+) runs? per benchmark.*?commit ([0-9a-f]{7,40})\b", re.S)
 
 
@@ -320,7 +323,8 @@ def stale_blocks(root):
                 found.append((doc, name, "no run count and commit stamp in its header"))
                 continue
             runs, rev = int(stamp.group(1)), stamp.group(2)
-            p = subprocess.run(["git", "-C", root, "log", "--format=%h %s", f"{rev}..HEAD", "--", *CODE_PATHS],
+            paths = (*CODE_PATHS, *BLOCK_PATHS.get(name, ()))
+            p = subprocess.run(["git", "-C", root, "log", "--format=%h %s", f"{rev}..HEAD", "--", *paths],
                                capture_output=True, text=True)
             if p.returncode != 0:
                 found.append((doc, name, f"stamped commit {rev} is not in this repository's history"))
