@@ -127,27 +127,37 @@ def test_check_lists_blocks_made_before_a_code_change_or_from_too_few_runs(tmp_p
     assert report.check_stale(root) == 1
 
 
+def _repo_with_blocks(root, files, blocks):
+    """A git repository at root holding ``files`` (relative paths, content
+    "1"), then a README with a 3-run block per name in ``blocks`` stamped
+    with that commit."""
+    _git(root, "init", "-q")
+    for f in files:
+        os.makedirs(os.path.dirname(os.path.join(root, f)), exist_ok=True)
+        open(os.path.join(root, f), "w").write("1\n")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "one")
+    open(os.path.join(root, "README.md"), "w").write("".join(_block(n, 3, _rev(root)) for n in blocks))
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "the blocks")
+
+
+def _change(root, path, what):
+    open(os.path.join(root, path), "w").write("2\n")
+    _git(root, "commit", "-qam", what)
+
+
 def test_a_change_to_the_reports_own_code_leaves_blocks_fresh(tmp_path):
     """The report's modules run the command each block names and render
     it; a change to them alone stales nothing, a benchmark's change does."""
     from rdma_device.bench import report
 
     root = str(tmp_path)
-    bench = os.path.join(root, "python", "rdma_device", "bench")
-    os.makedirs(bench)
-    _git(root, "init", "-q")
-    for f in ("report_tables.py", "transfer.py"):
-        open(os.path.join(bench, f), "w").write("1\n")
-    _git(root, "add", "-A")
-    _git(root, "commit", "-qm", "one")
-    open(os.path.join(root, "README.md"), "w").write(_block("train", 3, _rev(root)))
-    _git(root, "add", "-A")
-    _git(root, "commit", "-qm", "the block")
-    open(os.path.join(bench, "report_tables.py"), "w").write("2\n")
-    _git(root, "commit", "-qam", "a renderer change")
+    bench = "python/rdma_device/bench"
+    _repo_with_blocks(root, [f"{bench}/report_tables.py", f"{bench}/transfer.py"], ["train"])
+    _change(root, f"{bench}/report_tables.py", "a renderer change")
     assert report.stale_blocks(root) == []
-    open(os.path.join(bench, "transfer.py"), "w").write("2\n")
-    _git(root, "commit", "-qam", "a benchmark change")
+    _change(root, f"{bench}/transfer.py", "a benchmark change")
     assert [(d, n) for d, n, _ in report.stale_blocks(root)] == [("README.md", "train")]
 
 
@@ -155,21 +165,10 @@ def test_a_block_measured_by_a_test_is_stale_after_a_change_to_that_test(tmp_pat
     from rdma_device.bench import report
 
     root = str(tmp_path)
-    tests = os.path.join(root, "tests", "python")
-    os.makedirs(tests)
-    _git(root, "init", "-q")
-    for f in ("test_allocs.py", "test_other.py"):
-        open(os.path.join(tests, f), "w").write("1\n")
-    _git(root, "add", "-A")
-    _git(root, "commit", "-qm", "one")
-    open(os.path.join(root, "README.md"), "w").write(_block("allocs", 3, _rev(root)) + _block("train", 3, _rev(root)))
-    _git(root, "add", "-A")
-    _git(root, "commit", "-qm", "the blocks")
-    open(os.path.join(tests, "test_other.py"), "w").write("2\n")
-    _git(root, "commit", "-qam", "another test")
+    _repo_with_blocks(root, ["tests/python/test_allocs.py", "tests/python/test_other.py"], ["allocs", "train"])
+    _change(root, "tests/python/test_other.py", "another test")
     assert report.stale_blocks(root) == []
-    open(os.path.join(tests, "test_allocs.py"), "w").write("2\n")
-    _git(root, "commit", "-qam", "the allocation test")
+    _change(root, "tests/python/test_allocs.py", "the allocation test")
     assert [(d, n) for d, n, _ in report.stale_blocks(root)] == [("README.md", "allocs")]
 
 

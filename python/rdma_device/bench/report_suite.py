@@ -102,7 +102,8 @@ def mwms_table(runs):
                      _rng(d.get("ratio"), bold=True),
                      f"{_med(d.get('grpc_cpu_ms'), '{:.1f}')} / {_med(d.get('rdma_device_cpu_ms'), '{:.1f}')}",
                      _med(d.get("collective_mb_per_step")),
-                     f"{max(int(r.get('collective_fallback', 0)) for rows in runs for r in rows if r['workers'] == n)}",
+                     str(max(int(r.get("collective_fallback", 0)) for rows in runs for r in rows
+                             if (r["workload"], r["workers"]) == (w, n))),
                      "yes, every run" if same else "**no**"])
     return _table(["workload", "workers", "weights MiB", "step ms grpc / grpc+rdma_device", "ratio (median, range)",
                    "CPU ms/step grpc / grpc+rdma_device", "collective MB/step over the transport",
