@@ -1075,6 +1075,8 @@ fn many_connections_to_one_receiver() {
         2 * N,
         t0.elapsed()
     );
+    // The same as a JSON row (`bench report --only verbs_limits`).
+    println!("{{\"limit\": \"connections\", \"connections\": {N}, \"connect_ms\": {:.1}}}", connected.as_secs_f64() * 1e3);
     drop(eps);
     l.shutdown();
 }
@@ -1138,6 +1140,7 @@ fn stuck_receiver_fails_the_sender_within_the_rnr_bound() {
     *stuck.gate.lock() = true;
     stuck.cv.notify_all();
     println!("stuck-receiver: sender failed after {took:?}: {err}");
+    println!("{{\"limit\": \"rnr\", \"fail_ms\": {:.1}}}", took.as_secs_f64() * 1e3);
     assert!(matches!(err, Error::PeerLost(_)), "{err}");
     assert!(err.message().contains("RNR"), "the error names the RNR retries: {err}");
     assert!(took < Duration::from_secs(20), "took {took:?}");
@@ -1157,6 +1160,9 @@ fn reaches_asks_rdma_cm() {
     let r = f.reaches("192.0.2.1:2222");
     let first = t.elapsed();
     println!("reaches: 192.0.2.1 -> {r:?} in {first:?} (default route: {})", has_default_route());
+    if r.is_err() {
+        println!("{{\"limit\": \"unroutable\", \"not_viable_ms\": {:.2}}}", first.as_secs_f64() * 1e3);
+    }
     if !has_default_route() {
         let e = r.clone().unwrap_err();
         assert!(matches!(e, Error::NotViable(_)) && e.message().contains("rdma_cm cannot reach"), "{e}");

@@ -10,7 +10,8 @@
 # Seeds live in tests/fuzz/corpus/<target> (small, checked in); what the
 # fuzzer finds goes to a scratch corpus outside the repository. A crash
 # leaves its input in target/fuzz/artifacts/<target>/ and fails the run.
-# Ends with the line `fuzz: N executions, M crashes`.
+# Prints one JSON row per target and one for all, and ends with the line
+# `fuzz: N executions, M crashes`.
 set -uo pipefail
 SECONDS_TOTAL=${1:?usage: tests/fuzz/run.sh SECONDS}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -30,7 +31,7 @@ echo "== building fuzz targets (${TARGETS[*]})"
 (cd "$FUZZ" && cargo build --release --quiet --target "$TRIPLE" --bins) || { echo "fuzz: 0 executions, 1 crashes (build failed)"; exit 1; }
 
 total_w=0; for w in "${WEIGHTS[@]}"; do total_w=$((total_w + w)); done
-execs=0; crashes=0
+execs=0; crashes=0; all_new=0
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 for i in "${!TARGETS[@]}"; do
   t=${TARGETS[$i]}
@@ -50,7 +51,14 @@ for i in "${!TARGETS[@]}"; do
     grep -E -A12 "panicked|ERROR: libFuzzer" "$log" | head -40
   fi
   echo "-- $t: $n executions in ${secs}s"
-  execs=$((execs + n))
+  # One JSON row per target (`python -m rdma_device.bench report --only
+  # fuzz` gathers them): its time, executions, speed, the inputs that
+  # reached new coverage, and whether it crashed.
+  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
+  new=$(sed -n 's/^stat::new_units_added: *//p' "$log" | tail -1)
+  echo "{\"target\": \"$t\", \"seconds\": $secs, \"executions\": $n, \"execs_per_s\": ${rate:-0}, \"new_units\": ${new:-0}, \"crashes\": $([ "$rc" -ne 0 ] && echo 1 || echo 0)}"
+  execs=$((execs + n)); all_new=$((all_new + ${new:-0}))
 done
+echo "{\"target\": \"all\", \"seconds\": $SECONDS_TOTAL, \"executions\": $execs, \"execs_per_s\": $((execs / (SECONDS_TOTAL > 0 ? SECONDS_TOTAL : 1))), \"new_units\": $all_new, \"crashes\": $crashes}"
 echo "fuzz: $execs executions, $crashes crashes"
 [ "$crashes" -eq 0 ]

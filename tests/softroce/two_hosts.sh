@@ -18,7 +18,8 @@
 # and a tenth of the bound,
 # counted from A's last completed write; a receive A waits on from B must
 # fail within one keepalive interval (1 s) plus that after the writes.
-# Prints "two-hosts: ..." with the tensors exchanged and the kill results.
+# Prints "two-hosts: ..." with the tensors exchanged and the kill results,
+# then the same as one line of JSON.
 #
 #   tests/softroce/two_hosts.sh        (SOFTROCE_TIMEOUT, default 900 s)
 set -euo pipefail
@@ -141,6 +142,9 @@ reach_b="$(strip "$log_a" | grep -c '^two-hosts-a2: steps 63\.\.' || true)"
 blip="$(strip "$log_a" | sed -n 's/^two-hosts-a2: blip: steps [0-9.=]* exchanged in [0-9]* ms, the longest \([0-9]*\) ms.*/\1/p')"
 vanish="$(strip "$log_a" | sed -n 's/^two-hosts-a2: host B vanished: writes failed \([0-9]*\) ms after the last completed one (documented bound \([0-9]*\) ms).*/\1 ms (documented bound \2 ms)/p')"
 vanish_recv="$(strip "$log_a" | sed -n 's/^two-hosts-a2: host B vanished: the waiting receive failed \([0-9]*\) ms after the writes.*/\1/p')"
+vanish_ms="$(strip "$log_a" | sed -n 's/^two-hosts-a2: host B vanished: writes failed \([0-9]*\) ms after.*/\1/p')"
+vanish_bound="$(strip "$log_a" | sed -n 's/^two-hosts-a2: host B vanished: writes failed .*(documented bound \([0-9]*\) ms).*/\1/p')"
+recv_bound="$(strip "$log_a" | sed -n 's/^two-hosts-a2: host B vanished: the waiting receive failed .*(bound \([0-9]*\) ms).*/\1/p')"
 ok=FAILED
 if [ "$rc_a" = 0 ] && [ "$b_ok" = yes ] && [ -n "$kill_a" ] && [ -n "$kill_b" ] && [ -n "$blip" ] && [ -n "$vanish" ] && [ -n "$vanish_recv" ]; then ok=ok; fi
 echo "two-hosts: $ok tensors_exchanged=$((tensors / 2)) bytes=$((bytes / 2)) over verbs rxe0 10.0.3.1 <-> rxe0 10.0.3.2;" \
@@ -150,4 +154,14 @@ echo "two-hosts: $ok tensors_exchanged=$((tensors / 2)) bytes=$((bytes / 2)) ove
     "host B vanished (VM killed): A's writes failed ${vanish:-?} after its last completed write," \
     "A's waiting receive ${vanish_recv:-?} ms after that" \
     "($((SECONDS - start)) s under TCG)"
+# The same as one JSON row (`python -m rdma_device.bench report --only
+# two_hosts` gathers it; null where a number is missing).
+num() { [ -n "$1" ] && echo "$1" || echo null; }
+echo "{\"ok\": $([ "$ok" = ok ] && echo true || echo false), \"tensors\": $((tensors / 2)), \"bytes\": $((bytes / 2)),"\
+" \"kill_a_ms\": $(num "$kill_a"), \"kill_b_ms\": $(num "$kill_b"),"\
+" \"restarted_a_reached\": $([ "$reach_a" = 1 ] && echo true || echo false),"\
+" \"restarted_b_reached\": $([ "$reach_b" = 1 ] && echo true || echo false),"\
+" \"blip_longest_ms\": $(num "$blip"), \"vanish_writes_ms\": $(num "$vanish_ms"),"\
+" \"vanish_bound_ms\": $(num "$vanish_bound"), \"vanish_recv_ms\": $(num "$vanish_recv"),"\
+" \"vanish_recv_bound_ms\": $(num "$recv_bound"), \"seconds\": $((SECONDS - start))}"
 [ "$ok" = ok ]

@@ -7,8 +7,10 @@ on the current tree, N runs each in randomised interleaved order.
 Runs `rdma-device-bench fabric`, `python -m rdma_device.bench` transfer,
 train, allreduce, suite, soak, trace (where a step's time goes), py (the endpoint API against shared
 memory + a pipe and gloo) and py --rpc (against PyTorch RPC), `examples/param_server.py` (the endpoint
-API's parameter server) and tests/python/test_allocs.py (allocations per step, with pytest -s) as
-subprocesses, each printing JSON rows; the
+API's parameter server), tests/python/test_allocs.py (allocations per step, with pytest -s) and the
+test scripts whose counts and times the documents quote (report_scripts: the fuzzer, the simulation,
+the verbs limits on Soft-RoCE and the two-host failure times; not with --quick, which CI runs beside
+them) as subprocesses, each printing JSON rows; the
 order of all (benchmark, run) pairs is shuffled with a recorded seed, so
 no benchmark always runs first, or on a machine warmed by the same
 neighbour. Writes DIR/report.json (machine, date, commit, order, every
@@ -30,7 +32,7 @@ import subprocess
 import sys
 import time
 
-from rdma_device.bench import report_endpoint, report_suite, report_tables
+from rdma_device.bench import report_endpoint, report_scripts, report_suite, report_tables
 
 # name -> (full arguments, quick arguments); the README quotes the full ones.
 PY_BENCHES = {
@@ -60,8 +62,9 @@ EXAMPLES = {
 TESTS = {"allocs": "tests/python/test_allocs.py"}
 # The plots of `bench py` runs, as docs/endpoint.md shows them.
 PLOTS = {"py": "endpoint_py.png", "py_rpc": "endpoint_py_rpc.png", "trace": "trace.png"}
-ORDER = ("fabric", "transfer", "train", "allreduce", "suite", "soak", "trace", "py", "py_rpc", "param_server", "allocs")
-RENDER = {**report_tables.RENDER, **report_endpoint.RENDER}
+ORDER = ("fabric", "transfer", "train", "allreduce", "suite", "soak", "trace", "py", "py_rpc", "param_server", "allocs",
+         *report_scripts.SCRIPTS)
+RENDER = {**report_tables.RENDER, **report_endpoint.RENDER, **report_scripts.RENDER}
 
 
 def command(name, quick):
@@ -72,6 +75,8 @@ def command(name, quick):
         return "python examples/" + " ".join(EXAMPLES[name][1 if quick else 0])
     if name in TESTS:
         return f"python -m pytest -q -s {TESTS[name]}"
+    if name in report_scripts.SCRIPTS:
+        return report_scripts.command_line(name)
     args = [a if a else "''" for a in PY_BENCHES[name][1 if quick else 0]]
     plot = f" --plot DIR/{PLOTS[name]}" if name in PLOTS and not quick else ""
     out = {"suite": " --out DIR", "trace": " --out DIR/trace.json"}.get(name, "")
@@ -183,7 +188,11 @@ def _has(metadata, dist):
         return False
 
 
-def _argv(name, quick, run_dir, root):
+def _argv(name, quick, run_dir, root, run=0):
+    if name in report_scripts.SCRIPTS:
+        if not root:
+            raise FileNotFoundError(f"{name} runs a script of a checkout, and this is not one")
+        return report_scripts.argv(name, run)
     if name == "fabric":
         binary = fabric_binary(root)
         if not binary:
@@ -227,9 +236,12 @@ def _one(name, i, quick, out, root, timeout):
            "load_before": os.getloadavg()[0]}
     t0 = time.monotonic()
     try:
-        argv = _argv(name, quick, run_dir, root)
+        argv = _argv(name, quick, run_dir, root, i)
         rec["argv"] = [os.path.basename(argv[0])] + argv[1:]
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        env = report_scripts.SCRIPTS[name][1] if name in report_scripts.SCRIPTS else {}
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                           cwd=root if name in report_scripts.SCRIPTS else None,
+                           env={**os.environ, **env} if env else None)
         with open(os.path.join(run_dir, "stdout.txt"), "w") as f:
             f.write(p.stdout)
         with open(os.path.join(run_dir, "stderr.txt"), "w") as f:
@@ -301,7 +313,8 @@ CODE_PATHS = ("src", "tf_plugin", "python", "Cargo.toml", "Cargo.lock", "CMakeLi
               ":(exclude,glob)python/rdma_device/bench/report*.py")
 # A block measured by a test also depends on the test and what it runs.
 BLOCK_PATHS = {"allocs": ("tests/python/test_allocs.py", "tests/python/alloc_scenarios.py",
-                          "tests/python/malloc_count", "tests/python/harness.py")}
+                          "tests/python/malloc_count", "tests/python/harness.py"),
+               **{n: s[2] for n, s in report_scripts.SCRIPTS.items()}}
 _STAMP = re.compile(r"\((\d+) runs? per benchmark.*?commit ([0-9a-f]{7,40})\b", re.S)
 
 
@@ -363,7 +376,13 @@ def report(args):
         names = [n for n in ORDER if any(r["bench"] == n for r in records)]
         return _render(meta, records, names, args.render, root, args)
     names = [n.strip() for n in args.only.split(",")] if args.only else list(ORDER)
-    stale = None if args.allow_stale_build else stale_build(root, "fabric" in names)
+    if args.quick and not args.only:
+        # CI runs the fuzzer, the simulation and the VM scripts in sections
+        # of their own (.ci/test.sh).
+        names = [n for n in names if n not in report_scripts.SCRIPTS]
+    # The scripts build what they run themselves.
+    measured = [n for n in names if n not in report_scripts.SCRIPTS]
+    stale = None if args.allow_stale_build or not measured else stale_build(root, "fabric" in names)
     if stale:
         raise SystemExit(
             f"bench report: the build is older than the tree: {stale}. Rebuild what it measures first "
