@@ -172,6 +172,30 @@ def test_a_block_measured_by_a_test_is_stale_after_a_change_to_that_test(tmp_pat
     assert [(d, n) for d, n, _ in report.stale_blocks(root)] == [("README.md", "allocs")]
 
 
+def test_the_endpoint_apis_modules_stale_only_its_blocks(tmp_path):
+    """TensorFlow's benchmarks do not import the endpoint API: a change to
+    it stales the endpoint blocks (py, py_rpc, param_server) only; a change
+    to the package's TensorFlow side stales them all; the parameter
+    server's example stales its block."""
+    from rdma_device.bench import report
+
+    root = str(tmp_path)
+    pkg = "python/rdma_device"
+    _repo_with_blocks(root, [f"{pkg}/endpoint.py", f"{pkg}/_loader.py", "examples/param_server.py"],
+                      ["py", "param_server", "train"])
+    _change(root, f"{pkg}/endpoint.py", "the endpoint API")
+    assert sorted(n for _, n, _ in report.stale_blocks(root)) == ["param_server", "py"]
+    # Regenerated: every block stamped with the current commit.
+    open(os.path.join(root, "README.md"), "w").write(
+        "".join(_block(n, 3, _rev(root)) for n in ["py", "param_server", "train"]))
+    _git(root, "commit", "-qam", "regenerated")
+    assert report.stale_blocks(root) == []
+    _change(root, "examples/param_server.py", "the example")
+    assert [n for _, n, _ in report.stale_blocks(root)] == ["param_server"]
+    _change(root, f"{pkg}/_loader.py", "the loader")
+    assert sorted(n for _, n, _ in report.stale_blocks(root)) == ["param_server", "py", "train"]
+
+
 def test_the_soak_table_shows_the_steps_it_retried():
     row = {"steps": 10, "tensors": 30, "hops": 60, "lost": 0, "corrupt": 0, "fallback_tensors": 0,
            "retried_steps": 1, "failed_attempts": 2, "rss_growth_pct": 1.0, "rss_anon_growth_pct": 1.0, "seconds": 5}

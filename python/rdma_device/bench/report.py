@@ -218,14 +218,22 @@ def _argv(name, quick, run_dir, root, run=0):
     return [sys.executable, "-m", "rdma_device.bench"] + args
 
 
-def _rows(stdout):
+def _rows(stdout, console=False):
+    """The JSON rows among a run's output. A VM's console (`console`) also
+    has the kernel's lines, "[   18.7] ...": there a line that is not
+    JSON is output, not a row."""
     rows = []
     for line in stdout.splitlines():
         line = line.strip()
-        if line.startswith("{"):
-            rows.append(json.loads(line))
-        elif line.startswith("["):
-            rows.extend(r for r in json.loads(line) if isinstance(r, dict))
+        if not line.startswith(("{", "[")):
+            continue
+        try:
+            got = json.loads(line)
+        except ValueError:
+            if console:
+                continue
+            raise
+        rows.extend(r for r in (got if isinstance(got, list) else [got]) if isinstance(r, dict))
     return rows
 
 
@@ -246,7 +254,7 @@ def _one(name, i, quick, out, root, timeout):
             f.write(p.stdout)
         with open(os.path.join(run_dir, "stderr.txt"), "w") as f:
             f.write(p.stderr)
-        rec["rows"] = _rows(p.stdout)
+        rec["rows"] = _rows(p.stdout, console=name in report_scripts.SCRIPTS)
         if p.returncode != 0 or not rec["rows"]:
             rec["error"] = f"exit {p.returncode}: {p.stderr.strip()[-500:]}"
     except (OSError, subprocess.SubprocessError, ValueError) as e:
@@ -311,9 +319,16 @@ def _fabric_plot(runs, path):
 # again); the benchmarks and the library they run do.
 CODE_PATHS = ("src", "tf_plugin", "python", "Cargo.toml", "Cargo.lock", "CMakeLists.txt", "include", "cmake",
               ":(exclude,glob)python/rdma_device/bench/report*.py")
+# The endpoint API's own modules: only the blocks that measure it depend
+# on them. TensorFlow's benchmarks never import them (the package loads
+# the endpoint API on first use), and the fabric benchmark is Rust.
+ENDPOINT_API = tuple(f"python/rdma_device/{m}" for m in (
+    "endpoint.py", "_ops.py", "_dtypes.py", "_ready.py", "_capi.py", "bench/pybench.py", "bench/pybench_plot.py"))
+ENDPOINT_BLOCKS = ("py", "py_rpc", "param_server")
 # A block measured by a test also depends on the test and what it runs.
 BLOCK_PATHS = {"allocs": ("tests/python/test_allocs.py", "tests/python/alloc_scenarios.py",
                           "tests/python/malloc_count", "tests/python/harness.py"),
+               "param_server": ("examples/param_server.py",),
                **{n: s[2] for n, s in report_scripts.SCRIPTS.items()}}
 _STAMP = re.compile(r"\((\d+) runs? per benchmark.*?commit ([0-9a-f]{7,40})\b", re.S)
 
@@ -336,7 +351,8 @@ def stale_blocks(root):
                 found.append((doc, name, "no run count and commit stamp in its header"))
                 continue
             runs, rev = int(stamp.group(1)), stamp.group(2)
-            paths = (*CODE_PATHS, *BLOCK_PATHS.get(name, ()))
+            paths = (*CODE_PATHS, *BLOCK_PATHS.get(name, ()),
+                     *(() if name in ENDPOINT_BLOCKS else (f":(exclude){p}" for p in ENDPOINT_API)))
             p = subprocess.run(["git", "-C", root, "log", "--format=%h %s", f"{rev}..HEAD", "--", *paths],
                                capture_output=True, text=True)
             if p.returncode != 0:
