@@ -142,7 +142,7 @@ class _Slot:
         self.seq = 0  # next sequence number to send or to post a receive for
         self.lock = threading.Lock()
         self.expect = None  # receiver: (dtype, shape) it was placed for
-        self.meta = None  # sender: (code, shape, TensorMeta) of the last send
+        self.meta = None  # sender: the last send's (code, shape, TensorMeta, dtype, pointer to the meta)
         self.waiting = None  # receiver: a receive that outlived its caller's deadline
 
     def step(self):
@@ -383,37 +383,24 @@ class Endpoint:
         Never blocks on the network. A non-contiguous or non-native-order
         array is first copied; otherwise the array's own memory is written
         from, so it must not change until the Future is done."""
-        arr = np.asarray(array)
-        dtype = _dtypes.native(arr.dtype)
-        code = _dtypes.code_of(dtype)
-        if arr.dtype != dtype or not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr, dtype=dtype)
         s = self._tx.get((peer, slot))
-        if s is None:
-            self._peer(peer)
-            s = self._tx.setdefault((peer, slot), _Slot(*_edge(self.name, peer,
-                                                               _name("slot name", slot))))
-            s.peer = peer.encode()
-        p, key = s.peer, s.key
-        m = s.meta
-        if m is None or m[0] != code or m[1] != arr.shape:
-            # The library copies the meta during rdev_send: one per shape
-            # serves every send of it (the dims array lives in the meta's
-            # `_dims`).
-            dims = (_capi.ctypes.c_int64 * max(1, arr.ndim))(*arr.shape)
-            meta = _capi.TensorMeta(code, 0, arr.ndim, dims)
-            meta._dims = dims
-            m = s.meta = (code, arr.shape, meta)
-        meta = m[2]
-        data = arr.ctypes.data if arr.nbytes else None
+        m = s.meta if s is not None else None
+        # The common case first: an ndarray of the slot's last dtype (the
+        # same dtype object, so native order) and shape, contiguous. Its
+        # meta and arguments are the last send's.
+        if (m is not None and type(array) is np.ndarray and array.dtype is m[3] and array.shape == m[1]
+                and array.flags.c_contiguous):
+            arr = array
+        else:
+            arr, s, m = self._send_slot(peer, slot, array, s)
+        data = arr.__array_interface__["data"][0] if arr.nbytes else None
         with s.lock:  # one sequence number per successful rdev_send
             fut = Future(f"send {peer}/{slot} #{s.seq}")
             token = _ops.register(_ops._Op(fut, arr, self))
             ctx = self._enter()
             try:
-                st = self._lib.rdev_send(ctx, p, len(p), key, len(key), s.step(),
-                                         _capi.ctypes.byref(meta), data, arr.nbytes,
-                                         _ops._send_done, token)
+                st = self._lib.rdev_send(ctx, s.peer, len(s.peer), s.key, len(s.key), s.step(),
+                                         m[4], data, arr.nbytes, _ops._send_done, token)
                 if st != _capi.OK:
                     _ops.unregister(token)
                     _capi.check_status(st, f"send {peer}/{slot}")
@@ -421,6 +408,31 @@ class Endpoint:
                 self._exit()
             s.seq += 1
         return fut
+
+    def _send_slot(self, peer, slot, array, s):
+        """send()'s slow path: ``array`` as a contiguous native-order
+        array, the slot (made on first use) and its meta for this dtype and
+        shape, (code, shape, TensorMeta, dtype, pointer to the TensorMeta)."""
+        arr = np.asarray(array)
+        dtype = _dtypes.native(arr.dtype)
+        code = _dtypes.code_of(dtype)
+        if arr.dtype != dtype or not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr, dtype=dtype)
+        if s is None:
+            self._peer(peer)
+            s = self._tx.setdefault((peer, slot), _Slot(*_edge(self.name, peer,
+                                                               _name("slot name", slot))))
+            s.peer = peer.encode()
+        m = s.meta
+        if m is None or m[0] != code or m[1] != arr.shape or m[3] is not arr.dtype:
+            # The library copies the meta during rdev_send: one per shape
+            # serves every send of it (the dims array lives in the meta's
+            # `_dims`).
+            dims = (_capi.ctypes.c_int64 * max(1, arr.ndim))(*arr.shape)
+            meta = _capi.TensorMeta(code, 0, arr.ndim, dims)
+            meta._dims = dims
+            m = s.meta = (code, arr.shape, meta, arr.dtype, _capi.ctypes.byref(meta))
+        return arr, s, m
 
     def __repr__(self):
         return f"<Endpoint {self.name} at {self.address}{' (closed)' if self._closed else ''}>"

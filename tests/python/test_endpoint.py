@@ -249,6 +249,27 @@ def test_conversions_mismatch_and_release():
         a.send("b", "t", x)
 
 
+def test_every_send_of_a_slot_is_converted_as_its_own_array():
+    """send() reuses the slot's last meta for an array of the same dtype
+    and shape: arrays that match it in dtype and shape but not in layout
+    (Fortran order, a strided view, the other byte order, a list, a
+    subclass), sent one after another through one slot, must each arrive
+    as their values."""
+    from rdma_device.endpoint import Endpoint
+
+    x = np.arange(12, dtype=np.float64).reshape(3, 4)
+    sends = [x, np.asfortranarray(x), x.astype(">f8"), x, x.tolist(), x.view(np.matrix), x + 1,
+             np.arange(24, dtype=np.float64).reshape(3, 8)[:, ::2], x.T.T, np.asfortranarray(x + 2), x]
+    with Endpoint("a") as a, Endpoint("b") as b:
+        a.add_peer("b", b.address)
+        b.add_peer("a", a.address)
+        b.place("a", "same", (3, 4), np.float64)
+        for i, arr in enumerate(sends):
+            a.send("b", "same", arr).result(10)
+            with b.recv("a", "same", timeout=10) as r:
+                assert r.array.tolist() == np.asarray(arr).tolist(), (i, type(arr))
+
+
 def test_slot_larger_than_the_arena_goes_chunked(monkeypatch):
     """An array that does not fit in the receive arena: place() says so
     (False) and the array still arrives, through the chunked path."""
