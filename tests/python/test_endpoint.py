@@ -253,13 +253,15 @@ def test_every_send_of_a_slot_is_converted_as_its_own_array():
     """send() reuses the slot's last meta for an array of the same dtype
     and shape: arrays that match it in dtype and shape but not in layout
     (Fortran order, a strided view, the other byte order, a list, a
-    subclass), sent one after another through one slot, must each arrive
-    as their values."""
+    subclass, an equal dtype object with metadata), sent one after another
+    through one slot, must each arrive as their values."""
     from rdma_device.endpoint import Endpoint
 
     x = np.arange(12, dtype=np.float64).reshape(3, 4)
     sends = [x, np.asfortranarray(x), x.astype(">f8"), x, x.tolist(), x.view(np.matrix), x + 1,
-             np.arange(24, dtype=np.float64).reshape(3, 8)[:, ::2], x.T.T, np.asfortranarray(x + 2), x]
+             np.arange(24, dtype=np.float64).reshape(3, 8)[:, ::2], x.T.T, np.asfortranarray(x + 2), x,
+             # An equal dtype in another object (with metadata), twice.
+             (x + 3).astype(np.dtype("f8", metadata={"k": 1})), (x + 4).astype(np.dtype("f8", metadata={"k": 1})), x]
     with Endpoint("a") as a, Endpoint("b") as b:
         a.add_peer("b", b.address)
         b.add_peer("a", a.address)
