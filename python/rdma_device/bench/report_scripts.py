@@ -40,13 +40,6 @@ def command_line(name):
     return f"{env} {cmd}" if env else cmd
 
 
-def _in(cell, fmt, unit):
-    """'median unit (min–max)', the unit said once."""
-    if cell is None:
-        return "—"
-    return f"{fmt.format(cell[0])} {unit} ({fmt.format(cell[1])}–{fmt.format(cell[2])})"
-
-
 def _rows_of(runs, key):
     return [[r for r in rows if key in r] for rows in runs]
 
@@ -102,7 +95,7 @@ def verbs_limits_md(runs):
     for limit, d in agg.items():
         label, field, bound = what.get(limit, (limit, "ms", "—"))
         cell = d.get(field)
-        rows.append([label, _in(cell, "{:,.0f}" if cell and cell[0] >= 10 else "{:.1f}", "ms"), bound,
+        rows.append([label, _rng(cell, "{:,.0f}" if cell and cell[0] >= 10 else "{:.1f}", unit="ms"), bound,
                      f"{d['n']}"])
     return _table(["what (Soft-RoCE in one qemu VM, TCG)", "took (median, range)", "the test's bound", "runs"],
                   ["---", "---:", "---:", "---:"], rows)
@@ -116,7 +109,7 @@ def two_hosts_md(runs):
     agg = aggregate(runs, lambda r: "two")["two"] if flat else {}
 
     def ms(f):
-        return _in(agg.get(f), "{:,.0f}", "ms")
+        return _rng(agg.get(f), "{:,.0f}", unit="ms")
 
     documented = _med(agg.get("vanish_bound_ms"), "{:,.0f}")
     recv_bound = agg.get("vanish_recv_bound_ms")
@@ -139,7 +132,7 @@ def two_hosts_md(runs):
         ["then a receive A waits on from B fails, from the writes' failure", ms("vanish_recv_ms"),
          f"{recv_bound} ms: 1,000 (keepalive) + the writes' bound"],
         ["tensors exchanged (checksummed, both ways)", _rng(agg.get("tensors"), "{:,.0f}"), ""],
-        ["the script's whole run under TCG", _in(agg.get("seconds"), "{:,.0f}", "s"), ""],
+        ["the script's whole run under TCG", _rng(agg.get("seconds"), "{:,.0f}", unit="s"), ""],
     ]
     return (_table(["two hosts, verbs over one virtual L2 (two qemu VMs, TCG)", "measured (median, range)",
                     "the script's bound"], ["---", "---:", "---:"], rows)

@@ -43,11 +43,13 @@ def _med(cell, fmt="{:.2f}"):
     return "—" if cell is None else fmt.format(cell[0])
 
 
-def _rng(cell, fmt="{:.2f}", bold=False):
+def _rng(cell, fmt="{:.2f}", bold=False, unit=""):
+    """'median (min–max)'; with `unit`, 'median unit (min–max)'."""
     if cell is None:
         return "—"
     m = fmt.format(cell[0])
-    return f"{'**' + m + '**' if bold else m} ({fmt.format(cell[1])}–{fmt.format(cell[2])})"
+    m = f"{'**' + m + '**' if bold else m}{' ' + unit if unit else ''}"
+    return f"{m} ({fmt.format(cell[1])}–{fmt.format(cell[2])})"
 
 
 def _table(header, align, rows):
